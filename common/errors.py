@@ -1,0 +1,90 @@
+"""rollfleet's exceptions, in one tree.
+
+    RolloutError                      base of everything rollfleet raises
+    ├── ConfigError                   bad flag, config value or cross-field combination
+    ├── DatasetError                  a dataset row or file is unusable (names file and line)
+    ├── ProtocolError                 a message could not be decoded or is not allowed
+    │   ├── VersionMismatch           the peer speaks another protocol version
+    │   └── MessageTooLarge           over the configured size limit
+    ├── EngineError                   an inference engine failed
+    │   ├── EngineUnavailable         unreachable or crashed (broken by the peer)
+    │   └── EngineStartError          never became healthy; names the engine and its log
+    ├── RemoteError                   the coordinator or an agent answered with an error reply
+    │   ├── Fenced                    our lease or session was superseded by a newer one
+    │   └── NoCapacity                no agent or engine is left to generate on
+    ├── StateError                    call not allowed now (e.g. state_dict while running)
+    └── Closed                        the object was closed by us; further calls are refused
+
+"Closed by us" (``Closed``) is distinct from "broken by the peer"
+(``EngineUnavailable``, ``RemoteError``): the first is never retried.
+"""
+
+from __future__ import annotations
+
+
+class RolloutError(Exception):
+    """Base class of every rollfleet error."""
+
+
+class ConfigError(RolloutError, ValueError):
+    """A configuration value or combination is invalid."""
+
+
+class DatasetError(RolloutError, ValueError):
+    """A dataset file or row is unusable."""
+
+    def __init__(self, message: str, *, path: str | None = None, line: int | None = None):
+        where = ""
+        if path is not None:
+            where = f"{path}:{line}: " if line is not None else f"{path}: "
+        super().__init__(where + message)
+        self.path = path
+        self.line = line
+
+
+class ProtocolError(RolloutError):
+    """A message could not be decoded, or its type is not accepted here."""
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks a protocol version this process does not."""
+
+
+class MessageTooLarge(ProtocolError):
+    """A message exceeds the configured size limit."""
+
+
+class EngineError(RolloutError):
+    """An inference engine failed."""
+
+
+class EngineUnavailable(EngineError):
+    """An engine is unreachable, crashed, or answered with a server error."""
+
+
+class EngineStartError(EngineError):
+    """An engine never became healthy within its start deadline."""
+
+
+class RemoteError(RolloutError):
+    """A peer answered a request with an error reply."""
+
+    def __init__(self, message: str, *, code: str = "error"):
+        super().__init__(message)
+        self.code = code
+
+
+class Fenced(RemoteError):
+    """A newer lease or session superseded ours."""
+
+
+class NoCapacity(RemoteError):
+    """No agent or engine is left to generate on."""
+
+
+class StateError(RolloutError):
+    """The call is not allowed in the current state."""
+
+
+class Closed(RolloutError):
+    """The object was closed by its owner."""

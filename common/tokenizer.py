@@ -1,0 +1,89 @@
+"""Tokenizers the agent uses to turn prompts into ``input_ids``.
+
+``ByteTokenizer`` is the sim engine's vocabulary: one token per UTF-8 byte
+(ids 0-255) plus three specials. It needs no download, so the whole system
+runs on a laptop. A real SGLang model uses its Hugging Face tokenizer
+(``load_tokenizer("hf:/path/to/model")``), which needs ``transformers``.
+
+The sim engine reports ``tokenizer_path == BYTE_TOKENIZER_NAME`` in
+``/model_info``; agents attached to an engine by URL read that field to pick
+the matching tokenizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+BYTE_TOKENIZER_NAME = "rollfleet:byte"
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int
+
+    def encode(self, prompt: Any) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def prompt_to_text(prompt: Any) -> str:
+    """Flatten a prompt (a string or a list of chat messages) to plain text."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        parts = []
+        for message in prompt:
+            if isinstance(message, dict):
+                parts.append(f"{message.get('role', 'user')}: {message.get('content', '')}")
+            else:
+                parts.append(str(message))
+        return "\n".join(parts)
+    return str(prompt)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: ids 0-255, then BOS, EOS, PAD."""
+
+    BOS = 256
+    EOS = 257
+    PAD = 258
+    vocab_size = 259
+    eos_token_id = EOS
+    name = BYTE_TOKENIZER_NAME
+
+    def encode(self, prompt: Any) -> list[int]:
+        return list(prompt_to_text(prompt).encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer; chat-message prompts go through its chat template."""
+
+    def __init__(self, path: str):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as exc:  # pragma: no cover - depends on the extra
+            raise RuntimeError(
+                f"tokenizer {path!r} needs the 'transformers' package: pip install 'rollfleet[sglang]'"
+            ) from exc
+        self._tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+        self.eos_token_id = self._tok.eos_token_id
+        self.name = path
+
+    def encode(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list):
+            return list(self._tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True))
+        return list(self._tok.encode(prompt))
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def load_tokenizer(name: str) -> Tokenizer:
+    """``rollfleet:byte`` or ``byte`` for the byte tokenizer, else an HF path (``hf:`` optional)."""
+    if name in (BYTE_TOKENIZER_NAME, "byte"):
+        return ByteTokenizer()
+    if name.startswith("hf:"):
+        name = name[3:]
+    return HFTokenizer(name)
