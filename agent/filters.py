@@ -1,0 +1,255 @@
+"""Dynamic filters: decide whether a scored group is kept or dropped.
+
+After a group's samples have their rewards set, the agent asks the filter
+whether to keep the group. Filters are chosen by a spec string::
+
+    load_filter("nonzero_std")             # the default (alias "check_reward_nonzero_std")
+    load_filter("none")                    # keep everything
+    load_filter("my_pkg.filters:keep_it")  # custom: "dotted.module:attribute"
+
+``await fn.check(samples)`` returns a ``Verdict(keep, reason)``.
+
+Writing a custom filter
+-----------------------
+A function of the group's samples (``list[common.types.Sample]``, rewards
+set), sync or async, returning any of::
+
+    True / False
+    (keep: bool, reason: str)
+    Verdict(keep, reason)
+
+A drop without a reason gets the reason ``"dynamic_filter"``. Reasons become
+metric names (``rollout/dynamic_filter/drop_<reason>``), so they are
+sanitised: every character outside ``[A-Za-z0-9_.-]`` becomes ``_``. Keep
+the set of reasons small (don't embed ids or free text in them).
+
+Sync custom filters run in a worker thread (``asyncio.to_thread``), like
+custom rewards, so a slow filter does not stall the event loop; built-ins
+run inline. A filter that raises or returns something else raises
+``FilterError`` naming the spec.
+
+The built-in ``nonzero_std`` drops groups whose rewards are all equal (a
+group with zero reward variance gives zero advantage under GRPO-style
+normalisation) with the reason ``zero_std_<reward:g>``, e.g. ``zero_std_1``,
+``zero_std_0``, ``zero_std_0.5``. Note that a one-sample group always has
+zero std and is therefore always dropped by it.
+
+``DropStats`` accumulates kept/dropped counts per reason and renders them as
+metrics; it serialises to plain JSON types so the coordinator can store it
+with each batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from agent.rewards import import_callable, is_async_callable
+from common.errors import ConfigError, RolloutError
+from common.types import Sample
+
+__all__ = [
+    "BUILTIN_FILTERS",
+    "DEFAULT_REASON",
+    "DropStats",
+    "FilterError",
+    "FilterFn",
+    "Verdict",
+    "keep_all",
+    "load_filter",
+    "nonzero_std",
+    "sanitize_reason",
+]
+
+DEFAULT_REASON = "dynamic_filter"
+_UNSAFE_RE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+class FilterError(RolloutError):
+    """A filter raised or returned something that is not a verdict."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether to keep a group and, when dropping, why."""
+
+    keep: bool
+    reason: str = ""
+
+
+def sanitize_reason(reason: Any) -> str:
+    """A non-empty, metric-name-safe version of ``reason`` (``[A-Za-z0-9_.-]+``)."""
+    if reason is None:
+        return DEFAULT_REASON
+    cleaned = _UNSAFE_RE.sub("_", str(reason).strip())
+    return cleaned or DEFAULT_REASON
+
+
+def _as_bool(value: Any) -> bool | None:
+    if isinstance(value, bool):
+        return value
+    # numpy.bool_ is not a bool subclass; accept it without importing numpy.
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool"):
+        return bool(value)
+    return None
+
+
+def normalize_verdict(result: Any, spec: str = "filter") -> Verdict:
+    """Turn what a filter returned into a ``Verdict`` (see module docstring)."""
+    if isinstance(result, Verdict):
+        keep, reason = _as_bool(result.keep), result.reason
+    elif isinstance(result, tuple) and len(result) == 2:
+        keep, reason = _as_bool(result[0]), result[1]
+    else:
+        keep, reason = _as_bool(result), None
+    if keep is None:
+        raise FilterError(
+            f"filter {spec!r} returned {type(result).__name__} {result!r}; "
+            "expected a bool, (keep, reason) or Verdict"
+        )
+    if keep:
+        # A keep needs no reason; one given is kept (sanitised) for logging.
+        has_reason = reason is not None and str(reason).strip() != ""
+        return Verdict(True, sanitize_reason(reason) if has_reason else "")
+    return Verdict(False, sanitize_reason(reason))
+
+
+# --------------------------------------------------------------------------
+# Built-ins
+# --------------------------------------------------------------------------
+
+
+def nonzero_std(samples: list[Sample]) -> Verdict:
+    """Keep the group iff its rewards are not all equal."""
+    if not samples:
+        return Verdict(False, "empty_group")
+    rewards = [s.reward for s in samples]
+    # Equality, not a computed std: float noise in a std of equal values
+    # must not keep a zero-variance group.
+    if min(rewards) != max(rewards):
+        return Verdict(True)
+    shared = rewards[0] + 0.0  # -0.0 → 0.0, so the reason is never "zero_std_-0"
+    return Verdict(False, sanitize_reason(f"zero_std_{shared:g}"))
+
+
+def keep_all(samples: list[Sample]) -> Verdict:
+    return Verdict(True)
+
+
+BUILTIN_FILTERS: dict[str, Callable[[list[Sample]], Verdict]] = {
+    "nonzero_std": nonzero_std,
+    "check_reward_nonzero_std": nonzero_std,
+    "none": keep_all,
+}
+
+
+class FilterFn:
+    """A loaded filter. Use ``load_filter`` to build one."""
+
+    def __init__(self, spec: str, fn: Callable, *, builtin: bool = False):
+        self.spec = spec
+        self.fn = fn
+        self.builtin = builtin
+        self.is_async = is_async_callable(fn)
+
+    def __repr__(self) -> str:
+        return f"FilterFn({self.spec!r})"
+
+    async def check(self, samples: list[Sample]) -> Verdict:
+        """The verdict for one scored group."""
+        samples = list(samples)
+        try:
+            if self.builtin:
+                result = self.fn(samples)
+            elif self.is_async:
+                result = await self.fn(samples)
+            else:
+                result = await asyncio.to_thread(self.fn, samples)
+                if inspect.isawaitable(result):
+                    result = await result
+        except Exception as e:
+            raise FilterError(f"filter {self.spec!r} raised {type(e).__name__}: {e}") from e
+        return normalize_verdict(result, self.spec)
+
+
+def load_filter(spec: str) -> FilterFn:
+    """``"nonzero_std"`` (default), ``"check_reward_nonzero_std"``, ``"none"`` or ``"module:function"``."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"filter spec must be a non-empty string, got {spec!r}")
+    spec = spec.strip()
+    if spec in BUILTIN_FILTERS:
+        return FilterFn(spec, BUILTIN_FILTERS[spec], builtin=True)
+    if ":" not in spec:
+        raise ConfigError(
+            f"unknown filter {spec!r}: use one of {', '.join(sorted(BUILTIN_FILTERS))} "
+            "or 'module:function'"
+        )
+    return FilterFn(spec, import_callable(spec, "filter"))
+
+
+# --------------------------------------------------------------------------
+# Accounting
+# --------------------------------------------------------------------------
+
+
+class DropStats:
+    """Kept/dropped group counts, dropped ones broken down by reason."""
+
+    def __init__(self, kept: int = 0, dropped: dict[str, int] | None = None):
+        self.kept = int(kept)
+        self.dropped: dict[str, int] = {}
+        for reason, n in (dropped or {}).items():
+            self.record_dropped(reason, n)
+
+    def record(self, verdict: Verdict) -> None:
+        if verdict.keep:
+            self.kept += 1
+        else:
+            self.record_dropped(verdict.reason)
+
+    def record_kept(self, n: int = 1) -> None:
+        self.kept += n
+
+    def record_dropped(self, reason: str, n: int = 1) -> None:
+        reason = sanitize_reason(reason)
+        self.dropped[reason] = self.dropped.get(reason, 0) + int(n)
+
+    @property
+    def dropped_total(self) -> int:
+        return sum(self.dropped.values())
+
+    def metrics(self, prefix: str = "rollout/dynamic_filter") -> dict[str, float]:
+        dropped = self.dropped_total
+        total = self.kept + dropped
+        out: dict[str, float] = {f"{prefix}/drop_{r}": n for r, n in sorted(self.dropped.items())}
+        out[f"{prefix}/dropped_groups"] = dropped
+        out[f"{prefix}/kept_groups"] = self.kept
+        out[f"{prefix}/dropped_ratio"] = dropped / total if total else 0.0
+        return out
+
+    def merge(self, other: "DropStats") -> "DropStats":
+        """Add ``other``'s counts into this one; returns self."""
+        self.kept += other.kept
+        for reason, n in other.dropped.items():
+            self.record_dropped(reason, n)
+        return self
+
+    def to_dict(self) -> dict:
+        return {"kept": self.kept, "dropped": dict(self.dropped)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DropStats":
+        if not isinstance(d, dict) or not isinstance(d.get("dropped", {}), dict):
+            raise ValueError(f"not a DropStats dict: {d!r}")
+        return cls(kept=d.get("kept", 0), dropped=d.get("dropped", {}))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DropStats):
+            return NotImplemented
+        return self.kept == other.kept and self.dropped == other.dropped
+
+    def __repr__(self) -> str:
+        return f"DropStats(kept={self.kept}, dropped={self.dropped})"
