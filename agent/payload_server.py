@@ -1,0 +1,77 @@
+"""The agent's data plane: trainers fetch group payloads straight from the node.
+
+A ZeroMQ ROUTER answers ``Fetch`` with a ``Payloads`` header frame followed
+by the stored bytes of each found group, unmodified (no re-encoding). The
+coordinator never carries payloads, so it is never a bandwidth bottleneck.
+Bad requests get an ``Error`` reply; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import zmq
+import zmq.asyncio
+
+from common import protocol as p
+from common.errors import ProtocolError
+from common.transport import router
+
+log = logging.getLogger("rollfleet.agent.payload")
+
+MAX_KEYS_PER_FETCH = 4096
+
+
+class PayloadServer:
+    def __init__(self, ctx: zmq.asyncio.Context, store, bind: str):
+        self.store = store
+        self.sock, self.endpoint = router(ctx, bind)
+        self.served = 0
+
+    async def serve(self) -> None:
+        tasks: set[asyncio.Task] = set()
+        try:
+            while True:
+                frames = await self.sock.recv_multipart(copy=True)
+                if len(frames) < 2:
+                    continue
+                peer, frame = frames[0], frames[-1]
+                try:
+                    msg = p.decode(frame)
+                    if not isinstance(msg, p.Fetch):
+                        raise ProtocolError(f"the payload endpoint serves 'fetch' only, not {msg.TYPE!r}")
+                    if len(msg.keys) > MAX_KEYS_PER_FETCH:
+                        raise ProtocolError(f"fetch of {len(msg.keys)} keys exceeds {MAX_KEYS_PER_FETCH}")
+                except ProtocolError as exc:
+                    self._send(peer, [p.encode(p.Error("bad_request", str(exc), p.peek_req(frame)))])
+                    continue
+                task = asyncio.create_task(self._answer(peer, msg), name=f"fetch-{msg.req}")
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+        finally:
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _answer(self, peer: bytes, msg: p.Fetch) -> None:
+        values = await self.store.get_many(msg.keys)
+        found, missing, frames = [], [], []
+        for key, value in zip(msg.keys, values):
+            if value is None:
+                missing.append(key)
+            else:
+                found.append(key)
+                frames.append(value)
+        self.served += len(found)
+        self._send(peer, [p.encode(p.Payloads(msg.req, found, missing)), *frames])
+
+    def _send(self, peer: bytes, frames: list[bytes]) -> None:
+        try:
+            self.sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK, copy=len(frames) < 3)
+        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or at HWM: it will retry
+            log.warning("payload reply to a trainer failed: %s", exc)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

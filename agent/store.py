@@ -1,0 +1,133 @@
+"""The agent's durable group store (LMDB) with a receipt outbox.
+
+Layout (one environment under ``<data-dir>/store``):
+- ``groups``: group key -> encoded ``Group`` payload (what trainers fetch);
+- ``outbox``: group key -> the receipt to send; present until the
+  coordinator acknowledges it;
+- ``meta``: ``agent_id`` (stable across restarts of this data dir) and
+  ``incarnation`` (bumped at every start).
+
+Invariants:
+- A group and its outbox entry are written in the same transaction, so the
+  store never holds a half-written group and never a group whose receipt
+  could be forgotten (guarantee 1: commit, then receipt).
+- All writes run on one dedicated thread, FIFO, several commits per
+  transaction (group commit, ``sync=True``); reads run on other threads and
+  never block the writer (MVCC). No transaction is held across an await.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import lmdb
+import msgpack
+
+MAP_SIZE = 1 << 40
+
+
+class GroupStore:
+    def __init__(self, data_dir: str | os.PathLike, *, agent_id: str | None = None, sync: bool = True):
+        self.path = Path(data_dir) / "store"
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(str(self.path), map_size=MAP_SIZE, max_dbs=4, max_readers=512, sync=sync, metasync=sync, writemap=False)
+        self.env.reader_check()
+        self.groups = self.env.open_db(b"groups")
+        self.outbox = self.env.open_db(b"outbox")
+        self.meta = self.env.open_db(b"meta")
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-writer")
+        self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="store-reader")
+        self._queue: list[tuple[list, asyncio.Future]] = []
+        self._flushing = False
+        with self.env.begin(write=True) as txn:
+            stored = txn.get(b"agent_id", db=self.meta)
+            if stored is None:
+                stored = (agent_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}").encode()
+                txn.put(b"agent_id", stored, db=self.meta)
+            elif agent_id and agent_id.encode() != stored:
+                raise ValueError(f"data dir {data_dir} belongs to agent {stored.decode()!r}, not {agent_id!r}")
+            self.agent_id = stored.decode()
+            raw = txn.get(b"incarnation", db=self.meta)
+            self.incarnation = (int(raw) if raw else 0) + 1
+            txn.put(b"incarnation", str(self.incarnation).encode(), db=self.meta)
+
+    # ---------------------------------------------------------------- writes
+
+    async def _submit(self, ops: list) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self._queue.append((ops, fut))
+        if not self._flushing:
+            self._flushing = True
+            try:
+                while self._queue:
+                    batch, self._queue = self._queue, []
+                    try:
+                        await asyncio.get_running_loop().run_in_executor(self._writer, self._apply, [op for ops, _ in batch for op in ops])
+                    except BaseException as exc:
+                        for _, f in batch:
+                            if not f.done():
+                                f.set_exception(exc)
+                        if not isinstance(exc, Exception):
+                            raise
+                    else:
+                        for _, f in batch:
+                            if not f.done():
+                                f.set_result(None)
+            finally:
+                self._flushing = False
+        await fut
+
+    def _apply(self, ops: list) -> None:
+        with self.env.begin(write=True) as txn:
+            for kind, key, value in ops:
+                if kind == "group":
+                    txn.put(key, value, db=self.groups)
+                elif kind == "outbox":
+                    txn.put(key, value, db=self.outbox)
+                elif kind == "del_outbox":
+                    txn.delete(key, db=self.outbox)
+                elif kind == "del_group":
+                    txn.delete(key, db=self.groups)
+
+    async def commit(self, key: str, payload: bytes, receipt: dict) -> None:
+        """Durably store a group with its pending receipt; returns after the commit."""
+        k = key.encode()
+        await self._submit([("group", k, payload), ("outbox", k, msgpack.packb(receipt, use_bin_type=True))])
+
+    async def ack(self, key: str, accepted: bool) -> None:
+        """The coordinator answered a receipt: clear the outbox; a refused group is deleted."""
+        k = key.encode()
+        ops = [("del_outbox", k, None)]
+        if not accepted:
+            ops.append(("del_group", k, None))
+        await self._submit(ops)
+
+    async def trim(self, keys: list[str]) -> None:
+        await self._submit([("del_group", k.encode(), None) for k in keys])
+
+    # ---------------------------------------------------------------- reads
+
+    def unacked(self) -> list[dict]:
+        with self.env.begin() as txn:
+            return [msgpack.unpackb(v, raw=False) for _, v in txn.cursor(db=self.outbox)]
+
+    def _get_many(self, keys: list[str]) -> list[bytes | None]:
+        with self.env.begin(buffers=False) as txn:
+            return [txn.get(k.encode(), db=self.groups) for k in keys]
+
+    async def get_many(self, keys: list[str]) -> list[bytes | None]:
+        return await asyncio.get_running_loop().run_in_executor(self._readers, self._get_many, keys)
+
+    def count(self) -> int:
+        with self.env.begin() as txn:
+            return txn.stat(self.groups)["entries"]
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+        self.env.close()

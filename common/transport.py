@@ -1,0 +1,83 @@
+"""ZeroMQ sockets with the options every rollfleet endpoint needs.
+
+Why each option (see the facts in the design notes):
+- ``LINGER=0``: closing never hangs on unsent messages; loss is repaired by
+  leases and idempotent resends, not by the transport.
+- ``ROUTER_MANDATORY=1``: a ROUTER send to a gone peer raises instead of
+  being silently dropped, so the caller knows.
+- ``ROUTER_HANDOVER=1``: a restarted agent reusing its routing id takes over
+  the old connection instead of being ignored.
+- ``MAXMSGSIZE`` above the application limit: oversized messages reach the
+  decoder and get a clear error reply instead of a silent disconnect.
+- ZMTP heartbeats clean up dead TCP peers; membership uses app heartbeats.
+- ``RECONNECT_IVL_MAX``: exponential reconnect backoff for 1000s of peers.
+"""
+
+from __future__ import annotations
+
+import socket
+from urllib.parse import urlparse
+
+import zmq
+import zmq.asyncio
+
+from common.protocol import DEFAULT_MAX_MESSAGE_BYTES
+
+
+def _common(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, 5000)
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+
+
+def router(ctx: zmq.asyncio.Context, bind: str, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[zmq.asyncio.Socket, str]:
+    """Bind a ROUTER; returns the socket and its resolved endpoint (port 0 resolved)."""
+    sock = ctx.socket(zmq.ROUTER)
+    _common(sock)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes * 2 + 4096)
+    if bind.startswith("tcp://") and bind.rsplit(":", 1)[-1] in ("0", "*"):
+        port = sock.bind_to_random_port(bind.rsplit(":", 1)[0])
+        endpoint = f"{bind.rsplit(':', 1)[0]}:{port}"
+    else:
+        sock.bind(bind)
+        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    return sock, endpoint
+
+
+def dealer(ctx: zmq.asyncio.Context, connect: str, *, identity: bytes | None = None) -> zmq.asyncio.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    _common(sock)
+    if identity:
+        sock.setsockopt(zmq.ROUTING_ID, identity)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+    sock.connect(connect)
+    return sock
+
+
+def validate_endpoint(address: str, what: str) -> str:
+    """Return ``address`` if it is ``tcp://HOST:PORT`` (or ipc://), else raise ValueError naming ``what``."""
+    if address.startswith("ipc://") or address.startswith("inproc://"):
+        return address
+    parsed = urlparse(address)
+    if parsed.scheme != "tcp" or not parsed.hostname or parsed.port is None:
+        raise ValueError(f"{what}: expected tcp://HOST:PORT, got {address!r}")
+    return address
+
+
+def advertised_host(coordinator: str) -> str:
+    """The local address peers can reach us at: the one used to route to the coordinator."""
+    host = urlparse(coordinator).hostname or "127.0.0.1"
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(host), 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())

@@ -1,0 +1,580 @@
+"""The coordinator's state machine: leases, receipts, batches, trainer sessions.
+
+Pure core (no sockets, no event loop, no clock): every handler takes an
+event and ``now`` and returns *effects* for the I/O shell to carry out:
+
+    Send(to, msg)        to an agent id (str) or a raw ZeroMQ peer (bytes)
+    Persist(ops, then)   write ``ops`` to the ledger in one durable
+                         transaction, and only after it commits send ``then``
+
+Invariants kept here:
+- Exactly once: a prompt ``(data_epoch, index)`` is accepted at most once.
+  A receipt for a prompt already READY/DELIVERED under another group key is
+  refused and the agent deletes that group; a retransmitted receipt (same
+  key) is acknowledged again.
+- Commit before acknowledgement: ReceiptAck, Welcome (with its acks) and
+  batch replies travel in ``Persist.then``, after the ledger commit.
+- Bounded: leased + ready <= demand + prefetch, where demand is
+  ``rollout_batch_size`` per waiting ``generate``. With no trainer pulling,
+  admission stops once ``prefetch`` groups are in flight or ready.
+- Idempotent: a recorded batch is replayed verbatim for the same rollout id.
+- Fencing: agent and trainer messages carry sessions; a superseded or
+  unknown session gets ``Fence``/an error and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from common import protocol as p
+from common.config import Liveness, RolloutConfig
+from coordinator.frontier import DELIVERED, FILTERED, LEASED, PENDING, READY, Frontier
+from coordinator.membership import ALIVE, AgentRecord, Membership
+
+FILTER_PREFIX = "rollout/dynamic_filter"
+
+
+def range_order(size: int, data_epoch: int):
+    return range(size)
+
+
+@dataclass
+class Send:
+    to: Any  # agent id (str) or ZeroMQ peer id (bytes)
+    msg: p.Message
+
+
+@dataclass
+class Persist:
+    ops: list
+    then: list = field(default_factory=list)
+
+
+@dataclass
+class ReadyGroup:
+    agent_id: str
+    key: str
+    stats: dict
+    seq: int
+
+
+@dataclass
+class PendingGenerate:
+    peer: bytes
+    req: int
+    rollout_id: int
+
+
+@dataclass
+class Restored:
+    """What the ledger holds after a restart."""
+
+    generation: int
+    cursors: dict = field(default_factory=dict)
+    prompts: dict = field(default_factory=dict)  # (epoch, index) -> record
+    batches: dict = field(default_factory=dict)  # rollout_id -> record
+    trimmed_upto: int = -1
+    last_rollout_id: int = -1
+
+
+class CoordinatorCore:
+    def __init__(
+        self,
+        config: RolloutConfig,
+        liveness: Liveness,
+        *,
+        dataset_size: int,
+        dataset_fingerprint: str,
+        row: Callable[[int], tuple[Any, Any, dict]],
+        order_for_epoch: Callable[[int], Any] = range_order,
+        restored: Restored | None = None,
+        now: float = 0.0,
+    ):
+        self.config = config
+        self.liveness = liveness
+        self.dataset_size = dataset_size
+        self.dataset_fingerprint = dataset_fingerprint
+        self._row = row
+        restored = restored or Restored(generation=1)
+        self.membership = Membership(restored.generation)
+        self.frontier = Frontier(dataset_size, lambda e: order_for_epoch(dataset_size, e))
+        self.leases: dict[int, tuple[str, int, int, int]] = {}  # lease -> (agent, epoch, index, rollout_id)
+        self.leased_by: dict[tuple[int, int], int] = {}
+        self._lease_counter = 0
+        self.ready: deque[tuple[int, int]] = deque()
+        self.ready_info: dict[tuple[int, int], ReadyGroup] = {}
+        self._seq = 0
+        self.batches: dict[int, dict] = dict(restored.batches)
+        self.trimmed_upto = restored.trimmed_upto
+        self.last_rollout_id = max([restored.last_rollout_id, *self.batches]) if self.batches else restored.last_rollout_id
+        self.pending: list[PendingGenerate] = []
+        self.drain_waiters: list[tuple[bytes, int]] = []
+        self.prefetch = config.effective_prefetch
+        self.paused = False
+        self.trainer_session = 0
+        self.trainer_client = ""
+        self.drops: Counter = Counter()
+        self.kept_since_batch = 0
+        self.filtered_total = 0
+        self._restore(restored, now)
+
+    # ------------------------------------------------------------------ restore
+
+    def _restore(self, restored: Restored, now: float) -> None:
+        if not restored.cursors and not restored.prompts:
+            return
+        states = {}
+        ready = []
+        for (epoch, index), rec in restored.prompts.items():
+            st = {"r": READY, "d": DELIVERED, "f": FILTERED}[rec["s"]]
+            states[(epoch, index)] = st
+            if st == READY:
+                ready.append((rec.get("seq", 0), epoch, index, rec))
+        self.frontier.restore(restored.cursors, states, now, orphan_delay=self.liveness.ttl)
+        for seq, epoch, index, rec in sorted(ready):
+            self.ready.append((epoch, index))
+            self.ready_info[(epoch, index)] = ReadyGroup(rec["a"], rec["k"], rec.get("st", {}), seq)
+            self._seq = max(self._seq, seq)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _next_lease(self) -> int:
+        self._lease_counter += 1
+        return (self.membership.generation << 32) | self._lease_counter
+
+    def _persist(self, ops: list, then: list) -> Persist:
+        ops.append(("meta", "cursors", {str(k): v for k, v in self.frontier.cursors().items()}))
+        return Persist(ops, then)
+
+    def _end_lease(self, lease: int) -> tuple[str, int, int, int] | None:
+        info = self.leases.pop(lease, None)
+        if info is None:
+            return None
+        agent_id, epoch, index, _ = info
+        if self.leased_by.get((epoch, index)) == lease:
+            del self.leased_by[(epoch, index)]
+        rec = self.membership.agents.get(agent_id)
+        if rec is not None:
+            rec.leases.discard(lease)
+        return info
+
+    def _release_agent_leases(self, rec: AgentRecord, keep: set[int] = frozenset()) -> None:
+        for lease in list(rec.leases):
+            if lease in keep:
+                continue
+            info = self._end_lease(lease)
+            if info is not None:
+                self.frontier.release(info[1], info[2])
+
+    @property
+    def current_rollout_id(self) -> int:
+        if self.pending:
+            return self.pending[0].rollout_id
+        return self.last_rollout_id + 1
+
+    def statistics(self) -> dict:
+        counts = self.frontier.counts()
+        return {
+            "agents": {r.agent_id: {"status": r.status, "capacity": r.capacity, "leases": len(r.leases), "engines": r.engines} for r in self.membership.agents.values()},
+            "leased": len(self.leases),
+            "ready": len(self.ready_info),
+            "pending_generates": len(self.pending),
+            "prefetch": self.prefetch,
+            "paused": self.paused,
+            "prompts": counts,
+            "data_epochs": sorted(self.frontier.epochs),
+            "last_rollout_id": self.last_rollout_id,
+            "trimmed_upto": self.trimmed_upto,
+            "filtered_total": self.filtered_total,
+        }
+
+    # ------------------------------------------------------------------ agents
+
+    def on_register(self, peer: bytes, msg: p.Register, now: float) -> list:
+        if msg.dataset_fingerprint and (msg.dataset_fingerprint != self.dataset_fingerprint or msg.dataset_size != self.dataset_size):
+            return [Send(peer, p.Error("dataset_mismatch", f"agent {msg.agent_id}'s dataset ({msg.dataset_size} rows, fingerprint {msg.dataset_fingerprint[:12]}) does not match the coordinator's ({self.dataset_size} rows, fingerprint {self.dataset_fingerprint[:12]})"))]
+        if msg.capacity < 0:
+            return [Send(peer, p.Error("bad_register", f"capacity must be >= 0, got {msg.capacity}"))]
+        n = self.config.n_samples_per_prompt
+        if 0 < msg.capacity < n:
+            return [Send(peer, p.Error("too_small", f"agent {msg.agent_id}'s total engine concurrency ({msg.capacity}) is smaller than one group ({n} samples per prompt); raise --concurrency or add engines"))]
+        old = self.membership.agents.get(msg.agent_id)
+        reported = {}
+        for item in msg.in_flight:
+            if isinstance(item, list) and len(item) == 3:
+                reported[item[0]] = (item[1], item[2])
+        if old is not None:
+            self._release_agent_leases(old, keep=set(reported))
+        rec = self.membership.register(msg.agent_id, msg.incarnation, peer, msg.capacity // n, msg.payload_address, msg.engines, now)
+        cancel = []
+        for lease, (epoch, index) in reported.items():
+            owner = self.leases.get(lease)
+            if owner is not None and owner[0] == msg.agent_id:
+                rec.leases.add(lease)
+            elif owner is None and self.frontier.adopt(epoch, index):
+                self.leases[lease] = (msg.agent_id, epoch, index, self.current_rollout_id)
+                self.leased_by[(epoch, index)] = lease
+                rec.leases.add(lease)
+            else:
+                cancel.append(lease)
+        ops: list = []
+        acks = []
+        for receipt in msg.unacked:
+            try:
+                lease, epoch, index, key, stats = receipt["lease"], receipt["data_epoch"], receipt["index"], receipt["key"], receipt.get("stats", {})
+            except (TypeError, KeyError):
+                continue
+            accepted, _ = self._accept(rec, lease, epoch, index, key, stats, ops)
+            acks.append([key, accepted])
+        welcome = p.Welcome(
+            session=rec.session,
+            config=self.config.to_dict(),
+            heartbeat_interval=self.liveness.heartbeat_interval,
+            ttl=self.liveness.ttl,
+            acks=acks,
+            cancel=cancel,
+            paused=self.paused,
+        )
+        out: list = [self._persist(ops, [Send(msg.agent_id, welcome)])]
+        if rec.trim_backlog:
+            out.append(Send(msg.agent_id, p.Trim(rec.trim_backlog)))
+            rec.trim_backlog = []
+        return out + self._pump(now)
+
+    def _agent(self, peer: bytes, session: int, now: float) -> AgentRecord | None:
+        rec = self.membership.by_session(session)
+        if rec is not None:
+            rec.last_seen = now
+            rec.peer = peer
+        return rec
+
+    def _fence(self, peer: bytes, session: int) -> list:
+        return [Send(peer, p.Fence(f"session {session} is not current; register again"))]
+
+    def on_heartbeat(self, peer: bytes, msg: p.Heartbeat, now: float) -> list:
+        rec = self._agent(peer, msg.session, now)
+        if rec is None:
+            return self._fence(peer, msg.session)
+        held = set(msg.leases)
+        lost = [lease for lease in rec.leases if lease <= msg.max_lease and lease not in held]
+        for lease in lost:
+            info = self._end_lease(lease)
+            if info is not None:
+                self.frontier.release(info[1], info[2])
+        return self._pump(now) if lost else []
+
+    def _accept(self, rec: AgentRecord, lease: int, epoch: int, index: int, key: str, stats: dict, ops: list) -> tuple[bool, str]:
+        """Record an agent's committed group unless the prompt is already accounted for."""
+        if not (0 <= index < self.dataset_size) or epoch < 0:
+            return False, f"index {index} / data epoch {epoch} out of range"
+        info = self.leases.get(lease)
+        if info is not None and info[0] == rec.agent_id:
+            self._end_lease(lease)
+        state = self.frontier.state_of(epoch, index)
+        if state in (READY, DELIVERED):
+            existing = self.ready_info.get((epoch, index))
+            if existing is not None and existing.key == key:
+                return True, ""
+            if state == DELIVERED and self._delivered_key(epoch, index) == key:
+                return True, ""
+            return False, "duplicate: prompt already accepted from another group"
+        if state == FILTERED:
+            return False, "duplicate: prompt already filtered"
+        other = self.leased_by.get((epoch, index))
+        if other is not None:
+            self._end_lease(other)
+        self.frontier.set(epoch, index, READY)
+        self._seq += 1
+        self.ready.append((epoch, index))
+        self.ready_info[(epoch, index)] = ReadyGroup(rec.agent_id, key, stats, self._seq)
+        self.kept_since_batch += 1
+        ops.append(("prompt", epoch, index, {"s": "r", "a": rec.agent_id, "k": key, "st": stats, "seq": self._seq}))
+        return True, ""
+
+    def _delivered_key(self, epoch: int, index: int) -> str | None:
+        for batch in self.batches.values():
+            for g in batch["groups"]:
+                if g[0] == index and g[1] == epoch:
+                    return g[3]
+        return None
+
+    def on_receipt(self, peer: bytes, msg: p.Receipt, now: float) -> list:
+        rec = self._agent(peer, msg.session, now)
+        if rec is None:
+            return self._fence(peer, msg.session)
+        ops: list = []
+        accepted, reason = self._accept(rec, msg.lease, msg.data_epoch, msg.index, msg.key, msg.stats, ops)
+        ack = Send(rec.agent_id, p.ReceiptAck(msg.lease, msg.key, accepted, reason))
+        return [self._persist(ops, [ack])] + self._pump(now)
+
+    def on_filtered(self, peer: bytes, msg: p.Filtered, now: float) -> list:
+        rec = self._agent(peer, msg.session, now)
+        if rec is None:
+            return self._fence(peer, msg.session)
+        info = self.leases.get(msg.lease)
+        if info is None or info[0] != rec.agent_id:
+            return self._pump(now)  # lease was reissued; the successor accounts for the prompt
+        self._end_lease(msg.lease)
+        if self.frontier.state_of(msg.data_epoch, msg.index) not in (PENDING, LEASED):
+            return self._pump(now)
+        self.frontier.set(msg.data_epoch, msg.index, FILTERED)
+        self.drops[msg.reason] += 1
+        self.filtered_total += 1
+        ops = [("prompt", msg.data_epoch, msg.index, {"s": "f", "a": rec.agent_id, "why": msg.reason})]
+        return [self._persist(ops, [])] + self._pump(now)
+
+    def on_release(self, peer: bytes, msg: p.Release, now: float) -> list:
+        rec = self._agent(peer, msg.session, now)
+        if rec is None:
+            return self._fence(peer, msg.session)
+        for lease in msg.leases:
+            info = self.leases.get(lease)
+            if info is not None and info[0] == rec.agent_id:
+                self._end_lease(lease)
+                self.frontier.release(info[1], info[2])
+        return self._pump(now)
+
+    def on_capacity(self, peer: bytes, msg: p.Capacity, now: float) -> list:
+        rec = self._agent(peer, msg.session, now)
+        if rec is None:
+            return self._fence(peer, msg.session)
+        rec.capacity = max(0, msg.capacity) // self.config.n_samples_per_prompt
+        rec.engines = msg.engines
+        return self._pump(now)
+
+    # ------------------------------------------------------------------ time
+
+    def tick(self, now: float) -> list:
+        dead, retired = self.membership.expire(now, self.liveness.ttl, self.liveness.retire_after)
+        out: list = []
+        for rec in dead:
+            self._release_agent_leases(rec)
+        ops: list = []
+        for rec in retired:
+            for key, info in list(self.ready_info.items()):
+                if info.agent_id == rec.agent_id:
+                    del self.ready_info[key]
+                    self.frontier.reopen(*key)
+                    ops.append(("prompt", key[0], key[1], None))
+        if ops:
+            out.append(self._persist(ops, []))
+        return out + self._pump(now)
+
+    def heartbeat_targets(self) -> list[AgentRecord]:
+        return self.membership.alive()
+
+    # ------------------------------------------------------------------ trainer
+
+    def on_attach(self, peer: bytes, msg: p.Attach, now: float) -> list:
+        self.trainer_session = self.membership.new_session()
+        self.trainer_client = msg.client_id
+        # A replaced trainer's waiting calls are answered with an error, never silently dropped.
+        out = [Send(g.peer, p.Error("fenced", "a newer trainer session attached", g.req)) for g in self.pending]
+        self.pending.clear()
+        result = {
+            "session": self.trainer_session,
+            "config": self.config.to_dict(),
+            "dataset_size": self.dataset_size,
+            "dataset_fingerprint": self.dataset_fingerprint,
+            "last_rollout_id": self.last_rollout_id,
+            "trimmed_upto": self.trimmed_upto,
+        }
+        mismatch = [k for k, v in msg.config_check.items() if self.config.to_dict().get(k, v) != v]
+        if mismatch:
+            return [Send(peer, p.Error("config_mismatch", f"rollout config differs from the running fleet's in {mismatch}", msg.req))]
+        return out + [Send(peer, p.Ok(msg.req, result))]
+
+    def _trainer_ok(self, session: int) -> bool:
+        return session == self.trainer_session and session != 0
+
+    def on_generate(self, peer: bytes, msg: p.Generate, now: float) -> list:
+        if not self._trainer_ok(msg.session):
+            return [Send(peer, p.Error("fenced", f"trainer session {msg.session} is not current; attach again", msg.req))]
+        if msg.prefetch >= 0:
+            self.prefetch = msg.prefetch
+        if msg.rollout_id in self.batches:
+            return [Send(peer, self._batch_reply(msg.req, msg.rollout_id))]
+        if msg.rollout_id <= self.trimmed_upto:
+            return [Send(peer, p.Error("trimmed", f"rollout {msg.rollout_id} is behind the checkpointed frontier ({self.trimmed_upto}); its groups were consumed", msg.req))]
+        if msg.rollout_id <= self.last_rollout_id:
+            return [Send(peer, p.Error("bad_rollout_id", f"rollout id {msg.rollout_id} was never generated and is older than the last batch ({self.last_rollout_id})", msg.req))]
+        for g in self.pending:
+            if g.rollout_id == msg.rollout_id:
+                g.peer, g.req = peer, msg.req
+                return self._pump(now)
+        self.pending.append(PendingGenerate(peer, msg.req, msg.rollout_id))
+        self.pending.sort(key=lambda g: g.rollout_id)
+        return self._pump(now)
+
+    def _batch_reply(self, req: int, rollout_id: int) -> p.BatchRefs:
+        batch = self.batches[rollout_id]
+        groups = []
+        for index, epoch, agent_id, key in batch["groups"]:
+            rec = self.membership.agents.get(agent_id)
+            groups.append([index, agent_id, rec.payload_address if rec else "", key])
+        return p.BatchRefs(req, rollout_id, groups, batch["metrics"])
+
+    def _assemble(self, g: PendingGenerate) -> Persist:
+        size = self.config.rollout_batch_size
+        chosen = []
+        while len(chosen) < size:
+            epoch, index = self.ready.popleft()
+            info = self.ready_info.pop((epoch, index), None)
+            if info is None:
+                continue  # reopened after its node was retired
+            chosen.append((epoch, index, info))
+        ops = []
+        groups = []
+        for epoch, index, info in chosen:
+            self.frontier.set(epoch, index, DELIVERED)
+            ops.append(("prompt", epoch, index, {"s": "d", "a": info.agent_id, "k": info.key, "rid": g.rollout_id}))
+            groups.append([index, epoch, info.agent_id, info.key])
+        metrics = self._metrics([c[2].stats for c in chosen], [c[0] for c in chosen])
+        batch = {"groups": groups, "metrics": metrics}
+        self.batches[g.rollout_id] = batch
+        self.last_rollout_id = max(self.last_rollout_id, g.rollout_id)
+        ops.append(("batch", g.rollout_id, batch))
+        ops.append(("meta", "last_rollout_id", self.last_rollout_id))
+        self.drops.clear()
+        self.kept_since_batch = 0
+        for closed in self.frontier.close_finished():
+            ops.append(("close_epoch", closed))
+        return self._persist(ops, [Send(g.peer, self._batch_reply(g.req, g.rollout_id))])
+
+    def _metrics(self, stats: list[dict], epochs: list[int]) -> dict:
+        n = len(stats)
+        dropped = sum(self.drops.values())
+        kept = self.kept_since_batch
+        m: dict[str, float] = {f"{FILTER_PREFIX}/drop_{reason}": float(c) for reason, c in sorted(self.drops.items())}
+        m[f"{FILTER_PREFIX}/dropped_groups"] = float(dropped)
+        m[f"{FILTER_PREFIX}/kept_groups"] = float(kept)
+        m[f"{FILTER_PREFIX}/dropped_ratio"] = dropped / (dropped + kept) if dropped + kept else 0.0
+
+        def total(k):
+            return float(sum(s.get(k, 0) for s in stats))
+
+        samples = total("n_samples")
+        m["rollout/groups"] = float(n)
+        m["rollout/samples"] = samples
+        m["rollout/prompt_tokens"] = total("prompt_tokens")
+        m["rollout/response_tokens"] = total("response_tokens")
+        m["rollout/response_len_mean"] = m["rollout/response_tokens"] / samples if samples else 0.0
+        m["rollout/reward_mean"] = total("reward_sum") / samples if samples else 0.0
+        m["rollout/truncated_ratio"] = total("truncated") / samples if samples else 0.0
+        m["rollout/aborted_ratio"] = total("aborted") / samples if samples else 0.0
+        gen = [s.get("gen_seconds", 0.0) for s in stats]
+        m["rollout/gen_seconds_mean"] = sum(gen) / n if n else 0.0
+        m["rollout/gen_seconds_max"] = max(gen) if gen else 0.0
+        m["rollout/data_epoch"] = float(max(epochs) if epochs else 0)
+        return m
+
+    def on_trainer_control(self, peer: bytes, msg: p.TrainerControl, now: float) -> list:
+        if msg.action == "stats":
+            return [Send(peer, p.Ok(msg.req, self.statistics()))]
+        if not self._trainer_ok(msg.session):
+            return [Send(peer, p.Error("fenced", f"trainer session {msg.session} is not current; attach again", msg.req))]
+        handler = getattr(self, f"_trainer_{msg.action}", None)
+        if handler is None:
+            return [Send(peer, p.Error("bad_request", f"unknown trainer action {msg.action!r}", msg.req))]
+        return handler(peer, msg, now)
+
+    def _trainer_pause(self, peer: bytes, msg: p.TrainerControl, now: float) -> list:
+        abort = bool(msg.args.get("abort", False))
+        self.paused = True
+        out: list = [Send(r.agent_id, p.Control("pause", abort)) for r in self.membership.alive()]
+        if msg.args.get("drain", True) and self.leases:
+            self.drain_waiters.append((peer, msg.req))
+            return out
+        return out + [Send(peer, p.Ok(msg.req, {"leased": len(self.leases)}))]
+
+    def _trainer_resume(self, peer: bytes, msg: p.TrainerControl, now: float) -> list:
+        self.paused = False
+        out: list = [Send(r.agent_id, p.Control("resume")) for r in self.membership.alive()]
+        return out + [Send(peer, p.Ok(msg.req, {}))] + self._pump(now)
+
+    def _trainer_state_dict(self, peer: bytes, msg: p.TrainerControl, now: float) -> list:
+        if not self.paused or self.leases:
+            return [Send(peer, p.Error("not_drained", f"state_dict needs a paused and drained rollout (paused={self.paused}, leases in flight={len(self.leases)}); call pause(drain=True) first", msg.req))]
+        consumed = msg.args.get("consumed", -1)
+        if not isinstance(consumed, int) or consumed > self.last_rollout_id:
+            return [Send(peer, p.Error("bad_request", f"consumed rollout id {consumed!r} was never generated (last is {self.last_rollout_id})", msg.req))]
+        ops: list = []
+        out: list = []
+        by_agent: dict[str, list[str]] = {}
+        for rid in sorted(r for r in self.batches if r <= consumed):
+            for index, epoch, agent_id, key in self.batches.pop(rid)["groups"]:
+                by_agent.setdefault(agent_id, []).append(key)
+            ops.append(("batch", rid, None))
+        if consumed > self.trimmed_upto:
+            self.trimmed_upto = consumed
+            ops.append(("meta", "trimmed_upto", consumed))
+        for agent_id, keys in by_agent.items():
+            rec = self.membership.agents.get(agent_id)
+            if rec is not None and rec.status == ALIVE:
+                out.append(Send(agent_id, p.Trim(keys)))
+            elif rec is not None:
+                rec.trim_backlog.extend(keys)
+        state = {
+            "format": 1,
+            "rollout_id": consumed,
+            "dataset_fingerprint": self.dataset_fingerprint,
+            "dataset_size": self.dataset_size,
+            "config": self.config.to_dict(),
+        }
+        return [self._persist(ops, out + [Send(peer, p.Ok(msg.req, state))])]
+
+    def _trainer_load_state_dict(self, peer: bytes, msg: p.TrainerControl, now: float) -> list:
+        state = msg.args.get("state")
+        if not isinstance(state, dict) or state.get("format") != 1:
+            return [Send(peer, p.Error("bad_state", "not a rollfleet state_dict (format 1)", msg.req))]
+        if state.get("dataset_fingerprint") != self.dataset_fingerprint:
+            return [Send(peer, p.Error("bad_state", "checkpoint was taken on a different dataset (fingerprint differs)", msg.req))]
+        rid = state.get("rollout_id")
+        if not isinstance(rid, int) or rid < self.trimmed_upto:
+            return [Send(peer, p.Error("bad_state", f"checkpoint at rollout {rid} is older than the newest checkpoint ({self.trimmed_upto}); the batches between were trimmed", msg.req))]
+        return [Send(peer, p.Ok(msg.req, {"rollout_id": rid, "last_rollout_id": self.last_rollout_id}))]
+
+    def _trainer_detach(self, peer: bytes, msg: p.TrainerControl, now: float) -> list:
+        self.trainer_session = 0
+        return [Send(peer, p.Ok(msg.req, {}))]
+
+    # ------------------------------------------------------------------ pump
+
+    def _pump(self, now: float) -> list:
+        out: list = []
+        size = self.config.rollout_batch_size
+        while self.pending and len(self.ready_info) >= size:
+            out.append(self._assemble(self.pending.pop(0)))
+        if self.pending and self.membership.all_gone() and len(self.ready_info) < size:
+            for g in self.pending:
+                out.append(Send(g.peer, p.Error("no_capacity", "no agent with a live engine is left to generate on (all retired)", g.req)))
+            self.pending.clear()
+        if self.paused:
+            if self.drain_waiters and not self.leases:
+                out += [Send(peer, p.Ok(req, {"leased": 0})) for peer, req in self.drain_waiters]
+                self.drain_waiters.clear()
+            return out
+        target = size * len(self.pending) + self.prefetch
+        budget = target - len(self.leases) - len(self.ready_info)
+        if budget <= 0:
+            return out
+        rollout_id = self.current_rollout_id
+        for agent_id, n in self.membership.distribute(budget).items():
+            rec = self.membership.agents[agent_id]
+            grants = []
+            for _ in range(n):
+                taken = self.frontier.take(now)
+                if taken is None:
+                    break
+                epoch, index = taken
+                lease = self._next_lease()
+                self.leases[lease] = (agent_id, epoch, index, rollout_id)
+                self.leased_by[(epoch, index)] = lease
+                rec.leases.add(lease)
+                prompt, label, metadata = self._row(index)
+                grants.append({"lease": lease, "data_epoch": epoch, "index": index, "rollout_id": rollout_id, "prompt": prompt, "label": label, "metadata": metadata})
+            if grants:
+                out.append(Send(agent_id, p.Grant(rec.session, grants)))
+        return out

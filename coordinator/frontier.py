@@ -1,0 +1,183 @@
+"""The prompt frontier: where every prompt of every open data epoch stands.
+
+Invariant (guarantee 3, "no prompt forgotten"): each prompt ``(data_epoch,
+index)`` is at any moment exactly one of
+
+    PENDING    waiting to be leased (fresh, requeued or orphaned)
+    LEASED     an agent generates it
+    READY      its group is committed on an agent and recorded in the ledger
+    DELIVERED  its group is part of a recorded trainer batch
+    FILTERED   the dynamic filter rejected its group (with a reason)
+
+Memory per epoch is one byte per prompt plus a cursor and a requeue, so it
+does not grow with row content or run length. An epoch is closed (forgotten)
+once every prompt is DELIVERED or FILTERED and a newer epoch is open.
+
+Pure: no I/O and no clock; ``now`` is passed in.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Sequence
+
+PENDING, LEASED, READY, DELIVERED, FILTERED = range(5)
+STATE_NAMES = ("pending", "leased", "ready", "delivered", "filtered")
+
+
+class EpochFrontier:
+    def __init__(self, data_epoch: int, order: Sequence[int]):
+        self.data_epoch = data_epoch
+        self.order = order
+        self.state = bytearray(len(order))
+        self.cursor = 0
+        self.requeue: deque[int] = deque()
+        self.orphans: deque[int] = deque()
+        self.orphans_not_before = 0.0
+        self.finished = 0  # DELIVERED + FILTERED
+
+    def take(self, now: float) -> int | None:
+        while self.requeue:
+            index = self.requeue.popleft()
+            if self.state[index] == PENDING:
+                return index
+        if self.orphans and now >= self.orphans_not_before:
+            while self.orphans:
+                index = self.orphans.popleft()
+                if self.state[index] == PENDING:
+                    return index
+        while self.cursor < len(self.order):
+            index = self.order[self.cursor]
+            self.cursor += 1
+            if self.state[index] == PENDING:
+                return index
+        return None
+
+    @property
+    def exhausted(self) -> bool:
+        """No fresh prompts left beyond the cursor (requeued ones may remain)."""
+        return self.cursor >= len(self.order)
+
+    @property
+    def complete(self) -> bool:
+        return self.finished == len(self.order)
+
+
+class Frontier:
+    def __init__(self, size: int, order_for_epoch: Callable[[int], Sequence[int]]):
+        if size <= 0:
+            raise ValueError("dataset is empty")
+        self.size = size
+        self._order_for_epoch = order_for_epoch
+        self.epochs: dict[int, EpochFrontier] = {}
+        self.open_epoch(0)
+
+    def open_epoch(self, data_epoch: int) -> EpochFrontier:
+        ep = self.epochs.get(data_epoch)
+        if ep is None:
+            ep = EpochFrontier(data_epoch, self._order_for_epoch(data_epoch))
+            self.epochs[data_epoch] = ep
+        return ep
+
+    @property
+    def latest(self) -> int:
+        return max(self.epochs)
+
+    def take(self, now: float) -> tuple[int, int] | None:
+        """Lease the next pending prompt: requeued work of older epochs first."""
+        for data_epoch in sorted(self.epochs):
+            index = self.epochs[data_epoch].take(now)
+            if index is not None:
+                self.epochs[data_epoch].state[index] = LEASED
+                return data_epoch, index
+        latest = self.epochs[self.latest]
+        if latest.exhausted:
+            nxt = self.open_epoch(latest.data_epoch + 1)
+            index = nxt.take(now)
+            if index is not None:
+                nxt.state[index] = LEASED
+                return nxt.data_epoch, index
+        return None
+
+    def state_of(self, data_epoch: int, index: int) -> int:
+        ep = self.epochs.get(data_epoch)
+        if ep is None:
+            # Closed epochs are complete; epochs never opened are pending.
+            return DELIVERED if data_epoch < min(self.epochs) else PENDING
+        return ep.state[index]
+
+    def set(self, data_epoch: int, index: int, state: int) -> None:
+        ep = self.open_epoch(data_epoch)
+        old = ep.state[index]
+        if old == state:
+            return
+        if old in (DELIVERED, FILTERED):
+            ep.finished -= 1
+        if state in (DELIVERED, FILTERED):
+            ep.finished += 1
+        ep.state[index] = state
+
+    def release(self, data_epoch: int, index: int) -> None:
+        """A lease ended without a result: the prompt is pending again, first in line."""
+        ep = self.epochs.get(data_epoch)
+        if ep is None or ep.state[index] != LEASED:
+            return
+        ep.state[index] = PENDING
+        ep.requeue.append(index)
+
+    def reopen(self, data_epoch: int, index: int) -> None:
+        """A READY group's payload is lost for good (node retired): generate it again."""
+        ep = self.epochs.get(data_epoch)
+        if ep is None or ep.state[index] != READY:
+            return
+        ep.state[index] = PENDING
+        ep.requeue.append(index)
+
+    def close_finished(self) -> list[int]:
+        """Forget complete epochs older than the latest; returns their numbers."""
+        latest = self.latest
+        closed = [e for e, ep in self.epochs.items() if e != latest and ep.complete]
+        for e in closed:
+            del self.epochs[e]
+        return closed
+
+    def restore(self, cursors: dict[int, int], records: dict[tuple[int, int], int], now: float, orphan_delay: float) -> None:
+        """Rebuild after a coordinator restart.
+
+        ``records`` are the ledger's durable states (READY/DELIVERED/FILTERED).
+        Prompts below a persisted cursor with no record were leased when the
+        coordinator died; their agents may still be generating them, so they
+        wait ``orphan_delay`` before being reissued (agents re-registering in
+        the meantime adopt them back).
+        """
+        self.epochs.clear()
+        for data_epoch in sorted(set(cursors) | {e for e, _ in records} or {0}):
+            self.open_epoch(data_epoch)
+        for (data_epoch, index), state in records.items():
+            self.set(data_epoch, index, state)
+        for data_epoch, cursor in cursors.items():
+            ep = self.epochs[data_epoch]
+            ep.cursor = cursor
+            ep.orphans_not_before = now + orphan_delay
+            for pos in range(cursor):
+                index = ep.order[pos]
+                if ep.state[index] == PENDING:
+                    ep.orphans.append(index)
+
+    def adopt(self, data_epoch: int, index: int) -> bool:
+        """An agent re-registering still generates this prompt: lease it back if still pending."""
+        ep = self.open_epoch(data_epoch)
+        if ep.state[index] != PENDING:
+            return False
+        self.set(data_epoch, index, LEASED)
+        return True
+
+    def cursors(self) -> dict[int, int]:
+        return {e: ep.cursor for e, ep in self.epochs.items()}
+
+    def counts(self) -> dict[str, int]:
+        out = dict.fromkeys(STATE_NAMES, 0)
+        for ep in self.epochs.values():
+            for i, name in enumerate(STATE_NAMES):
+                out[name] += ep.state.count(i)
+        return out

@@ -1,0 +1,126 @@
+"""Fleet membership: which agents are alive, what they hold, and their fencing sessions.
+
+An agent moves ALIVE -> DEAD (silent past the TTL: its leases go back to
+pending) -> RETIRED (silent past ``retire_after``: its capacity and its
+unfetched payloads leave the pool for good). A DEAD agent that speaks again
+is fenced: its session is void, it must register again, and what it reports
+then is reconciled against the ledger.
+
+Sessions are fencing tokens: ``generation << 32 | counter``, where the
+generation is bumped (durably) at every coordinator start, so a session
+issued before a restart can never match one issued after it.
+
+Pure: no I/O; time is passed in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ALIVE, DEAD, RETIRED = "alive", "dead", "retired"
+
+
+@dataclass
+class AgentRecord:
+    agent_id: str
+    session: int
+    incarnation: int
+    peer: bytes
+    capacity: int
+    payload_address: str
+    engines: list
+    last_seen: float
+    status: str = ALIVE
+    leases: set[int] = field(default_factory=set)
+    trim_backlog: list[str] = field(default_factory=list)
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - len(self.leases)) if self.status == ALIVE else 0
+
+    @property
+    def usable(self) -> bool:
+        """Alive with at least one engine that is not retired."""
+        if self.status != ALIVE:
+            return False
+        return any(e.get("state") != "retired" for e in self.engines) if self.engines else self.capacity > 0
+
+
+class Membership:
+    def __init__(self, generation: int):
+        self.generation = generation
+        self._counter = 0
+        self.agents: dict[str, AgentRecord] = {}
+        self._by_session: dict[int, AgentRecord] = {}
+        self._rr = 0
+
+    def new_session(self) -> int:
+        self._counter += 1
+        return (self.generation << 32) | self._counter
+
+    def register(self, agent_id: str, incarnation: int, peer: bytes, capacity: int, payload_address: str, engines: list, now: float) -> AgentRecord:
+        old = self.agents.get(agent_id)
+        if old is not None:
+            self._by_session.pop(old.session, None)
+        rec = AgentRecord(agent_id, self.new_session(), incarnation, peer, capacity, payload_address, engines, now)
+        if old is not None:
+            rec.trim_backlog = old.trim_backlog
+        self.agents[agent_id] = rec
+        self._by_session[rec.session] = rec
+        return rec
+
+    def by_session(self, session: int) -> AgentRecord | None:
+        rec = self._by_session.get(session)
+        return rec if rec is not None and rec.status == ALIVE else None
+
+    def expire(self, now: float, ttl: float, retire_after: float) -> tuple[list[AgentRecord], list[AgentRecord]]:
+        """Agents newly presumed dead and newly retired at ``now``."""
+        dead, retired = [], []
+        for rec in self.agents.values():
+            silent = now - rec.last_seen
+            if rec.status == ALIVE and silent > ttl:
+                rec.status = DEAD
+                self._by_session.pop(rec.session, None)
+                dead.append(rec)
+            if rec.status == DEAD and silent > retire_after:
+                rec.status = RETIRED
+                retired.append(rec)
+        return dead, retired
+
+    def alive(self) -> list[AgentRecord]:
+        return [r for r in self.agents.values() if r.status == ALIVE]
+
+    def any_usable(self) -> bool:
+        return any(r.usable for r in self.agents.values())
+
+    def all_gone(self) -> bool:
+        """Agents have joined, and none of them can generate any more."""
+        return bool(self.agents) and all(r.status == RETIRED or (r.status == ALIVE and not r.usable) for r in self.agents.values())
+
+    def distribute(self, budget: int) -> dict[str, int]:
+        """Split ``budget`` new leases over agents by free capacity, round robin."""
+        out: dict[str, int] = {}
+        candidates = [r for r in self.agents.values() if r.free > 0]
+        if not candidates or budget <= 0:
+            return out
+        free = {r.agent_id: r.free for r in candidates}
+        n = len(candidates)
+        start = self._rr % n
+        self._rr += 1
+        i = 0
+        while budget > 0 and free:
+            rec = candidates[(start + i) % n]
+            i += 1
+            left = free.get(rec.agent_id, 0)
+            if left <= 0:
+                if i > n and not any(free.values()):
+                    break
+                continue
+            # Hand out in chunks so a large budget costs O(agents), not O(budget).
+            chunk = max(1, min(left, budget // n or 1))
+            out[rec.agent_id] = out.get(rec.agent_id, 0) + chunk
+            free[rec.agent_id] = left - chunk
+            budget -= chunk
+            if not any(free.values()):
+                break
+        return out
