@@ -23,7 +23,7 @@ import logging
 import random
 import signal
 import time
-from typing import Any
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
@@ -34,6 +34,7 @@ from agent.payload_server import PayloadServer
 from agent.pool import GenerationPool
 from agent.rewards import load_reward
 from agent.store import GroupStore
+from agent.supervisor import EngineSupervisor
 from common import protocol as p
 from common.config import RolloutConfig
 from common.errors import EngineError, EngineUnavailable, ProtocolError, RolloutError
@@ -58,7 +59,7 @@ class Agent:
         *,
         coordinator: str,
         data_dir: str,
-        supervisor,
+        engine_specs: list,
         concurrency: int,
         payload_bind: str,
         advertise_host: str,
@@ -66,10 +67,12 @@ class Agent:
         tokenizer: str | None = None,
         dataset=None,
         sync: bool = True,
+        supervisor_options: dict | None = None,
     ):
         self.coordinator = coordinator
-        self.supervisor = supervisor
         self.store = GroupStore(data_dir, agent_id=agent_id, sync=sync)
+        options = {"log_dir": Path(data_dir) / "logs", **(supervisor_options or {})}
+        self.supervisor = EngineSupervisor(engine_specs, on_change=self._on_engine_change, **options)
         self.agent_id = self.store.agent_id
         self.pool = GenerationPool(concurrency)
         self.ctx = zmq.asyncio.Context()
@@ -79,7 +82,7 @@ class Agent:
         self._tokenizer_name = tokenizer
         self.tokenizer = None
         self.dataset = dataset
-        self.client = EngineClient()
+        self.client: EngineClient | None = None
         self.session = 0
         self.config: RolloutConfig | None = None
         self.reward = None
@@ -113,7 +116,7 @@ class Agent:
                 loop.add_signal_handler(sig, stop.set)
             except (NotImplementedError, RuntimeError):
                 pass
-        self.supervisor.on_change = self._on_engine_change
+        self.client = EngineClient()
         try:
             log.info("agent %s (incarnation %d): starting engines", self.agent_id, self.store.incarnation)
             await self.supervisor.start()
@@ -231,8 +234,9 @@ class Agent:
         frame = p.encode(reg)
         wait = 1.0
         while True:
-            self.sock.send(frame)
-            if await self.sock.poll(wait * 1000):
+            await self.sock.send(frame)
+            deadline = time.monotonic() + wait
+            while (left := deadline - time.monotonic()) > 0 and await self.sock.poll(left * 1000):
                 msg = self._decode(await self.sock.recv())
                 if isinstance(msg, p.Welcome):
                     await self._welcome(msg)
@@ -241,8 +245,8 @@ class Agent:
                     if msg.code in ("dataset_mismatch", "too_small", "bad_register"):
                         raise AgentExit(f"coordinator refused agent {self.agent_id}: {msg.message}")
                     log.error("coordinator error during registration: %s", msg.message)
-            else:
-                log.info("agent %s: no answer from coordinator %s yet; retrying", self.agent_id, self.coordinator)
+                # Anything else belongs to a session we no longer have; drop it.
+            log.info("agent %s: no answer from coordinator %s yet; retrying", self.agent_id, self.coordinator)
             wait = min(wait * 2, 8.0)
 
     async def _welcome(self, msg: p.Welcome) -> None:

@@ -115,6 +115,7 @@ class CoordinatorCore:
         self.paused = False
         self.trainer_session = 0
         self.trainer_client = ""
+        self._last_attach: tuple[str, int] = ("", 0)
         self.drops: Counter = Counter()
         self.kept_since_batch = 0
         self.filtered_total = 0
@@ -237,11 +238,14 @@ class CoordinatorCore:
             cancel=cancel,
             paused=self.paused,
         )
-        out: list = [self._persist(ops, [Send(msg.agent_id, welcome)])]
+        then: list = [Send(msg.agent_id, welcome)]
         if rec.trim_backlog:
-            out.append(Send(msg.agent_id, p.Trim(rec.trim_backlog)))
+            then.append(Send(msg.agent_id, p.Trim(rec.trim_backlog)))
             rec.trim_backlog = []
-        return out + self._pump(now)
+        # Nothing may reach the agent before its Welcome: grants ride behind it.
+        pumped = self._pump(now)
+        then += [e for e in pumped if isinstance(e, Send)]
+        return [self._persist(ops, then)] + [e for e in pumped if not isinstance(e, Send)]
 
     def _agent(self, peer: bytes, session: int, now: float) -> AgentRecord | None:
         rec = self.membership.by_session(session)
@@ -368,12 +372,21 @@ class CoordinatorCore:
     # ------------------------------------------------------------------ trainer
 
     def on_attach(self, peer: bytes, msg: p.Attach, now: float) -> list:
+        if (msg.client_id, msg.req) == self._last_attach and self.trainer_session:
+            return [Send(peer, p.Ok(msg.req, self._attach_result()))]  # a resent Attach: same session
+        mismatch = [k for k, v in msg.config_check.items() if self.config.to_dict().get(k, v) != v]
+        if mismatch:
+            return [Send(peer, p.Error("config_mismatch", f"rollout config differs from the running fleet's in {mismatch}", msg.req))]
+        self._last_attach = (msg.client_id, msg.req)
         self.trainer_session = self.membership.new_session()
         self.trainer_client = msg.client_id
         # A replaced trainer's waiting calls are answered with an error, never silently dropped.
         out = [Send(g.peer, p.Error("fenced", "a newer trainer session attached", g.req)) for g in self.pending]
         self.pending.clear()
-        result = {
+        return out + [Send(peer, p.Ok(msg.req, self._attach_result()))]
+
+    def _attach_result(self) -> dict:
+        return {
             "session": self.trainer_session,
             "config": self.config.to_dict(),
             "dataset_size": self.dataset_size,
@@ -381,17 +394,19 @@ class CoordinatorCore:
             "last_rollout_id": self.last_rollout_id,
             "trimmed_upto": self.trimmed_upto,
         }
-        mismatch = [k for k, v in msg.config_check.items() if self.config.to_dict().get(k, v) != v]
-        if mismatch:
-            return [Send(peer, p.Error("config_mismatch", f"rollout config differs from the running fleet's in {mismatch}", msg.req))]
-        return out + [Send(peer, p.Ok(msg.req, result))]
 
-    def _trainer_ok(self, session: int) -> bool:
-        return session == self.trainer_session and session != 0
+    def _trainer_error(self, peer: bytes, session: int, req: int) -> list | None:
+        """None if ``session`` is the current trainer's; else the error to send."""
+        if session == self.trainer_session and session != 0:
+            return None
+        if self.trainer_session == 0:
+            return [Send(peer, p.Error("unknown_session", f"no trainer session {session:x} here (coordinator restarted or trainer detached); attach again", req))]
+        return [Send(peer, p.Error("fenced", f"trainer session {session:x} was replaced by a newer trainer", req))]
 
     def on_generate(self, peer: bytes, msg: p.Generate, now: float) -> list:
-        if not self._trainer_ok(msg.session):
-            return [Send(peer, p.Error("fenced", f"trainer session {msg.session} is not current; attach again", msg.req))]
+        err = self._trainer_error(peer, msg.session, msg.req)
+        if err:
+            return err
         if msg.prefetch >= 0:
             self.prefetch = msg.prefetch
         if msg.rollout_id in self.batches:
@@ -473,8 +488,9 @@ class CoordinatorCore:
     def on_trainer_control(self, peer: bytes, msg: p.TrainerControl, now: float) -> list:
         if msg.action == "stats":
             return [Send(peer, p.Ok(msg.req, self.statistics()))]
-        if not self._trainer_ok(msg.session):
-            return [Send(peer, p.Error("fenced", f"trainer session {msg.session} is not current; attach again", msg.req))]
+        err = self._trainer_error(peer, msg.session, msg.req)
+        if err:
+            return err
         handler = getattr(self, f"_trainer_{msg.action}", None)
         if handler is None:
             return [Send(peer, p.Error("bad_request", f"unknown trainer action {msg.action!r}", msg.req))]

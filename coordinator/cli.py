@@ -1,0 +1,106 @@
+"""``coordinator serve`` and ``coordinator status``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+
+from common.config import Liveness, RolloutConfig
+from common.errors import ConfigError, DatasetError, RolloutError
+from common.transport import validate_endpoint
+
+
+def _serve_args(sp: argparse.ArgumentParser) -> None:
+    d = RolloutConfig()
+    sp.add_argument("--dataset", required=True, help="JSONL file, one prompt per line")
+    sp.add_argument("--input-key", default="prompt", help="row key holding the prompt (string or chat messages)")
+    sp.add_argument("--label-key", default="label", help="row key holding the label given to the reward")
+    sp.add_argument("--data-dir", required=True, help="directory of the coordinator's LMDB ledger (keep it to resume)")
+    sp.add_argument("--bind", default="tcp://0.0.0.0:5555", help="ZeroMQ endpoint agents and trainers connect to")
+    sp.add_argument("--rollout-batch-size", type=int, default=d.rollout_batch_size, help="groups per trainer batch")
+    sp.add_argument("--n-samples-per-prompt", type=int, default=d.n_samples_per_prompt, help="samples per group")
+    sp.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    sp.add_argument("--temperature", type=float, default=d.temperature)
+    sp.add_argument("--top-p", type=float, default=d.top_p)
+    sp.add_argument("--top-k", type=int, default=d.top_k)
+    sp.add_argument("--reward", default=d.reward, help="math | exact | module:function")
+    sp.add_argument("--dynamic-filter", default=d.dynamic_filter, help="nonzero_std | none | module:function")
+    sp.add_argument("--prefetch", type=int, default=d.prefetch, help="ready groups kept beyond demand (-1: one batch)")
+    sp.add_argument("--shuffle-seed", type=int, default=None, help="shuffle prompts per data epoch with this seed")
+    sp.add_argument("--heartbeat-interval", type=float, default=Liveness.heartbeat_interval)
+    sp.add_argument("--agent-ttl", type=float, default=Liveness.ttl, help="silence after which an agent's leases are reissued")
+    sp.add_argument("--retire-after", type=float, default=Liveness.retire_after, help="silence after which an agent is retired")
+    sp.add_argument("--no-sync", action="store_true", help="skip fsync on ledger commits (faster, not crash-safe)")
+    sp.add_argument("--log-level", default="INFO")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="coordinator", description="rollfleet coordinator")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_args(sub.add_parser("serve", help="run the coordinator"))
+    st = sub.add_parser("status", help="print a running coordinator's statistics as JSON")
+    st.add_argument("--coordinator", default="tcp://127.0.0.1:5555")
+    st.add_argument("--timeout", type=float, default=5.0)
+    return parser
+
+
+def serve(args) -> int:
+    from agent.filters import load_filter
+    from agent.rewards import load_reward
+    from coordinator.dataset import Dataset
+    from coordinator.server import CoordinatorServer
+
+    config = RolloutConfig(
+        rollout_batch_size=args.rollout_batch_size,
+        n_samples_per_prompt=args.n_samples_per_prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        reward=args.reward,
+        dynamic_filter=args.dynamic_filter,
+        prefetch=args.prefetch,
+    )
+    liveness = Liveness(args.heartbeat_interval, args.agent_ttl, args.retire_after)
+    validate_endpoint(args.bind, "--bind")
+    # Fail here, with the spec named, rather than on every agent later.
+    load_reward(config.reward)
+    load_filter(config.dynamic_filter)
+    dataset = Dataset(args.dataset, input_key=args.input_key, label_key=args.label_key)
+    server = CoordinatorServer(
+        dataset=dataset, config=config, liveness=liveness, data_dir=args.data_dir, bind=args.bind,
+        seed=args.shuffle_seed, sync=not args.no_sync,
+    )
+    print(f"coordinator listening on {server.endpoint}", flush=True)
+    asyncio.run(server.serve())
+    return 0
+
+
+def status(args) -> int:
+    from coordinator.client import RolloutClient
+
+    with RolloutClient(args.coordinator, timeout=args.timeout, attach=False) as client:
+        print(json.dumps(client.stats(), indent=2, sort_keys=True))
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "INFO"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return {"serve": serve, "status": status}[args.command](args)
+    except (ConfigError, DatasetError, ValueError) as exc:
+        print(f"coordinator: error: {exc}", file=sys.stderr)
+        return 2
+    except RolloutError as exc:
+        print(f"coordinator: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""The coordinator's I/O shell: a ZeroMQ ROUTER, the ledger writer, the clock.
+
+It decodes each frame, hands the message to ``CoordinatorCore`` and carries
+out the effects it returns: ``Send`` right away, ``Persist`` through the one
+ledger writer thread (group commit: every Persist queued meanwhile goes in
+the same transaction), sending its ``then`` messages only after the commit.
+
+A frame that cannot be decoded (malformed msgpack, unknown type, wrong
+version, oversized) is answered with an ``Error`` naming the problem; the
+loop keeps serving. Messages of a type the coordinator does not accept get
+the same treatment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import zmq
+import zmq.asyncio
+
+from common import protocol as p
+from common.config import Liveness, RolloutConfig
+from common.errors import ProtocolError
+from common.transport import router
+from coordinator.core import CoordinatorCore, Persist, Send
+from coordinator.dataset import Dataset, epoch_permutation
+from coordinator.ledger import Ledger
+
+log = logging.getLogger("rollfleet.coordinator")
+
+
+class CoordinatorServer:
+    def __init__(
+        self,
+        *,
+        dataset: Dataset,
+        config: RolloutConfig,
+        liveness: Liveness,
+        data_dir: str,
+        bind: str,
+        seed: int | None = None,
+        sync: bool = True,
+        max_message_bytes: int = p.DEFAULT_MAX_MESSAGE_BYTES,
+    ):
+        self.dataset = dataset
+        self.max_message_bytes = max_message_bytes
+        self.ledger = Ledger(data_dir, sync=sync)
+        restored = self.ledger.open_run(len(dataset), dataset.fingerprint)
+
+        def row(index: int):
+            r = dataset.row(index)
+            return r.prompt, r.label, r.metadata
+
+        self.core = CoordinatorCore(
+            config,
+            liveness,
+            dataset_size=len(dataset),
+            dataset_fingerprint=dataset.fingerprint,
+            row=row,
+            order_for_epoch=lambda n, e: epoch_permutation(n, e, seed),
+            restored=restored,
+            now=time.monotonic(),
+        )
+        self.ctx = zmq.asyncio.Context()
+        self.sock, self.endpoint = router(self.ctx, bind, max_bytes=max_message_bytes)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
+        self._persist_queue: asyncio.Queue[Persist | None] = asyncio.Queue()
+        self.errors_sent = 0
+        log.info("coordinator generation %d listening on %s (%d prompts)", restored.generation, self.endpoint, len(dataset))
+
+    # ---------------------------------------------------------------- effects
+
+    def _send(self, to, msg: p.Message) -> None:
+        if isinstance(to, str):
+            rec = self.core.membership.agents.get(to)
+            if rec is None:
+                return
+            peer = rec.peer
+        else:
+            peer = to
+        try:
+            self.sock.send_multipart([peer, p.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            # Peer gone (ROUTER_MANDATORY) or at its HWM. Agents repair this by
+            # resending (receipts) and heartbeat reconciliation; trainers retry.
+            log.debug("send %s to %r failed: %s", msg.TYPE, peer, exc)
+
+    def _run(self, effects: list) -> None:
+        for eff in effects:
+            if isinstance(eff, Send):
+                self._send(eff.to, eff.msg)
+            elif isinstance(eff, Persist):
+                if eff.ops:
+                    self._persist_queue.put_nowait(eff)
+                else:
+                    for s in eff.then:
+                        self._send(s.to, s.msg)
+
+    async def _ledger_writer(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            first = await self._persist_queue.get()
+            batch = [first]
+            while not self._persist_queue.empty():
+                batch.append(self._persist_queue.get_nowait())
+            ops = [op for eff in batch for op in eff.ops]
+            await loop.run_in_executor(self._writer, self.ledger.apply, ops)
+            for eff in batch:
+                for s in eff.then:
+                    self._send(s.to, s.msg)
+
+    async def flush(self, timeout: float = 10.0) -> None:
+        """Wait until every queued ledger write has committed (orderly shutdown)."""
+        deadline = time.monotonic() + timeout
+        while not self._persist_queue.empty() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.get_running_loop().run_in_executor(self._writer, lambda: None)
+
+    # ---------------------------------------------------------------- loops
+
+    def _dispatch(self, peer: bytes, frame: bytes) -> None:
+        now = time.monotonic()
+        try:
+            msg = p.decode(frame, max_bytes=self.max_message_bytes)
+        except ProtocolError as exc:
+            self.errors_sent += 1
+            log.warning("rejected message from %r: %s", peer[:40], exc)
+            code = type(exc).__name__
+            self._send(peer, p.Error({"VersionMismatch": "version_mismatch", "MessageTooLarge": "too_large"}.get(code, "malformed"), str(exc), p.peek_req(frame)))
+            return
+        core = self.core
+        handler = {
+            p.Register: core.on_register,
+            p.Heartbeat: core.on_heartbeat,
+            p.Receipt: core.on_receipt,
+            p.Filtered: core.on_filtered,
+            p.Release: core.on_release,
+            p.Capacity: core.on_capacity,
+            p.Attach: core.on_attach,
+            p.Generate: core.on_generate,
+            p.TrainerControl: core.on_trainer_control,
+        }.get(type(msg))
+        if handler is None:
+            self._send(peer, p.Error("unexpected", f"the coordinator does not accept {msg.TYPE!r} messages", getattr(msg, "req", 0)))
+            return
+        self._run(handler(peer, msg, now))
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            if len(frames) != 2:
+                if frames:
+                    self._send(frames[0], p.Error("malformed", f"expected one message frame, got {len(frames) - 1}"))
+                continue
+            try:
+                self._dispatch(frames[0], frames[1])
+            except Exception:
+                # A bug handling one message must not take the fleet down; it is logged loudly.
+                log.exception("internal error handling a message from %r", frames[0][:40])
+                self._send(frames[0], p.Error("internal", "internal coordinator error; see its log", p.peek_req(frames[1])))
+
+    async def _clock(self) -> None:
+        interval = self.core.liveness.heartbeat_interval
+        last_report = 0.0
+        while True:
+            await asyncio.sleep(interval / 2)
+            now = time.monotonic()
+            self._run(self.core.tick(now))
+            for rec in self.core.heartbeat_targets():
+                self._send(rec.agent_id, p.Heartbeat(rec.session))
+            if now - last_report > 30:
+                last_report = now
+                s = self.core.statistics()
+                log.info(
+                    "agents alive %d/%d, leased %d, ready %d, last rollout %d, prompts %s",
+                    sum(a["status"] == "alive" for a in s["agents"].values()), len(s["agents"]), s["leased"], s["ready"], s["last_rollout_id"], s["prompts"],
+                )
+
+    async def serve(self, stop: asyncio.Event | None = None) -> None:
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):
+                pass
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [
+                    tg.create_task(self._ledger_writer(), name="ledger-writer"),
+                    tg.create_task(self._recv_loop(), name="recv"),
+                    tg.create_task(self._clock(), name="clock"),
+                ]
+                await stop.wait()
+                log.info("coordinator shutting down: flushing the ledger")
+                tasks[1].cancel()
+                tasks[2].cancel()
+                await self.flush()
+                tasks[0].cancel()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+        self.sock.close(linger=0)
+        self.ctx.term()
+        self.ledger.close()
