@@ -33,6 +33,7 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--heartbeat-interval", type=float, default=Liveness.heartbeat_interval)
     sp.add_argument("--agent-ttl", type=float, default=Liveness.ttl, help="silence after which an agent's leases are reissued")
     sp.add_argument("--retire-after", type=float, default=Liveness.retire_after, help="silence after which an agent is retired")
+    sp.add_argument("--max-message-bytes", type=int, default=64 << 20, help="largest control message accepted")
     sp.add_argument("--no-sync", action="store_true", help="skip fsync on ledger commits (faster, not crash-safe)")
     sp.add_argument("--log-level", default="INFO")
 
@@ -72,7 +73,7 @@ def serve(args) -> int:
     dataset = Dataset(args.dataset, input_key=args.input_key, label_key=args.label_key)
     server = CoordinatorServer(
         dataset=dataset, config=config, liveness=liveness, data_dir=args.data_dir, bind=args.bind,
-        seed=args.shuffle_seed, sync=not args.no_sync,
+        seed=args.shuffle_seed, sync=not args.no_sync, max_message_bytes=args.max_message_bytes,
     )
     print(f"coordinator listening on {server.endpoint}", flush=True)
     asyncio.run(server.serve())

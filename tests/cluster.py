@@ -1,0 +1,201 @@
+"""A real rollfleet cluster on loopback for tests: processes, ports, data dirs, cleanup.
+
+Every process is started with Popen in its own session and tracked by pid:
+coordinators, agents, standalone sim engines, and the engines agents launch
+(read from the agents' logs). ``stop_all`` ends them all (SIGTERM, then
+SIGKILL). Nothing is ever killed by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common.demo_data import write_arithmetic_dataset
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    last_exc = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # the thing polled may not be up yet
+            last_exc = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
+
+
+class Proc:
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict | None = None):
+        self.name = name
+        self.argv = argv
+        self.log = log
+        self._fh = open(log, "ab")
+        self.popen = subprocess.Popen(
+            argv, stdout=self._fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, cwd=ROOT, env=env,
+        )
+        self.pid = self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def wait(self, timeout: float) -> int:
+        return self.popen.wait(timeout)
+
+    def text(self) -> str:
+        self._fh.flush()
+        return self.log.read_text(errors="replace")
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+class Cluster:
+    def __init__(self, tmp: Path, *, rows: int = 400, dataset: Path | None = None, **config):
+        self.tmp = Path(tmp)
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.dataset = dataset or write_arithmetic_dataset(self.tmp / "data.jsonl", rows)
+        self.port = free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.config = {"rollout_batch_size": 8, "n_samples_per_prompt": 4, "max_new_tokens": 64, **config}
+        self.procs: list[Proc] = []
+        self.engine_pids: set[int] = set()
+        self.coordinator: Proc | None = None
+        self.agents: dict[str, Proc] = {}
+        self._clients = []
+
+    # ------------------------------------------------------------ processes
+
+    def _spawn(self, name: str, argv: list[str]) -> Proc:
+        proc = Proc(name, argv, self.tmp / f"{name}.log")
+        self.procs.append(proc)
+        return proc
+
+    def start_coordinator(self, *extra: str, wait: bool = True) -> Proc:
+        argv = [sys.executable, "-m", "coordinator.cli", "serve", "--dataset", str(self.dataset),
+                "--data-dir", str(self.tmp / "coordinator"), "--bind", self.address,
+                "--heartbeat-interval", "0.25", "--agent-ttl", "1.5", "--retire-after", "30"]
+        for key, value in self.config.items():
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+        argv += list(extra)
+        self.coordinator = self._spawn(f"coordinator-{len(self.procs)}", argv)
+        if wait:
+            wait_for(lambda: "coordinator listening" in self.coordinator.text() or not self.coordinator.alive(), 20, "coordinator to listen")
+            assert self.coordinator.alive(), self.coordinator.text()
+        return self.coordinator
+
+    def start_agent(self, name: str, *extra: str, engines: int = 1, concurrency: int = 32, sim_args: str = "", engine_urls=(), wait: bool = True) -> Proc:
+        argv = [sys.executable, "-m", "agent.cli", "join", "--coordinator", self.address,
+                "--data-dir", str(self.tmp / name), "--agent-id", name, "--concurrency", str(concurrency),
+                "--health-interval", "1"]
+        if engine_urls:
+            for url in engine_urls:
+                argv += ["--engine-url", url]
+        else:
+            argv += ["--engine", "sim", "--engines", str(engines)]
+            if sim_args:
+                argv += ["--sim-args", sim_args]
+        argv += list(extra)
+        proc = self._spawn(f"{name}-{len(self.procs)}", argv)
+        self.agents[name] = proc
+        if wait:
+            self.wait_agent_registered(name)
+        return proc
+
+    def wait_agent_registered(self, name: str, timeout: float = 30) -> None:
+        proc = self.agents[name]
+
+        def registered():
+            text = proc.text()
+            self._collect_engine_pids(text)
+            if not proc.alive():
+                raise AssertionError(f"agent {name} exited: {text[-3000:]}")
+            return "registered (session" in text
+
+        wait_for(registered, timeout, f"agent {name} to register")
+
+    def _collect_engine_pids(self, text: str) -> None:
+        for m in re.finditer(r"launched \(pid (\d+)\)", text):
+            self.engine_pids.add(int(m.group(1)))
+
+    def engine_pids_of(self, name: str) -> list[int]:
+        return [int(m.group(1)) for m in re.finditer(r"launched \(pid (\d+)\)", self.agents[name].text())]
+
+    def start_sim_engine(self, *extra: str) -> tuple[Proc, str]:
+        proc = self._spawn(f"sim-engine-{len(self.procs)}", [sys.executable, "-m", "agent.cli", "sim-engine", "--port", "0", *extra])
+
+        def url():
+            m = re.search(r"listening on (http://\S+)", proc.text())
+            return m.group(1) if m else None
+
+        return proc, wait_for(url, 20, "standalone sim engine to listen")
+
+    # ------------------------------------------------------------ trainer side
+
+    def client(self, **kwargs):
+        from coordinator.client import RolloutClient
+
+        kwargs.setdefault("timeout", 60)
+        kwargs.setdefault("retry_interval", 0.5)
+        c = RolloutClient(self.address, **kwargs)
+        self._clients.append(c)
+        return c
+
+    def stats(self) -> dict:
+        out = subprocess.run([sys.executable, "-m", "coordinator.cli", "status", "--coordinator", self.address, "--timeout", "5"],
+                             capture_output=True, text=True, timeout=30, cwd=ROOT)
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr)
+        return json.loads(out.stdout)
+
+    # ------------------------------------------------------------ teardown
+
+    def stop_all(self) -> None:
+        for c in self._clients:
+            try:
+                c.close()
+            except Exception:
+                pass
+        for proc in self.procs:
+            self._collect_engine_pids(proc.text())
+        for proc in reversed(self.procs):
+            proc.signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.signal(signal.SIGKILL)
+                proc.wait(5)
+            proc.close()
+        for pid in self.engine_pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
