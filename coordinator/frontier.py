@@ -37,15 +37,16 @@ class EpochFrontier:
         self.finished = 0  # DELIVERED + FILTERED
 
     def take(self, now: float) -> int | None:
-        while self.requeue:
-            index = self.requeue.popleft()
-            if self.state[index] == PENDING:
-                return index
+        # Due orphans first: they have waited longest.
         if self.orphans and now >= self.orphans_not_before:
             while self.orphans:
                 index = self.orphans.popleft()
                 if self.state[index] == PENDING:
                     return index
+        while self.requeue:
+            index = self.requeue.popleft()
+            if self.state[index] == PENDING:
+                return index
         while self.cursor < len(self.order):
             index = self.order[self.cursor]
             self.cursor += 1

@@ -1,0 +1,265 @@
+"""The coordinator's pure core: events in, effects out; no sockets, no clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from common import protocol as p
+from common.config import Liveness, RolloutConfig
+from coordinator.core import CoordinatorCore, Persist, Restored, Send
+from coordinator.frontier import DELIVERED, FILTERED, LEASED, PENDING, READY
+
+N = 4  # samples per prompt
+
+
+def make_core(size=20, batch=2, prefetch=-1, restored=None, now=0.0, ttl=3.0, retire=10.0):
+    cfg = RolloutConfig(rollout_batch_size=batch, n_samples_per_prompt=N, prefetch=prefetch)
+    return CoordinatorCore(cfg, Liveness(0.25, ttl, retire), dataset_size=size, dataset_fingerprint="fp",
+                           row=lambda i: (f"q{i}", i, {}), restored=restored, now=now)
+
+
+def sends(effects, kind=None):
+    out = []
+    for e in effects:
+        items = e.then if isinstance(e, Persist) else [e]
+        out += [s for s in items if kind is None or isinstance(s.msg, kind)]
+    return out
+
+
+def register(core, agent="a", slots=4 * N, now=0.0, unacked=(), in_flight=()):
+    eff = core.on_register(agent.encode(), p.Register(agent, 1, slots, f"tcp://{agent}:1", [], list(unacked), list(in_flight)), now)
+    welcome = sends(eff, p.Welcome)[0].msg
+    return welcome, eff
+
+
+def grants(effects):
+    return [g for s in sends(effects, p.Grant) for g in s.msg.leases]
+
+
+def attach(core):
+    eff = core.on_attach(b"trainer", p.Attach(1, "t"), 0.0)
+    return sends(eff, p.Ok)[0].msg.result["session"]
+
+
+def receipt(core, session, g, key=None, now=0.0, agent=b"a"):
+    key = key or f"{g['data_epoch']}:{g['index']}:{g['lease']:x}"
+    eff = core.on_receipt(agent, p.Receipt(session, g["lease"], g["data_epoch"], g["index"], key, N, {"n_samples": N, "reward_sum": 2.0}), now)
+    return eff, sends(eff, p.ReceiptAck)[0].msg
+
+
+def test_welcome_precedes_grants_and_admission_is_bounded_by_prefetch():
+    core = make_core(prefetch=3)
+    welcome, eff = register(core)
+    out = sends(eff)
+    assert isinstance(out[0].msg, p.Welcome)
+    assert len(grants(eff)) == 3  # no trainer demand yet: prefetch only, though capacity is 4
+    assert core.statistics()["leased"] == 3
+
+
+def test_capacity_is_slots_divided_by_group_size():
+    core = make_core(prefetch=100)
+    _, eff = register(core, slots=2 * N + 3)
+    assert len(grants(eff)) == 2
+
+
+def test_receipt_is_acknowledged_after_persist_and_counted_once():
+    core = make_core(prefetch=2)
+    welcome, eff = register(core)
+    g = grants(eff)[0]
+    eff, ack = receipt(core, welcome.session, g)
+    assert ack.accepted
+    persist = [e for e in eff if isinstance(e, Persist)][0]
+    assert any(op[0] == "prompt" and op[3]["s"] == "r" for op in persist.ops)
+    assert any(isinstance(s.msg, p.ReceiptAck) for s in persist.then), "ack must wait for the ledger commit"
+    # The same receipt again (retransmit): acknowledged, not counted twice.
+    _, ack2 = receipt(core, welcome.session, g)
+    assert ack2.accepted
+    assert core.statistics()["ready"] == 1
+    # Another group for the same prompt (e.g. from a reissued lease): refused.
+    _, ack3 = receipt(core, welcome.session, g, key="0:0:other")
+    assert not ack3.accepted and "duplicate" in ack3.reason
+
+
+def test_batches_assemble_exactly_and_replay_identically():
+    core = make_core(batch=2, prefetch=0)
+    welcome, _ = register(core)
+    session = attach(core)
+    eff = core.on_generate(b"trainer", p.Generate(session, 10, 0), 0.0)
+    gs = grants(eff)
+    assert len(gs) == 2
+    for g in gs:
+        eff, _ = receipt(core, welcome.session, g)
+    batch = sends(eff, p.BatchRefs)[0].msg
+    assert sorted(r[0] for r in batch.groups) == sorted(g["index"] for g in gs)
+    assert core.frontier.state_of(0, gs[0]["index"]) == DELIVERED
+    replay = sends(core.on_generate(b"trainer", p.Generate(session, 11, 0), 0.0), p.BatchRefs)[0].msg
+    assert replay.groups == batch.groups and replay.metrics == batch.metrics
+    err = sends(core.on_generate(b"trainer", p.Generate(session, 12, -5), 0.0), p.Error)
+    assert err, "an id older than the last batch that was never generated is an error"
+
+
+def test_filtered_groups_are_replaced_and_reported_in_the_next_batch():
+    core = make_core(batch=1, prefetch=0)
+    welcome, _ = register(core)
+    session = attach(core)
+    g = grants(core.on_generate(b"trainer", p.Generate(session, 1, 0), 0.0))[0]
+    eff = core.on_filtered(b"a", p.Filtered(welcome.session, g["lease"], 0, g["index"], "zero_std_1"), 0.0)
+    assert core.frontier.state_of(0, g["index"]) == FILTERED
+    replacement = grants(eff)
+    assert len(replacement) == 1 and replacement[0]["index"] != g["index"]
+    eff, _ = receipt(core, welcome.session, replacement[0])
+    m = sends(eff, p.BatchRefs)[0].msg.metrics
+    assert m["rollout/dynamic_filter/drop_zero_std_1"] == 1
+    assert m["rollout/dynamic_filter/dropped_groups"] == 1
+    assert m["rollout/dynamic_filter/dropped_ratio"] == 0.5
+
+
+def test_silent_agent_loses_its_leases_and_is_fenced_when_it_returns():
+    core = make_core(prefetch=2, ttl=3.0)
+    w1, eff = register(core, "a", now=0.0)
+    leased = grants(eff)
+    w2, _ = register(core, "b", now=0.0)
+    core.on_heartbeat(b"b", p.Heartbeat(w2.session), 2.9)
+    eff = core.tick(3.5)  # a is silent past the TTL; b is not
+    reissued = grants(eff)
+    assert sorted(g["index"] for g in reissued) == sorted(g["index"] for g in leased)
+    assert all(s.to == "b" for s in sends(eff, p.Grant))
+    # a's late receipt is fenced: it must register again.
+    late = core.on_receipt(b"a", p.Receipt(w1.session, leased[0]["lease"], 0, leased[0]["index"], "k", N, {}), 4.0)
+    assert isinstance(sends(late)[0].msg, p.Fence)
+    # Re-registering with the committed group recovers it (first committer wins).
+    unacked = [{"lease": leased[0]["lease"], "data_epoch": 0, "index": leased[0]["index"], "key": "k", "stats": {}}]
+    w1b, eff = register(core, "a", now=4.0, unacked=unacked)
+    assert w1b.acks == [["k", True]]
+    # b then finishes the same prompt: refused, so it is never delivered twice.
+    mine = [g for g in reissued if g["index"] == leased[0]["index"]][0]
+    _, ack = receipt(core, w2.session, mine, key="other", agent=b"b")
+    assert not ack.accepted
+
+
+def test_reregistering_agent_keeps_its_in_flight_leases():
+    core = make_core(prefetch=2)
+    w, eff = register(core)
+    leased = grants(eff)
+    in_flight = [[g["lease"], 0, g["index"]] for g in leased]
+    w2, eff = register(core, in_flight=in_flight)
+    assert w2.cancel == []
+    assert core.statistics()["leased"] == 2
+    assert grants(eff) == []  # nothing reissued
+
+
+def test_heartbeat_reconciles_leases_the_agent_no_longer_has():
+    core = make_core(prefetch=2)
+    w, eff = register(core)
+    leased = grants(eff)
+    # The agent's Filtered for the first lease was lost: its heartbeat no longer lists it.
+    eff = core.on_heartbeat(b"a", p.Heartbeat(w.session, {}, [leased[1]["lease"]], max(g["lease"] for g in leased)), 0.5)
+    assert core.frontier.state_of(0, leased[0]["index"]) in (PENDING, LEASED)
+    assert len(core.leases) == 2  # released, then granted again (to the same agent)
+    assert [g["index"] for g in grants(eff)] == [leased[0]["index"]]
+
+
+def test_retired_agent_ready_groups_are_generated_again():
+    core = make_core(prefetch=2, ttl=1.0, retire=5.0)
+    w, eff = register(core, "a")
+    for g in grants(eff):
+        receipt(core, w.session, g)
+    assert core.statistics()["ready"] == 2
+    core.tick(2.0)  # dead: no leases to release
+    eff = core.tick(6.0)  # retired: its payloads are gone for good
+    assert core.statistics()["ready"] == 0
+    assert core.statistics()["prompts"]["pending"] == 20
+
+
+def test_all_agents_retired_fails_generate_clearly():
+    core = make_core(ttl=1.0, retire=2.0)
+    register(core, "a")
+    session = attach(core)
+    core.on_generate(b"trainer", p.Generate(session, 1, 0), 0.0)
+    core.tick(1.5)
+    eff = core.tick(3.0)
+    err = sends(eff, p.Error)[0].msg
+    assert err.code == "no_capacity" and "retired" in err.message
+
+
+def test_trainer_fencing_and_unknown_session():
+    core = make_core()
+    s1 = attach(core)
+    eff = core.on_attach(b"trainer2", p.Attach(2, "t2"), 0.0)
+    s2 = sends(eff, p.Ok)[0].msg.result["session"]
+    assert s2 != s1
+    err = sends(core.on_generate(b"trainer", p.Generate(s1, 3, 0), 0.0), p.Error)[0].msg
+    assert err.code == "fenced"
+    fresh = make_core()
+    err = sends(fresh.on_generate(b"trainer", p.Generate(s1, 3, 0), 0.0), p.Error)[0].msg
+    assert err.code == "unknown_session"
+
+
+def test_state_dict_trims_consumed_batches_and_refuses_older_checkpoints():
+    core = make_core(batch=1, prefetch=0)
+    w, _ = register(core)
+    session = attach(core)
+    for rid in range(3):
+        g = grants(core.on_generate(b"trainer", p.Generate(session, rid, rid), 0.0))[0]
+        receipt(core, w.session, g)
+    ctl = lambda action, **args: core.on_trainer_control(b"trainer", p.TrainerControl(session, 99, action, args), 0.0)
+    assert sends(ctl("state_dict", consumed=2), p.Error)[0].msg.code == "not_drained"
+    ctl("pause", drain=True)
+    eff = ctl("state_dict", consumed=1)
+    state = sends(eff, p.Ok)[0].msg.result
+    trims = sends(eff, p.Trim)
+    assert state["rollout_id"] == 1 and len(trims[0].msg.keys) == 2
+    assert sorted(core.batches) == [2]
+    assert sends(ctl("load_state_dict", state={**state, "rollout_id": 0}), p.Error)[0].msg.code == "bad_state"
+    assert sends(ctl("load_state_dict", state=state), p.Ok)
+    assert sends(core.on_generate(b"trainer", p.Generate(session, 1, 1), 0.0), p.Error)[0].msg.code == "trimmed"
+
+
+def test_restore_keeps_accounted_prompts_and_delays_orphans():
+    restored = Restored(
+        generation=2,
+        cursors={0: 5},
+        prompts={(0, 0): {"s": "d", "a": "a", "k": "k0"}, (0, 1): {"s": "f", "a": "a", "why": "x"}, (0, 2): {"s": "r", "a": "a", "k": "k2", "seq": 1}},
+    )
+    core = make_core(prefetch=10, restored=restored, now=100.0, ttl=3.0)
+    assert core.frontier.state_of(0, 0) == DELIVERED
+    assert core.frontier.state_of(0, 1) == FILTERED
+    assert core.frontier.state_of(0, 2) == READY
+    w, eff = register(core, now=100.0, slots=40 * N)
+    first = [g for g in grants(eff)]
+    indices = [g["index"] for g in first]
+    assert 3 not in indices and 4 not in indices, "orphans wait a TTL for their agents to come back"
+    assert 5 in indices
+    # After the grace period, released work is reissued with the orphans first.
+    eff = core.on_release(b"a", p.Release(w.session, [g["lease"] for g in first[:2]], "test"), 104.0)
+    assert sorted(g["index"] for g in grants(eff)) == [3, 4]
+
+
+def test_agent_reporting_an_orphan_adopts_it_after_restart():
+    restored = Restored(generation=2, cursors={0: 3})
+    core = make_core(prefetch=0, restored=restored)
+    w, _ = register(core, in_flight=[[77, 0, 1]])
+    assert w.cancel == []
+    assert core.frontier.state_of(0, 1) == LEASED
+
+
+def test_dataset_mismatch_is_refused():
+    core = make_core()
+    eff = core.on_register(b"a", p.Register("a", 1, 8, "tcp://a:1", [], [], [], "other", 20), 0.0)
+    assert sends(eff, p.Error)[0].msg.code == "dataset_mismatch"
+
+
+@pytest.mark.parametrize("size", [1, 7])
+def test_epochs_roll_over_and_every_prompt_is_accounted(size):
+    core = make_core(size=size, batch=1, prefetch=0)
+    w, _ = register(core, slots=100 * N)
+    session = attach(core)
+    seen = []
+    for rid in range(3 * size):
+        eff = core.on_generate(b"trainer", p.Generate(session, rid, rid, 0), 0.0)
+        g = grants(eff)[0]
+        eff, _ = receipt(core, w.session, g)
+        seen.append((g["data_epoch"], g["index"]))
+    assert len(set(seen)) == len(seen)
+    for epoch in range(3):
+        assert sorted(i for e, i in seen if e == epoch) == list(range(size))

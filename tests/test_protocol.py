@@ -1,0 +1,59 @@
+"""The wire protocol: typed decoding, clear errors."""
+
+import msgpack
+import pytest
+
+from common import protocol as p
+from common.errors import MessageTooLarge, ProtocolError, VersionMismatch
+from common.types import Group, Sample
+
+
+def test_round_trip_every_field():
+    msg = p.Receipt(session=5, lease=7, data_epoch=1, index=42, key="1:42:7", n_samples=8, stats={"reward_sum": 3.0})
+    assert p.decode(p.encode(msg)) == msg
+
+
+def test_defaults_may_be_omitted_on_the_wire():
+    frame = msgpack.packb([p.PROTOCOL_VERSION, "heartbeat", {"session": 3}])
+    assert p.decode(frame) == p.Heartbeat(3)
+
+
+@pytest.mark.parametrize(
+    "frame, error, text",
+    [
+        (b"\xc1", ProtocolError, "not valid msgpack"),
+        (msgpack.packb({"a": 1}), ProtocolError, "expected a msgpack array"),
+        (msgpack.packb([2, "heartbeat", {"session": 1}]), VersionMismatch, "protocol version 2"),
+        (msgpack.packb([1, "nope", {}]), ProtocolError, "unknown message type 'nope'"),
+        (msgpack.packb([1, "heartbeat", {}]), ProtocolError, "missing field 'session'"),
+        (msgpack.packb([1, "heartbeat", {"session": "x"}]), ProtocolError, "field 'session' has type str"),
+        (msgpack.packb([1, "heartbeat", {"session": True}]), ProtocolError, "field 'session'"),
+        (msgpack.packb([1, "heartbeat", {"session": 1, "extra": 2}]), ProtocolError, "unknown field(s) ['extra']"),
+        (msgpack.packb([1, "release", {"session": 1, "leases": [1, "a"], "reason": ""}]), ProtocolError, "field 'leases'"),
+    ],
+)
+def test_bad_frames_raise_clear_errors(frame, error, text):
+    with pytest.raises(error) as info:
+        p.decode(frame)
+    assert text in str(info.value)
+
+
+def test_oversized_frame_is_refused_before_decoding():
+    with pytest.raises(MessageTooLarge, match="exceeds the limit of 100 bytes"):
+        p.decode(b"x" * 101, max_bytes=100)
+
+
+def test_every_message_type_is_declared_once_with_its_direction():
+    types = p.message_types()
+    assert len(types) == len(set(types))
+    for name, cls in types.items():
+        assert "->" in (cls.__doc__ or ""), f"{name} lacks its 'sender -> receiver' line"
+
+
+def test_group_payload_round_trip_keeps_exact_logprobs():
+    s = Sample([1, 2], [3, 4, 5], [-0.1, -1e-9, -12.123456789], [1, 1, 0], 1.0, "truncated", "v3",
+               label=7, metadata={"k": "v"}, response_text="abc", weight_versions=[["v2", 0, 1], ["v3", 1, 3]])
+    g = Group(index=9, samples=[s, s], data_epoch=2, rollout_id=4, label=7, agent_id="n1", gen_seconds=0.5)
+    back = Group.from_wire(g.to_wire())
+    assert back == g
+    assert back.samples[0].response_logprobs == [-0.1, -1e-9, -12.123456789]
