@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Install rollfleet with its test extra into ./.venv (first run only) and run the tests.
+# Extra arguments go to pytest. With CI=true the chaos suite runs its bounded version.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  "${PYTHON:-python3}" -m venv .venv || exit 1
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' || exit 1
+# torch is optional (only RolloutBatch.to_tensors needs it); take the CPU build when it can be had.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 \
+    || echo "note: torch not installed; the to_tensors test will be skipped"
+fi
+.venv/bin/python -m pytest "$@"
+rc=$?
+if [ "$rc" -eq 5 ]; then
+  echo "error: pytest collected no tests" >&2
+  exit 1
+fi
+exit "$rc"
