@@ -1,0 +1,22 @@
+"""RolloutBatch.to_tensors: padded torch tensors for training code."""
+
+import pytest
+
+from common.types import Group, Sample
+from coordinator.client import RolloutBatch
+
+torch = pytest.importorskip("torch")
+
+
+def test_rows_are_prompt_plus_response_right_padded_with_aligned_logprobs():
+    a = Sample([1, 2, 3], [4, 5], [-0.5, -0.25], [1, 1], 1.0, "completed", "v1")
+    b = Sample([1, 2, 3], [6, 7, 8, 9], [-1.0, -2.0, -3.0, -4.0], [1, 1, 1, 0], 0.0, "truncated", "v1")
+    batch = RolloutBatch(0, [Group(index=11, samples=[a, b])])
+    t = batch.to_tensors(pad_token_id=0)
+    assert t["tokens"].tolist() == [[1, 2, 3, 4, 5, 0, 0], [1, 2, 3, 6, 7, 8, 9]]
+    assert t["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0, 0], [1] * 7]
+    assert t["loss_mask"].tolist() == [[0, 0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1, 0]]
+    assert t["rollout_logprobs"][0, 3:5].tolist() == [-0.5, -0.25]
+    assert t["rewards"].tolist() == [1.0, 0.0]
+    assert t["response_lengths"].tolist() == [2, 4]
+    assert t["group_index"].tolist() == [11, 11]
