@@ -1,0 +1,456 @@
+"""Tests of agent.supervisor: planning (pure) and supervising real sim-engine children."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from agent.supervisor import EngineSpec, EngineSupervisor, plan_engines, sglang_command
+from common.errors import ConfigError, EngineStartError
+
+# ---------------------------------------------------------------- helpers
+
+_SEEN_PIDS: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _reap_strays():
+    """Safety net: kill (by pid/process group, never by name) any child a test left behind."""
+    yield
+    for pid in list(_SEEN_PIDS):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    _SEEN_PIDS.clear()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie still answers kill(0); reap it if it is ours
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
+
+
+def _track(sup: EngineSupervisor) -> dict[str, int]:
+    pids = sup.pids()
+    _SEEN_PIDS.update(pids.values())
+    return pids
+
+
+async def _until(pred, timeout: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def _get_health(url: str) -> int:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/health_generate", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            return r.status
+
+
+def _sim(name: str, *args: str) -> EngineSpec:
+    spec = plan_engines("sim", sim_args=args)[0]
+    return dataclasses.replace(spec, name=name)
+
+
+def _sup(specs, tmp_path: Path, events: list | None = None, **kw) -> EngineSupervisor:
+    kw.setdefault("start_timeout", 20.0)
+    kw.setdefault("health_interval", 0.3)
+    kw.setdefault("health_timeout", 2.0)
+    on_change = (lambda n, s: events.append((n, s))) if events is not None else None
+    return EngineSupervisor(specs, log_dir=tmp_path / "logs", on_change=on_change, **kw)
+
+
+# ---------------------------------------------------------------- planning
+
+
+def test_sglang_command():
+    argv = sglang_command("/models/qwen", host="0.0.0.0", port=30001, tp_size=2,
+                          extra_args=["--enable-metrics"])
+    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    joined = " ".join(argv)
+    for piece in ("--model-path /models/qwen", "--host 0.0.0.0", "--port 30001",
+                  "--tp-size 2", "--base-gpu-id 0", "--skip-server-warmup"):
+        assert piece in joined
+    assert argv[-1] == "--enable-metrics"
+    assert sglang_command("m", host="h", port=1, tp_size=1, module="x.y")[2] == "x.y"
+    with pytest.raises(ConfigError):
+        sglang_command("m", host="h", port=1, tp_size=0)
+
+
+def test_plan_sglang_ports_gpus_env(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    specs = plan_engines("sglang", count=3, model_path="/m", tp_size=2,
+                         gpu_ids=[4, 5, 6, 7, 2, 3, 0], sglang_args=["--dtype", "bfloat16"])
+    assert [s.name for s in specs] == ["sglang-0", "sglang-1", "sglang-2"]
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["4,5", "6,7", "2,3"]
+    assert [s.gpu_ids for s in specs] == [[4, 5], [6, 7], [2, 3]]
+    for s in specs:
+        assert s.kind == "sglang"
+        assert "PYTORCH_CUDA_ALLOC_CONF" not in s.env
+        assert s.env["PATH"] == os.environ["PATH"]
+        assert s.argv[s.argv.index("--tp-size") + 1] == "2"
+        assert s.argv[s.argv.index("--base-gpu-id") + 1] == "0"
+        assert s.argv[-2:] == ["--dtype", "bfloat16"]
+        port = int(s.argv[s.argv.index("--port") + 1])
+        assert s.url == f"http://127.0.0.1:{port}"
+    ports = [int(s.argv[s.argv.index("--port") + 1]) for s in specs]
+    assert len(set(ports)) == 3
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # ours untouched
+
+
+def test_plan_sglang_too_few_gpus():
+    with pytest.raises(ConfigError) as ei:
+        plan_engines("sglang", count=2, model_path="/m", tp_size=2, gpu_ids=[0, 1, 2])
+    msg = str(ei.value)
+    assert "need 4" in msg and "only 3" in msg and "tp_size 2" in msg
+    with pytest.raises(ConfigError):
+        plan_engines("sglang", count=1, tp_size=1, gpu_ids=[0])  # no model path
+    with pytest.raises(ConfigError):
+        plan_engines("sglang", model_path="/m", gpu_ids=[1, 1])
+
+
+def test_plan_sglang_default_gpus_from_env(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    specs = plan_engines("sglang", count=2, model_path="/m")
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["3", "5"]
+
+
+def test_plan_url_and_sim():
+    specs = plan_engines("url", urls=["http://10.0.0.1:30000/", "http://10.0.0.2:30000"])
+    assert [(s.name, s.kind, s.url, s.argv) for s in specs] == [
+        ("url-0", "url", "http://10.0.0.1:30000", None),
+        ("url-1", "url", "http://10.0.0.2:30000", None),
+    ]
+    for bad in (dict(urls=[]), dict(urls=["10.0.0.1:30000"]), dict(urls=["ftp://x:1"])):
+        with pytest.raises(ConfigError):
+            plan_engines("url", **bad)
+    with pytest.raises(ConfigError):
+        plan_engines("sim", urls=["http://x:1"])
+    with pytest.raises(ConfigError):
+        plan_engines("vllm")
+    with pytest.raises(ConfigError):
+        plan_engines("sim", count=0)
+    sims = plan_engines("sim", count=2, sim_args=["--startup-delay", "1"])
+    assert [s.name for s in sims] == ["sim-0", "sim-1"]
+    assert sims[0].url is None
+    assert sims[0].argv == [sys.executable, "-m", "agent.sim_engine", "--host", "127.0.0.1",
+                            "--port", "0", "--startup-delay", "1"]
+
+
+def test_supervisor_rejects_bad_specs(tmp_path):
+    s = plan_engines("sim")[0]
+    with pytest.raises(ConfigError):
+        EngineSupervisor([s, s], log_dir=tmp_path)
+    with pytest.raises(ConfigError):
+        EngineSupervisor([], log_dir=tmp_path)
+    with pytest.raises(ConfigError):
+        EngineSupervisor([dataclasses.replace(s, name="../x")], log_dir=tmp_path)
+
+
+# ---------------------------------------------------------------- live sim engines
+
+
+@pytest.mark.timeout(40)
+def test_two_sim_engines_become_healthy_and_stop_cleanly(tmp_path):
+    events: list = []
+
+    async def main():
+        sup = _sup(plan_engines("sim", count=2), tmp_path, events)
+        try:
+            await sup.start()
+            pids = _track(sup)
+            assert sorted(pids) == ["sim-0", "sim-1"]
+            assert [sup.state(n) for n in ("sim-0", "sim-1")] == ["healthy", "healthy"]
+            healthy = sup.healthy()
+            assert [e.name for e in healthy] == ["sim-0", "sim-1"]
+            assert healthy[0].url != healthy[1].url
+            for e in healthy:
+                assert e.url.startswith("http://127.0.0.1:")
+                assert await _get_health(e.url) == 200
+            assert sorted(events) == [("sim-0", "healthy"), ("sim-1", "healthy")]
+            log = (tmp_path / "logs" / "sim-0.log").read_text()
+            assert "rollfleet-sim listening on http://" in log
+            # the engine tasks are named and owned by the supervisor
+            names = {t.get_name() for t in asyncio.all_tasks()}
+            assert {"engine-sim-0", "engine-sim-1"} <= names
+        finally:
+            await sup.stop()
+            await sup.stop()  # idempotent
+        for pid in pids.values():
+            assert not _alive(pid)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pids["sim-0"], 0)
+        assert sup.pids() == {} and sup.healthy() == []
+        assert not any(t.get_name().startswith("engine-") for t in asyncio.all_tasks())
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_sglang_kind_launches_through_same_path(tmp_path):
+    specs = plan_engines("sglang", model_path="/nonexistent/model", gpu_ids=[3],
+                         sglang_module="agent.sim_engine")
+
+    async def main():
+        sup = _sup(specs, tmp_path)
+        try:
+            await sup.start()
+            _track(sup)
+            (e,) = sup.healthy()
+            assert e.name == "sglang-0" and e.url == specs[0].url
+            assert await _get_health(e.url) == 200
+        finally:
+            await sup.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_startup_delay_is_waited_for(tmp_path):
+    async def main():
+        sup = _sup([_sim("slow", "--startup-delay", "1")], tmp_path)
+        try:
+            t0 = time.monotonic()
+            task = asyncio.create_task(sup.start())
+            await asyncio.sleep(0.3)
+            assert sup.state("slow") == "starting" and sup.healthy() == []
+            await task
+            assert time.monotonic() - t0 >= 1.0
+            _track(sup)
+            assert sup.state("slow") == "healthy"
+        finally:
+            await sup.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_unhealthy_only_engine_fails_start(tmp_path):
+    async def main():
+        sup = _sup([_sim("sick", "--unhealthy")], tmp_path, start_timeout=2.0)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(EngineStartError) as ei:
+                await sup.start()
+            assert time.monotonic() - t0 < 10
+            msg = str(ei.value)
+            assert "sick" in msg and "http://127.0.0.1:" in msg and "sick.log" in msg
+            assert sup.state("sick") == "retired" and sup.pids() == {}
+        finally:
+            await sup.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_unhealthy_engine_retired_while_other_starts(tmp_path):
+    events: list = []
+
+    async def main():
+        sup = _sup([_sim("good"), _sim("sick", "--unhealthy")], tmp_path, events,
+                   start_timeout=2.0)
+        try:
+            await sup.start()
+            pids = _track(sup)
+            assert sup.state("good") == "healthy" and sup.state("sick") == "retired"
+            assert list(pids) == ["good"]
+            assert [e.name for e in sup.healthy()] == ["good"]
+            assert ("sick", "retired") in events and ("good", "healthy") in events
+        finally:
+            await sup.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_exit_during_start_names_exit_code_and_log_tail(tmp_path):
+    async def main():
+        sup = _sup([_sim("broken", "--no-such-flag")], tmp_path)
+        try:
+            with pytest.raises(EngineStartError) as ei:
+                await sup.start()
+            msg = str(ei.value)
+            assert "broken" in msg and "exit code 2" in msg
+            assert "--no-such-flag" in msg  # argparse's complaint, from the log tail
+        finally:
+            await sup.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(40)
+def test_sigkill_child_goes_down_then_healthy_with_new_pid(tmp_path):
+    events: list = []
+
+    async def main():
+        sup = _sup([_sim("e")], tmp_path, events)
+        try:
+            await sup.start()
+            old = _track(sup)["e"]
+            old_url = sup.healthy()[0].url
+            os.kill(old, signal.SIGKILL)
+            await _until(lambda: sup.state("e") == "down", 5, "down")
+            assert sup.healthy() == []
+            await _until(lambda: sup.state("e") == "healthy", 15, "healthy again")
+            new = _track(sup)["e"]
+            assert new != old and not _alive(old)
+            url = sup.healthy()[0].url
+            assert await _get_health(url) == 200
+            assert events == [("e", "healthy"), ("e", "down"), ("e", "healthy")]
+            log = (tmp_path / "logs" / "e.log").read_text()
+            assert log.count("=== rollfleet supervisor") == 2  # appended, one header per launch
+            del old_url
+        finally:
+            await sup.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(40)
+def test_crash_budget_exhausted_retires(tmp_path):
+    events: list = []
+
+    async def main():
+        sup = _sup([_sim("e")], tmp_path, events, max_restarts=1, restart_window=60)
+        try:
+            await sup.start()
+            os.kill(_track(sup)["e"], signal.SIGKILL)
+            await _until(lambda: sup.state("e") == "down", 5, "down")
+            await _until(lambda: sup.state("e") == "healthy", 15, "restarted")
+            url = sup.healthy()[0].url
+            async with aiohttp.ClientSession() as s:  # crash it the sim engine's way
+                try:
+                    async with s.post(url + "/rollfleet/crash",
+                                      timeout=aiohttp.ClientTimeout(total=5)) as r:
+                        await r.read()
+                except aiohttp.ClientError:
+                    pass
+            await _until(lambda: sup.state("e") == "retired", 10, "retired")
+            assert sup.pids() == {} and sup.healthy() == []
+            assert events == [("e", "healthy"), ("e", "down"), ("e", "healthy"),
+                              ("e", "down"), ("e", "retired")]
+            await asyncio.sleep(1.0)
+            assert sup.state("e") == "retired" and sup.pids() == {}  # never restarted
+        finally:
+            await sup.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(40)
+def test_hung_engine_reported_failure_and_paused_checks(tmp_path):
+    events: list = []
+
+    async def main():
+        # long interval: only report_failure triggers a check
+        sup = _sup([_sim("e")], tmp_path, events, health_interval=60, health_timeout=0.5)
+        try:
+            await sup.start()
+            pid = _track(sup)["e"]
+            sup.pause_health_checks()
+            os.kill(pid, signal.SIGSTOP)  # hung: the port is open but nothing answers
+            sup.report_failure("e", "connection reset")
+            await asyncio.sleep(1.0)
+            assert sup.state("e") == "healthy"  # checks are paused
+            sup.resume_health_checks()  # the deferred check runs now
+            await _until(lambda: sup.state("e") == "down", 5, "down")
+            await _until(lambda: sup.state("e") == "healthy", 15, "healthy again")
+            assert _track(sup)["e"] != pid and not _alive(pid)
+        finally:
+            await sup.stop()
+
+    asyncio.run(main())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(40)
+def test_url_engine_goes_down_and_comes_back(tmp_path):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "agent.sim_engine", "--host", "127.0.0.1", "--port", str(port)]
+    events: list = []
+
+    def launch():
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+        _SEEN_PIDS.add(p.pid)
+        return p
+
+    async def main():
+        proc = launch()
+        sup = _sup(plan_engines("url", urls=[f"http://127.0.0.1:{port}"]), tmp_path, events,
+                   health_interval=0.2, health_timeout=1.0, max_restarts=0)
+        try:
+            await sup.start()
+            assert sup.state("url-0") == "healthy" and sup.pids() == {}
+            proc.kill()
+            proc.wait()
+            await _until(lambda: sup.state("url-0") == "down", 5, "down")
+            await asyncio.sleep(0.5)
+            assert sup.state("url-0") == "down"  # not retired, despite max_restarts=0
+            proc = launch()
+            await _until(lambda: sup.state("url-0") == "healthy", 15, "back up")
+            assert events == [("url-0", "healthy"), ("url-0", "down"), ("url-0", "healthy")]
+        finally:
+            await sup.stop()
+            proc.kill()
+            proc.wait()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_stop_during_start_and_run_returns(tmp_path):
+    from common.errors import Closed
+
+    async def main():
+        sup = _sup([_sim("slow", "--startup-delay", "30")], tmp_path)
+        try:
+            start = asyncio.create_task(sup.start())
+            await _until(lambda: sup.pids() != {}, 10, "launched")
+            pid = _track(sup)["slow"]
+            await sup.stop(timeout=2.0)
+            with pytest.raises(Closed):
+                await start
+            assert not _alive(pid)
+        finally:
+            await sup.stop()
+
+        sup = _sup([_sim("e")], tmp_path)
+        try:
+            await sup.start()
+            pid = _track(sup)["e"]
+            runner = asyncio.create_task(sup.run(), name="supervisor-run")
+            await asyncio.sleep(0.2)
+            assert not runner.done()
+            await sup.stop()
+            await asyncio.wait_for(runner, 5)  # returns once stopped
+            assert not _alive(pid)
+        finally:
+            await sup.stop()
+
+    asyncio.run(main())
