@@ -32,6 +32,9 @@ def _join_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--advertise-host", default=None, help="address trainers reach this node at (default: the route to the coordinator)")
     sp.add_argument("--agent-id", default=None, help="stable id (default: stored in --data-dir, else hostname-random)")
     sp.add_argument("--tokenizer", default=None, help="'byte' or an HF path (default: the engine's /model_info tokenizer_path)")
+    sp.add_argument("--dataset", default=None, help="read prompts from this local replica (must match the coordinator's: size and fingerprint)")
+    sp.add_argument("--input-key", default="prompt", help="with --dataset: row key holding the prompt")
+    sp.add_argument("--label-key", default="label", help="with --dataset: row key holding the label")
     sp.add_argument("--no-sync", action="store_true", help="skip fsync on store commits (faster, not crash-safe)")
     sp.add_argument("--log-level", default="INFO")
 
@@ -63,7 +66,13 @@ def join(args) -> int:
         specs += plan_engines("sglang", count=args.engines, model_path=args.model_path, tp_size=args.tp_size, gpu_ids=gpu_ids, sglang_args=shlex.split(args.sglang_args))
     if args.engine_url:
         specs += plan_engines("url", urls=args.engine_url)
+    dataset = None
+    if args.dataset:
+        from coordinator.dataset import Dataset
+
+        dataset = Dataset(args.dataset, input_key=args.input_key, label_key=args.label_key)
     agent = Agent(
+        dataset=dataset,
         coordinator=args.coordinator,
         data_dir=args.data_dir,
         engine_specs=specs,

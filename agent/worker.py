@@ -383,8 +383,11 @@ class Agent:
     async def _generate_and_commit(self, grant: dict) -> None:
         config = self.config
         lease, epoch, index = grant["lease"], grant["data_epoch"], grant["index"]
-        prompt, label = grant["prompt"], grant["label"]
-        metadata = dict(grant.get("metadata") or {})
+        if "prompt" in grant:
+            prompt, label, metadata = grant["prompt"], grant["label"], dict(grant.get("metadata") or {})
+        else:  # replicated dataset: the grant carries the index only
+            row = self.dataset.row(index)
+            prompt, label, metadata = row.prompt, row.label, dict(row.metadata)
         metadata["prompt"] = prompt
         input_ids = self.tokenizer.encode(prompt)
         started = time.monotonic()

@@ -156,6 +156,10 @@ class _Endpoint:
 _REQ = itertools.count(1)
 
 
+class FetchFailed(RolloutError):
+    """Some payloads of a batch could not be fetched from their node (yet)."""
+
+
 class AsyncRolloutClient:
     def __init__(
         self,
@@ -164,7 +168,7 @@ class AsyncRolloutClient:
         client_id: str | None = None,
         timeout: float | None = None,
         retry_interval: float = 2.0,
-        fetch_timeout: float = 60.0,
+        fetch_timeout: float = 10.0,
         attach: bool = True,
     ):
         self.address = address
@@ -231,9 +235,20 @@ class AsyncRolloutClient:
     async def generate(self, rollout_id: int, prefetch: int | None = None) -> RolloutBatch:
         """The batch for ``rollout_id``: exactly ``rollout_batch_size`` groups."""
         started = time.monotonic()
-        refs = await self._call(lambda s, req: p.Generate(s, req, rollout_id, -1 if prefetch is None else prefetch), f"generate({rollout_id})")
-        waited = time.monotonic() - started
-        groups = await self._fetch(refs.groups)
+        while True:
+            refs = await self._call(lambda s, req: p.Generate(s, req, rollout_id, -1 if prefetch is None else prefetch), f"generate({rollout_id})")
+            waited = time.monotonic() - started
+            try:
+                groups = await self._fetch(refs.groups)
+                break
+            except FetchFailed as exc:
+                # The node holding some payloads is down. It either comes back (its
+                # disk survives; the coordinator then has its new address) or is
+                # retired, and the coordinator completes the batch with replacements.
+                if self.timeout is not None and time.monotonic() - started > self.timeout:
+                    raise RolloutError(f"generate({rollout_id}): {exc}") from None
+                log.warning("generate(%d): %s; asking the coordinator again", rollout_id, exc)
+                await asyncio.sleep(self.retry_interval)
         self.consumed = max(self.consumed, rollout_id)
         metrics = dict(refs.metrics)
         metrics["rollout/wait_seconds"] = waited
@@ -244,7 +259,7 @@ class AsyncRolloutClient:
         by_address: dict[str, list[str]] = {}
         for index, agent_id, address, key in refs:
             if not address:
-                raise RolloutError(f"group {key} (dataset index {index}) is on agent {agent_id}, which the coordinator no longer knows")
+                raise FetchFailed(f"group {key} (dataset index {index}) is on agent {agent_id}, which the coordinator does not know now")
             by_address.setdefault(address, []).append(key)
         jobs = []
         for address, keys in by_address.items():
@@ -259,11 +274,16 @@ class AsyncRolloutClient:
         ep = self._agents.get(address)
         if ep is None:
             ep = self._agents[address] = _Endpoint(self._ctx, address, address)
-        msg, frames = await ep.request(lambda req: p.Fetch(req, keys), retry_interval=max(self.retry_interval, 5.0), timeout=self.fetch_timeout, what=f"fetch from {address}")
+        try:
+            msg, frames = await ep.request(lambda req: p.Fetch(req, keys), retry_interval=max(self.retry_interval, 2.0), timeout=self.fetch_timeout, what=f"fetch from {address}")
+        except RolloutError as exc:
+            await ep.close()
+            self._agents.pop(address, None)
+            raise FetchFailed(str(exc)) from None
         if isinstance(msg, p.Error):
             raise RemoteError(f"agent {address}: [{msg.code}] {msg.message}", code=msg.code)
         if msg.missing:
-            raise RolloutError(f"agent {address} no longer holds {len(msg.missing)} group(s), e.g. {msg.missing[:3]}")
+            raise FetchFailed(f"agent {address} no longer holds {len(msg.missing)} group(s), e.g. {msg.missing[:3]}")
         return dict(zip(msg.found, (bytes(f) for f in frames)))
 
     async def pause(self, drain: bool = True, abort: bool = False) -> dict:

@@ -110,6 +110,7 @@ class CoordinatorCore:
         self.trimmed_upto = restored.trimmed_upto
         self.last_rollout_id = max([restored.last_rollout_id, *self.batches]) if self.batches else restored.last_rollout_id
         self.pending: list[PendingGenerate] = []
+        self.repairs: dict[int, list[tuple[bytes, int]]] = {}  # batch -> trainers waiting for it
         self.drain_waiters: list[tuple[bytes, int]] = []
         self.prefetch = config.effective_prefetch
         self.paused = False
@@ -120,6 +121,9 @@ class CoordinatorCore:
         self.kept_since_batch = 0
         self.filtered_total = 0
         self._restore(restored, now)
+        for rid, batch in self.batches.items():
+            if len(batch["groups"]) < config.rollout_batch_size:
+                self.repairs[rid] = []
 
     # ------------------------------------------------------------------ restore
 
@@ -182,6 +186,7 @@ class CoordinatorCore:
             "leased": len(self.leases),
             "ready": len(self.ready_info),
             "pending_generates": len(self.pending),
+            "batches_in_repair": sorted(self.repairs),
             "prefetch": self.prefetch,
             "paused": self.paused,
             "prompts": counts,
@@ -209,6 +214,7 @@ class CoordinatorCore:
         if old is not None:
             self._release_agent_leases(old, keep=set(reported))
         rec = self.membership.register(msg.agent_id, msg.incarnation, peer, msg.capacity // n, msg.payload_address, msg.engines, now)
+        rec.local_dataset = bool(msg.dataset_fingerprint)
         cancel = []
         for lease, (epoch, index) in reported.items():
             owner = self.leases.get(lease)
@@ -362,9 +368,54 @@ class CoordinatorCore:
                     del self.ready_info[key]
                     self.frontier.reopen(*key)
                     ops.append(("prompt", key[0], key[1], None))
+            self._repair_batches(rec.agent_id, ops)
         if ops:
             out.append(self._persist(ops, []))
         return out + self._pump(now)
+
+    def _repair_batches(self, agent_id: str, ops: list) -> None:
+        """Recorded batches lose the groups of a retired node; replacements will fill them.
+
+        Their prompts are generated again. A trainer asking for such a batch
+        waits for the replacements and sees ``rollout/replaced_groups``.
+        """
+        for rid, batch in self.batches.items():
+            lost = [g for g in batch["groups"] if g[2] == agent_id]
+            if not lost:
+                continue
+            batch["groups"] = [g for g in batch["groups"] if g[2] != agent_id]
+            for index, epoch, _, _ in lost:
+                self.frontier.reopen(epoch, index)
+                ops.append(("prompt", epoch, index, None))
+            batch["metrics"]["rollout/replaced_groups"] = batch["metrics"].get("rollout/replaced_groups", 0.0) + len(lost)
+            self.repairs.setdefault(rid, [])
+            ops.append(("batch", rid, batch))
+
+    def _fill_repairs(self) -> list:
+        out = []
+        size = self.config.rollout_batch_size
+        for rid in sorted(self.repairs):
+            batch = self.batches.get(rid)
+            if batch is None:  # trimmed meanwhile
+                self.repairs.pop(rid)
+                continue
+            ops: list = []
+            while len(batch["groups"]) < size and self.ready:
+                epoch, index = self.ready.popleft()
+                info = self.ready_info.pop((epoch, index), None)
+                if info is None:
+                    continue
+                self.frontier.set(epoch, index, DELIVERED)
+                ops.append(("prompt", epoch, index, {"s": "d", "a": info.agent_id, "k": info.key, "rid": rid}))
+                batch["groups"].append([index, epoch, info.agent_id, info.key])
+            if len(batch["groups"]) < size:
+                if ops:
+                    out.append(self._persist(ops + [("batch", rid, batch)], []))
+                break
+            waiters = self.repairs.pop(rid)
+            ops.append(("batch", rid, batch))
+            out.append(self._persist(ops, [Send(peer, self._batch_reply(req, rid)) for peer, req in waiters]))
+        return out
 
     def heartbeat_targets(self) -> list[AgentRecord]:
         return self.membership.alive()
@@ -409,6 +460,9 @@ class CoordinatorCore:
             return err
         if msg.prefetch >= 0:
             self.prefetch = msg.prefetch
+        if msg.rollout_id in self.repairs:
+            self.repairs[msg.rollout_id].append((peer, msg.req))
+            return self._pump(now)
         if msg.rollout_id in self.batches:
             return [Send(peer, self._batch_reply(msg.req, msg.rollout_id))]
         if msg.rollout_id <= self.trimmed_upto:
@@ -559,20 +613,24 @@ class CoordinatorCore:
     # ------------------------------------------------------------------ pump
 
     def _pump(self, now: float) -> list:
-        out: list = []
+        out: list = self._fill_repairs() if self.repairs else []
         size = self.config.rollout_batch_size
-        while self.pending and len(self.ready_info) >= size:
+        while self.pending and not self.repairs and len(self.ready_info) >= size:
             out.append(self._assemble(self.pending.pop(0)))
-        if self.pending and self.membership.all_gone() and len(self.ready_info) < size:
-            for g in self.pending:
-                out.append(Send(g.peer, p.Error("no_capacity", "no agent with a live engine is left to generate on (all retired)", g.req)))
+        if (self.pending or self.repairs) and self.membership.all_gone() and len(self.ready_info) < size:
+            why = "no agent with a live engine is left to generate on (all retired)"
+            out += [Send(g.peer, p.Error("no_capacity", why, g.req)) for g in self.pending]
+            out += [Send(peer, p.Error("no_capacity", why, req)) for waiters in self.repairs.values() for peer, req in waiters]
             self.pending.clear()
+            for waiters in self.repairs.values():
+                waiters.clear()
         if self.paused:
             if self.drain_waiters and not self.leases:
                 out += [Send(peer, p.Ok(req, {"leased": 0})) for peer, req in self.drain_waiters]
                 self.drain_waiters.clear()
             return out
-        target = size * len(self.pending) + self.prefetch
+        missing = sum(size - len(self.batches[r]["groups"]) for r in self.repairs if r in self.batches)
+        target = size * len(self.pending) + missing + self.prefetch
         budget = target - len(self.leases) - len(self.ready_info)
         if budget <= 0:
             return out
@@ -589,8 +647,11 @@ class CoordinatorCore:
                 self.leases[lease] = (agent_id, epoch, index, rollout_id)
                 self.leased_by[(epoch, index)] = lease
                 rec.leases.add(lease)
-                prompt, label, metadata = self._row(index)
-                grants.append({"lease": lease, "data_epoch": epoch, "index": index, "rollout_id": rollout_id, "prompt": prompt, "label": label, "metadata": metadata})
+                grant = {"lease": lease, "data_epoch": epoch, "index": index, "rollout_id": rollout_id}
+                if not rec.local_dataset:
+                    prompt, label, metadata = self._row(index)
+                    grant.update(prompt=prompt, label=label, metadata=metadata)
+                grants.append(grant)
             if grants:
                 out.append(Send(agent_id, p.Grant(rec.session, grants)))
         return out

@@ -127,11 +127,11 @@ class Frontier:
         ep.requeue.append(index)
 
     def reopen(self, data_epoch: int, index: int) -> None:
-        """A READY group's payload is lost for good (node retired): generate it again."""
+        """A READY or DELIVERED group's payload is lost for good (node retired): generate it again."""
         ep = self.epochs.get(data_epoch)
-        if ep is None or ep.state[index] != READY:
+        if ep is None or ep.state[index] not in (READY, DELIVERED):
             return
-        ep.state[index] = PENDING
+        self.set(data_epoch, index, PENDING)
         ep.requeue.append(index)
 
     def close_finished(self) -> list[int]:

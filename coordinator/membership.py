@@ -33,6 +33,8 @@ class AgentRecord:
     status: str = ALIVE
     leases: set[int] = field(default_factory=set)
     trim_backlog: list[str] = field(default_factory=list)
+    local_dataset: bool = False
+    """The agent reads prompts from its own replica; grants carry indices only."""
 
     @property
     def free(self) -> int:

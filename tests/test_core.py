@@ -263,3 +263,30 @@ def test_epochs_roll_over_and_every_prompt_is_accounted(size):
     assert len(set(seen)) == len(seen)
     for epoch in range(3):
         assert sorted(i for e, i in seen if e == epoch) == list(range(size))
+
+
+def test_batch_on_a_retired_node_is_completed_with_replacements():
+    core = make_core(batch=2, prefetch=0, ttl=1.0, retire=5.0)
+    wa, _ = register(core, "a", slots=N)
+    session = attach(core)
+    ga = grants(core.on_generate(b"trainer", p.Generate(session, 1, 0), 0.0))
+    wb, eff = register(core, "b", slots=N)
+    gb = grants(eff)
+    receipt(core, wa.session, ga[0])
+    eff, _ = receipt(core, wb.session, gb[0], agent=b"b")
+    first = sends(eff, p.BatchRefs)[0].msg
+    assert {g[1] for g in first.groups} == {"a", "b"}
+    core.on_heartbeat(b"b", p.Heartbeat(wb.session), 1.9)
+    core.tick(2.0)  # a is presumed dead; b is alive
+    core.on_heartbeat(b"b", p.Heartbeat(wb.session), 5.9)
+    eff = core.tick(6.0)  # a is retired with its payloads
+    assert core.frontier.state_of(0, ga[0]["index"]) in (PENDING, LEASED)
+    assert core.statistics()["batches_in_repair"] == [0]
+    replacement = grants(eff)
+    assert len(replacement) == 1 and all(s.to == "b" for s in sends(eff, p.Grant))
+    # The trainer cannot fetch a's group and asks again: it waits for the replacement.
+    assert sends(core.on_generate(b"trainer", p.Generate(session, 2, 0), 6.0), p.BatchRefs) == []
+    eff, _ = receipt(core, wb.session, replacement[0], agent=b"b", now=6.1)
+    repaired = sends(eff, p.BatchRefs)[0].msg
+    assert len(repaired.groups) == 2 and {g[1] for g in repaired.groups} == {"b"}
+    assert repaired.metrics["rollout/replaced_groups"] == 1
