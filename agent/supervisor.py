@@ -68,6 +68,7 @@ All methods must be called from the event loop thread that ran :meth:`start`.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import logging
 import os
@@ -717,6 +718,7 @@ class EngineSupervisor:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
+                preexec_fn=_die_with_parent(signal.SIGKILL if spec.kind == "sim" else signal.SIGTERM),
             )
         eng.proc = proc
         eng.exit_task = asyncio.create_task(proc.wait(), name=f"engine-{spec.name}-exit")
@@ -848,6 +850,26 @@ class EngineSupervisor:
         if eng.proc is proc:
             eng.proc = None
             eng.exit_task = None
+
+
+def _die_with_parent(sig: int):
+    """A child-side hook: the kernel sends ``sig`` to the engine when the agent dies.
+
+    Without it a SIGKILLed agent leaves its engines running (holding GPU
+    memory), and the restarted agent launches a second set beside them.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    pr_set_pdeathsig = 1
+
+    def hook() -> None:
+        libc.prctl(pr_set_pdeathsig, int(sig), 0, 0, 0)
+
+    return hook
 
 
 def _killpg(pgid: int, sig: int) -> None:
