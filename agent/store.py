@@ -14,6 +14,8 @@ Invariants:
 - All writes run on one dedicated thread, FIFO, several commits per
   transaction (group commit, ``sync=True``); reads run on other threads and
   never block the writer (MVCC). No transaction is held across an await.
+- The flush loop is a task of its own: cancelling a caller abandons only its
+  wait, never the writes queued with or behind it; ``drain()`` waits for them.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class GroupStore:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-writer")
         self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="store-reader")
         self._queue: list[tuple[list, asyncio.Future]] = []
-        self._flushing = False
+        self._flusher: asyncio.Task | None = None
         with self.env.begin(write=True) as txn:
             stored = txn.get(b"agent_id", db=self.meta)
             if stored is None:
@@ -59,28 +61,41 @@ class GroupStore:
     # ---------------------------------------------------------------- writes
 
     async def _submit(self, ops: list) -> None:
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         self._queue.append((ops, fut))
-        if not self._flushing:
-            self._flushing = True
-            try:
-                while self._queue:
-                    batch, self._queue = self._queue, []
-                    try:
-                        await asyncio.get_running_loop().run_in_executor(self._writer, self._apply, [op for ops, _ in batch for op in ops])
-                    except BaseException as exc:
-                        for _, f in batch:
-                            if not f.done():
-                                f.set_exception(exc)
-                        if not isinstance(exc, Exception):
-                            raise
-                    else:
-                        for _, f in batch:
-                            if not f.done():
-                                f.set_result(None)
-            finally:
-                self._flushing = False
+        # The flush loop is its own task: a caller cancelled while waiting (a lease
+        # cancelled at shutdown or by the coordinator) must not stop the writes
+        # queued behind it, nor leave their callers waiting forever.
+        if self._flusher is None or self._flusher.done():
+            self._flusher = loop.create_task(self._flush(), name="store-flush")
         await fut
+
+    async def _flush(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._queue:
+            batch, self._queue = self._queue, []
+            try:
+                await loop.run_in_executor(self._writer, self._apply, [op for ops, _ in batch for op in ops])
+            except BaseException as exc:
+                for _, f in batch:
+                    if f.done():
+                        continue
+                    if isinstance(exc, Exception):
+                        f.set_exception(exc)
+                    else:
+                        f.cancel()
+                if not isinstance(exc, Exception):
+                    raise
+            else:
+                for _, f in batch:
+                    if not f.done():
+                        f.set_result(None)
+
+    async def drain(self) -> None:
+        """Wait until every write submitted so far is committed (or failed)."""
+        while self._flusher is not None and not self._flusher.done():
+            await asyncio.wait({self._flusher})
 
     def _apply(self, ops: list) -> None:
         with self.env.begin(write=True) as txn:
