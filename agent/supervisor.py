@@ -577,6 +577,10 @@ class EngineSupervisor:
         """``starting``, ``healthy``, ``down`` or ``retired``; KeyError for unknown names."""
         return self._engines[name].state
 
+    def all_retired(self) -> bool:
+        """True once every engine is retired: nothing here will ever generate again."""
+        return all(e.state == "retired" for e in self._engines.values())
+
     def pids(self) -> dict[str, int]:
         """Pids of the live child processes (also their process group ids)."""
         return {e.name: e.proc.pid for e in self._engines.values() if e.alive}

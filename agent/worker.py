@@ -19,6 +19,7 @@ agent's own bound is the pool's capacity, which the coordinator respects.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import signal
@@ -47,6 +48,10 @@ log = logging.getLogger("rollfleet.agent")
 
 class LeaseAborted(Exception):
     """The group's requests were aborted by a pause-with-abort."""
+
+
+class NoEngineLeft(Exception):
+    """Every engine of this node is retired: the lease can never be generated here."""
 
 
 class AgentExit(RolloutError):
@@ -93,6 +98,7 @@ class Agent:
         self.ttl = 5.0
         self.in_flight: dict[int, dict] = {}  # lease -> grant
         self.tasks: dict[int, asyncio.Task] = {}
+        self.committing: set[int] = set()  # leases past generation: committing or reporting
         self.rids: dict[int, tuple[str, list[str]]] = {}  # lease -> (engine url, rids)
         self.max_lease = 0
         self.paused = False
@@ -140,16 +146,39 @@ class Agent:
             await self._close()
 
     async def _shutdown(self, deadline: float = 10.0) -> None:
-        """Orderly stop: release unfinished leases, flush the store, then cancel everything."""
+        """Orderly stop within ``deadline``.
+
+        No new grants (capacity 0); leases still generating are cancelled and
+        released at once, so the coordinator reissues them without waiting for
+        the TTL; groups already past generation finish their commit and
+        receipt; pending store writes are drained and outstanding receipts
+        acknowledged (a later start then has nothing to recover). Only then
+        are the services cancelled.
+        """
         self.stopping = True
+        end = time.monotonic() + deadline
         log.info("agent %s: shutting down", self.agent_id)
+        if self.session:
+            self._send(p.Capacity(self.session, 0, self._engines()))
+        generating = [lease for lease in self.tasks if lease not in self.committing]
+        for lease in generating:
+            self.tasks[lease].cancel()
+        # Snapshot first: each cancelled task removes its lease from in_flight as it ends.
+        if generating and self.session:
+            self._send(p.Release(self.session, generating, "agent shutting down"))
         unfinished = list(self.tasks.values())
-        for t in unfinished:
-            t.cancel()
         if unfinished:
-            await asyncio.wait(unfinished, timeout=deadline)
-        if self.in_flight and self.session:
-            self._send(p.Release(self.session, list(self.in_flight), "agent shutting down"))
+            await asyncio.wait(unfinished, timeout=max(0.1, end - time.monotonic()))
+        try:
+            await asyncio.wait_for(self.store.drain(), max(0.1, end - time.monotonic()))
+        except TimeoutError:
+            log.error("agent %s: store writes still pending at the shutdown deadline", self.agent_id)
+        # Receipts in flight get their acks, unless the coordinator has gone quiet
+        # (e.g. it is stopping too): then the next start recovers them instead.
+        while self.outbox_sent and self.session and time.monotonic() < end and time.monotonic() - self.last_heard < 2 * self.heartbeat_interval:
+            await asyncio.sleep(0.05)
+        if self.outbox_sent:
+            log.warning("agent %s: %d receipt(s) unacknowledged at shutdown; they are sent again at the next start", self.agent_id, len(self.outbox_sent))
         for t in self._services:
             t.cancel()
 
@@ -161,8 +190,13 @@ class Agent:
         await self.client.close()
         self.payloads.close()
         if self.sock is not None:
-            self.sock.close(linger=0)
+            # An orderly stop lets its last messages (Release, Capacity) reach the coordinator.
+            self.sock.close(linger=2000 if self.stopping else 0)
         self.ctx.term()
+        try:
+            await asyncio.wait_for(self.store.drain(), 10)
+        except TimeoutError:
+            log.error("agent %s: store writes did not finish before close", self.agent_id)
         self.store.close()
 
     async def _load_tokenizer(self) -> None:
@@ -194,10 +228,14 @@ class Agent:
     def _send(self, msg: p.Message) -> None:
         if self.sock is None:
             return
+        # A zmq.asyncio socket reports a failed non-blocking send (zmq.Again at the
+        # HWM) through the returned future, not by raising: look at it there.
         try:
-            self.sock.send(p.encode(msg), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("send queue to the coordinator is full; %s dropped (repaired by resend/lease expiry)", msg.TYPE)
+            fut = self.sock.send(p.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            _send_failed(msg.TYPE, exc)
+            return
+        fut.add_done_callback(functools.partial(_check_sent, msg.TYPE))
 
     async def _link(self) -> None:
         backoff = 0.2
@@ -213,6 +251,10 @@ class Agent:
             except AgentExit:
                 raise
             except _Reconnect as why:
+                if self.stopping:
+                    log.info("agent %s: coordinator link lost while shutting down: %s", self.agent_id, why)
+                    self.session = 0
+                    return
                 log.warning("agent %s: reconnecting to the coordinator: %s", self.agent_id, why)
             await asyncio.sleep(backoff * (1 + random.random()))
             backoff = min(backoff * 2, 10.0)
@@ -309,6 +351,10 @@ class Agent:
         if isinstance(msg, p.Grant):
             if msg.session != self.session:
                 return
+            if self.stopping:
+                self.max_lease = max([self.max_lease, *(g["lease"] for g in msg.leases)])
+                self._send(p.Release(self.session, [g["lease"] for g in msg.leases], "agent shutting down"))
+                return
             for grant in msg.leases:
                 self._start_lease(grant)
         elif isinstance(msg, p.ReceiptAck):
@@ -367,6 +413,9 @@ class Agent:
         except LeaseAborted:
             self.counters["groups_released"] += 1
             self._send(p.Release(self.session, [lease], "aborted by pause"))
+        except NoEngineLeft:
+            self.counters["groups_released"] += 1
+            self._send(p.Release(self.session, [lease], f"no engine left on agent {self.agent_id}"))
         except asyncio.CancelledError:
             raise
         except RolloutError as exc:
@@ -377,6 +426,7 @@ class Agent:
         finally:
             self.in_flight.pop(lease, None)
             self.tasks.pop(lease, None)
+            self.committing.discard(lease)
             self.rids.pop(lease, None)
             self.aborting.discard(lease)
 
@@ -421,6 +471,9 @@ class Agent:
         for sample, reward in zip(samples, await self.reward.score(samples)):
             sample.reward = float(reward)
         verdict = await self.filter.check(samples)
+        # No await from here to the commit: a shutdown either cancels the lease
+        # before this point (and releases it) or lets it commit and report.
+        self.committing.add(lease)
         stats = {
             "n_samples": len(samples),
             "prompt_tokens": len(input_ids) * len(samples),
@@ -455,6 +508,8 @@ class Agent:
                 raise LeaseAborted()
             slot = self.pool.pick()
             if slot is None:
+                if self.supervisor.all_retired():
+                    raise NoEngineLeft()
                 self.engine_change.clear()
                 try:
                     await asyncio.wait_for(self.engine_change.wait(), 1.0)
@@ -498,3 +553,15 @@ class Agent:
 
 class _Reconnect(Exception):
     pass
+
+
+def _check_sent(kind: str, fut) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        _send_failed(kind, fut.exception())
+
+
+def _send_failed(kind: str, exc: BaseException) -> None:
+    if isinstance(exc, zmq.Again):
+        log.warning("send queue to the coordinator is full; %s dropped (repaired by resend/lease expiry)", kind)
+    else:
+        log.warning("sending %s to the coordinator failed: %s", kind, exc)
