@@ -120,7 +120,7 @@ class Cluster:
         else:
             argv += ["--engine", "sim", "--engines", str(engines)]
             if sim_args:
-                argv += ["--sim-args", sim_args]
+                argv.append(f"--sim-args={sim_args}")  # '=' form: the value may start with '--'
         argv += list(extra)
         proc = self._spawn(f"{name}-{len(self.procs)}", argv)
         self.agents[name] = proc
