@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import uuid
@@ -31,6 +32,7 @@ import lmdb
 import msgpack
 
 MAP_SIZE = 1 << 40
+log = logging.getLogger("rollfleet.agent.store")
 
 
 class GroupStore:
@@ -71,6 +73,12 @@ class GroupStore:
             self._flusher = loop.create_task(self._flush(), name="store-flush")
         await fut
 
+    def _submit_nowait(self, ops: list) -> None:
+        """Queue writes without waiting for their commit (for idempotent bookkeeping)."""
+        self._queue.append((ops, None))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush(), name="store-flush")
+
     async def _flush(self) -> None:
         loop = asyncio.get_running_loop()
         while self._queue:
@@ -78,8 +86,10 @@ class GroupStore:
             try:
                 await loop.run_in_executor(self._writer, self._apply, [op for ops, _ in batch for op in ops])
             except BaseException as exc:
+                if any(f is None for _, f in batch):
+                    log.error("store write failed: %s", exc)
                 for _, f in batch:
-                    if f.done():
+                    if f is None or f.done():
                         continue
                     if isinstance(exc, Exception):
                         f.set_exception(exc)
@@ -89,7 +99,7 @@ class GroupStore:
                     raise
             else:
                 for _, f in batch:
-                    if not f.done():
+                    if f is not None and not f.done():
                         f.set_result(None)
 
     async def drain(self) -> None:
@@ -122,8 +132,16 @@ class GroupStore:
             ops.append(("del_group", k, None))
         await self._submit(ops)
 
+    def ack_nowait(self, key: str, accepted: bool) -> None:
+        """``ack`` without waiting: a lost outbox delete only means one receipt is resent (and deduplicated)."""
+        k = key.encode()
+        self._submit_nowait([("del_outbox", k, None)] + ([] if accepted else [("del_group", k, None)]))
+
     async def trim(self, keys: list[str]) -> None:
         await self._submit([("del_group", k.encode(), None) for k in keys])
+
+    def trim_nowait(self, keys: list[str]) -> None:
+        self._submit_nowait([("del_group", k.encode(), None) for k in keys])
 
     # ---------------------------------------------------------------- reads
 

@@ -19,6 +19,7 @@ agent's own bound is the pool's capacity, which the coordinator respects.
 from __future__ import annotations
 
 import asyncio
+import gc
 import functools
 import logging
 import random
@@ -129,6 +130,12 @@ class Agent:
             for spec in self.supervisor.healthy():
                 self.pool.set_engine(spec.name, spec.url, True)
             await self._load_tokenizer()
+            # Engine responses are hundreds of thousands of small [logprob, id, text]
+            # lists that die young; default GC thresholds make the collector rescan
+            # everything live many times a second. Freeze start-up objects and
+            # collect less often (measured: ~25% of agent CPU in W1).
+            gc.freeze()
+            gc.set_threshold(50_000, 50, 100)
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 link = tg.create_task(self._link(), name="link")
@@ -361,14 +368,15 @@ class Agent:
             self.outbox_sent.pop(msg.key, None)
             if not msg.accepted:
                 log.info("coordinator refused group %s (%s); deleting it", msg.key, msg.reason)
-            await self.store.ack(msg.key, msg.accepted)
+            # Not awaited: the next grant must not queue behind an fsync.
+            self.store.ack_nowait(msg.key, msg.accepted)
         elif isinstance(msg, p.Control):
             if msg.action == "pause":
                 self._set_paused(True, abort=msg.abort)
             elif msg.action == "resume":
                 self._set_paused(False, abort=False)
         elif isinstance(msg, p.Trim):
-            await self.store.trim(msg.keys)
+            self.store.trim_nowait(msg.keys)
         elif isinstance(msg, p.Fence):
             raise _Reconnect(f"fenced: {msg.reason}")
         elif isinstance(msg, p.Error):
