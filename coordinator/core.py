@@ -14,12 +14,20 @@ Invariants kept here:
   key) is acknowledged again.
 - Commit before acknowledgement: ReceiptAck, Welcome (with its acks) and
   batch replies travel in ``Persist.then``, after the ledger commit.
+- Write-ahead leases: a Grant travels in ``Persist.then`` behind the frontier
+  cursor that covers it, so after a crash every prompt that may be in flight
+  on an agent is an orphan (kept for its agent for a TTL), never a fresh
+  prompt handed to a second agent while the first still generates it.
 - Bounded: leased + ready <= demand + prefetch, where demand is
   ``rollout_batch_size`` per waiting ``generate``. With no trainer pulling,
   admission stops once ``prefetch`` groups are in flight or ready.
 - Idempotent: a recorded batch is replayed verbatim for the same rollout id.
 - Fencing: agent and trainer messages carry sessions; a superseded or
   unknown session gets ``Fence``/an error and changes nothing.
+
+The shell delivers the messages for one destination in the order the core
+produced them: a ``Send`` waits behind an earlier ``Persist.then`` message to
+the same destination (e.g. a Control never overtakes the Grant before it).
 """
 
 from __future__ import annotations
@@ -635,6 +643,7 @@ class CoordinatorCore:
         if budget <= 0:
             return out
         rollout_id = self.current_rollout_id
+        granted: list = []
         for agent_id, n in self.membership.distribute(budget).items():
             rec = self.membership.agents[agent_id]
             grants = []
@@ -653,5 +662,8 @@ class CoordinatorCore:
                     grant.update(prompt=prompt, label=label, metadata=metadata)
                 grants.append(grant)
             if grants:
-                out.append(Send(agent_id, p.Grant(rec.session, grants)))
+                granted.append(Send(agent_id, p.Grant(rec.session, grants)))
+        if granted:
+            # Write-ahead: the cursor covering these leases is durable before they leave.
+            out.append(self._persist([], granted))
         return out

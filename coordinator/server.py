@@ -4,6 +4,9 @@ It decodes each frame, hands the message to ``CoordinatorCore`` and carries
 out the effects it returns: ``Send`` right away, ``Persist`` through the one
 ledger writer thread (group commit: every Persist queued meanwhile goes in
 the same transaction), sending its ``then`` messages only after the commit.
+Messages to one destination leave in the order the core produced them: a
+``Send`` to a peer that still has a message waiting on a commit is queued
+behind it (a Control or Grant never overtakes the Welcome or Grant before it).
 
 A frame that cannot be decoded (malformed msgpack, unknown type, wrong
 version, oversized) is answered with an ``Error`` naming the problem; the
@@ -69,6 +72,7 @@ class CoordinatorServer:
         self.sock, self.endpoint = router(self.ctx, bind, max_bytes=max_message_bytes)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
         self._persist_queue: asyncio.Queue[Persist | None] = asyncio.Queue()
+        self._held: dict = {}  # destination -> the last queued Persist holding a message to it
         self.errors_sent = 0
         log.info("coordinator generation %d listening on %s (%d prompts)", restored.generation, self.endpoint, len(dataset))
 
@@ -89,16 +93,26 @@ class CoordinatorServer:
             # resending (receipts) and heartbeat reconciliation; trainers retry.
             log.debug("send %s to %r failed: %s", msg.TYPE, peer, exc)
 
+    def _deliver(self, s: Send) -> None:
+        """Send now, unless an earlier message to the same destination still waits on a commit."""
+        holder = self._held.get(s.to)
+        if holder is not None:
+            holder.then.append(s)
+        else:
+            self._send(s.to, s.msg)
+
     def _run(self, effects: list) -> None:
         for eff in effects:
             if isinstance(eff, Send):
-                self._send(eff.to, eff.msg)
+                self._deliver(eff)
             elif isinstance(eff, Persist):
                 if eff.ops:
                     self._persist_queue.put_nowait(eff)
+                    for s in eff.then:
+                        self._held[s.to] = eff
                 else:
                     for s in eff.then:
-                        self._send(s.to, s.msg)
+                        self._deliver(s)
 
     async def _ledger_writer(self) -> None:
         loop = asyncio.get_running_loop()
@@ -112,6 +126,8 @@ class CoordinatorServer:
             for eff in batch:
                 for s in eff.then:
                     self._send(s.to, s.msg)
+                    if self._held.get(s.to) is eff:
+                        del self._held[s.to]
 
     async def flush(self, timeout: float = 10.0) -> None:
         """Wait until every queued ledger write has committed (orderly shutdown)."""

@@ -290,3 +290,65 @@ def test_batch_on_a_retired_node_is_completed_with_replacements():
     repaired = sends(eff, p.BatchRefs)[0].msg
     assert len(repaired.groups) == 2 and {g[1] for g in repaired.groups} == {"b"}
     assert repaired.metrics["rollout/replaced_groups"] == 1
+
+
+class MemLedger:
+    """The ledger's ops folded in memory, as ``Ledger.apply`` / ``open_run`` would."""
+
+    def __init__(self):
+        self.meta: dict = {}
+        self.prompts: dict = {}
+        self.batches: dict = {}
+
+    def apply(self, effects) -> None:
+        for e in effects:
+            if not isinstance(e, Persist):
+                continue
+            for op in e.ops:
+                if op[0] == "prompt":
+                    if op[3] is None:
+                        self.prompts.pop((op[1], op[2]), None)
+                    else:
+                        self.prompts[(op[1], op[2])] = op[3]
+                elif op[0] == "batch":
+                    if op[2] is None:
+                        self.batches.pop(op[1], None)
+                    else:
+                        self.batches[op[1]] = op[2]
+                elif op[0] == "meta":
+                    self.meta[op[1]] = op[2]
+
+    def restored(self, generation: int) -> Restored:
+        r = Restored(generation=generation, prompts=dict(self.prompts), batches=dict(self.batches))
+        r.cursors = {int(k): v for k, v in self.meta.get("cursors", {}).items()}
+        for name in ("trimmed_upto", "last_rollout_id", "paused"):
+            if name in self.meta:
+                setattr(r, name, self.meta[name])
+        return r
+
+
+def test_grants_leave_only_behind_the_cursor_that_covers_them():
+    """A crash right after a grant must not hand the prompt to a second agent as fresh."""
+    core = make_core(batch=2, prefetch=0, ttl=3.0)
+    ledger = MemLedger()
+    _, eff = register(core, "a")
+    ledger.apply(eff)
+    session = attach(core)
+    eff = core.on_generate(b"trainer", p.Generate(session, 1, 0), 0.0)
+    ledger.apply(eff)
+    leased = grants(eff)
+    assert len(leased) == 2
+    # The grants ride in a Persist's ``then``, after the cursor that covers them.
+    carrier = [e for e in eff if isinstance(e, Persist) and any(isinstance(s.msg, p.Grant) for s in e.then)]
+    assert carrier and carrier[0].ops[-1] == ("meta", "cursors", {"0": 2})
+    # The coordinator dies here. After the restart, b registers first and the trainer asks again:
+    core2 = make_core(batch=2, prefetch=0, ttl=3.0, restored=ledger.restored(2), now=100.0)
+    session = attach(core2)
+    core2.on_generate(b"trainer", p.Generate(session, 1, 0), 100.0)
+    _, eff = register(core2, "b", now=100.0)
+    assert not {g["index"] for g in grants(eff)} & {g["index"] for g in leased}, "a's in-flight prompts were given to b"
+    # a comes back within the TTL and adopts its own work.
+    w, _ = register(core2, "a", now=101.0, in_flight=[[g["lease"], 0, g["index"]] for g in leased])
+    assert w.cancel == []
+    assert all(core2.frontier.state_of(0, g["index"]) == LEASED for g in leased)
+
