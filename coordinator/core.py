@@ -18,6 +18,7 @@ Invariants kept here:
   cursor that covers it, so after a crash every prompt that may be in flight
   on an agent is an orphan (kept for its agent for a TTL), never a fresh
   prompt handed to a second agent while the first still generates it.
+- Pause is durable: a restart keeps the trainer's pause (and its drain).
 - Bounded: leased + ready <= demand + prefetch, where demand is
   ``rollout_batch_size`` per waiting ``generate``. With no trainer pulling,
   admission stops once ``prefetch`` groups are in flight or ready.
@@ -85,6 +86,7 @@ class Restored:
     batches: dict = field(default_factory=dict)  # rollout_id -> record
     trimmed_upto: int = -1
     last_rollout_id: int = -1
+    paused: bool = False
 
 
 class CoordinatorCore:
@@ -121,7 +123,7 @@ class CoordinatorCore:
         self.repairs: dict[int, list[tuple[bytes, int]]] = {}  # batch -> trainers waiting for it
         self.drain_waiters: list[tuple[bytes, int]] = []
         self.prefetch = config.effective_prefetch
-        self.paused = False
+        self.paused = restored.paused
         self.trainer_session = 0
         self.trainer_client = ""
         self._last_attach: tuple[str, int] = ("", 0)
@@ -561,16 +563,26 @@ class CoordinatorCore:
     def _trainer_pause(self, peer: bytes, msg: p.TrainerControl, now: float) -> list:
         abort = bool(msg.args.get("abort", False))
         self.paused = True
-        out: list = [Send(r.agent_id, p.Control("pause", abort)) for r in self.membership.alive()]
+        then: list = [Send(r.agent_id, p.Control("pause", abort)) for r in self.membership.alive()]
         if msg.args.get("drain", True) and self.leases:
             self.drain_waiters.append((peer, msg.req))
-            return out
-        return out + [Send(peer, p.Ok(msg.req, {"leased": len(self.leases)}))]
+        else:
+            then.append(Send(peer, p.Ok(msg.req, {"leased": len(self.leases)})))
+        # Durable before acknowledged: a restarted coordinator stays paused.
+        return [self._persist([("meta", "paused", True)], then)]
+
+    def _resume(self) -> list:
+        """Admission on again (durably); a pause still waiting for its drain is told why it never will."""
+        self.paused = False
+        then: list = [Send(r.agent_id, p.Control("resume")) for r in self.membership.alive()]
+        then += [Send(peer, p.Error("resumed", "generation was resumed before the drain completed", req)) for peer, req in self.drain_waiters]
+        self.drain_waiters.clear()
+        return [self._persist([("meta", "paused", False)], then)]
 
     def _trainer_resume(self, peer: bytes, msg: p.TrainerControl, now: float) -> list:
-        self.paused = False
-        out: list = [Send(r.agent_id, p.Control("resume")) for r in self.membership.alive()]
-        return out + [Send(peer, p.Ok(msg.req, {}))] + self._pump(now)
+        out = self._resume()
+        out[0].then.append(Send(peer, p.Ok(msg.req, {})))
+        return out + self._pump(now)
 
     def _trainer_state_dict(self, peer: bytes, msg: p.TrainerControl, now: float) -> list:
         if not self.paused or self.leases:

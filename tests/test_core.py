@@ -352,3 +352,26 @@ def test_grants_leave_only_behind_the_cursor_that_covers_them():
     assert w.cancel == []
     assert all(core2.frontier.state_of(0, g["index"]) == LEASED for g in leased)
 
+
+def test_pause_survives_a_coordinator_restart():
+    core = make_core(prefetch=2)
+    ledger = MemLedger()
+    w, eff = register(core)
+    ledger.apply(eff)
+    session = attach(core)
+    ctl = lambda c, action, s=session: c.on_trainer_control(b"trainer", p.TrainerControl(s, 7, action, {"drain": False}), 0.0)
+    eff = ctl(core, "pause")
+    ledger.apply(eff)
+    persist = [e for e in eff if isinstance(e, Persist)][0]
+    assert ("meta", "paused", True) in persist.ops
+    assert any(isinstance(s.msg, p.Ok) for s in persist.then), "pause is acknowledged only once durable"
+    core2 = make_core(prefetch=2, restored=ledger.restored(2))
+    w2, eff = register(core2, in_flight=[[g["lease"], 0, g["index"]] for g in grants(eff)])
+    assert w2.paused and grants(eff) == []
+    assert core2.statistics()["paused"]
+    # Resuming is durable too.
+    s2 = attach(core2)
+    eff = ctl(core2, "resume", s2)
+    ledger.apply(eff)
+    assert ledger.restored(3).paused is False
+
