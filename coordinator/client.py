@@ -233,7 +233,11 @@ class AsyncRolloutClient:
     # ---------------------------------------------------------------- API
 
     async def generate(self, rollout_id: int, prefetch: int | None = None) -> RolloutBatch:
-        """The batch for ``rollout_id``: exactly ``rollout_batch_size`` groups."""
+        """The batch for ``rollout_id``: exactly ``rollout_batch_size`` groups.
+
+        Asking for a batch not generated yet resumes a paused rollout (so a
+        trainer restarted after dying while paused is not left waiting).
+        """
         started = time.monotonic()
         while True:
             refs = await self._call(lambda s, req: p.Generate(s, req, rollout_id, -1 if prefetch is None else prefetch), f"generate({rollout_id})")
@@ -287,7 +291,11 @@ class AsyncRolloutClient:
         return dict(zip(msg.found, (bytes(f) for f in frames)))
 
     async def pause(self, drain: bool = True, abort: bool = False) -> dict:
-        """Stop admission; with ``drain`` wait until no lease is in flight (results durable)."""
+        """Stop admission; with ``drain`` wait until no lease is in flight (results durable).
+
+        The pause is durable: it survives a coordinator restart. It lasts until
+        ``resume()`` or a ``generate()`` of a batch not generated yet.
+        """
         return await self._control("pause", drain=drain, abort=abort)
 
     async def resume(self) -> dict:

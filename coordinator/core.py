@@ -470,11 +470,19 @@ class CoordinatorCore:
             return err
         if msg.prefetch >= 0:
             self.prefetch = msg.prefetch
+        if msg.rollout_id in self.batches and msg.rollout_id not in self.repairs:
+            return [Send(peer, self._batch_reply(msg.req, msg.rollout_id))]
+        # Asking for a batch that still needs generating resumes admission, as
+        # in the seed: a trainer killed while paused (e.g. saving a checkpoint)
+        # must not leave its successor's generate() waiting forever.
+        waits = msg.rollout_id in self.repairs or msg.rollout_id > self.last_rollout_id
+        resumed = self._resume() if self.paused and waits else []
+        return resumed + self._enqueue_generate(peer, msg, now)
+
+    def _enqueue_generate(self, peer: bytes, msg: p.Generate, now: float) -> list:
         if msg.rollout_id in self.repairs:
             self.repairs[msg.rollout_id].append((peer, msg.req))
             return self._pump(now)
-        if msg.rollout_id in self.batches:
-            return [Send(peer, self._batch_reply(msg.req, msg.rollout_id))]
         if msg.rollout_id <= self.trimmed_upto:
             return [Send(peer, p.Error("trimmed", f"rollout {msg.rollout_id} is behind the checkpointed frontier ({self.trimmed_upto}); its groups were consumed", msg.req))]
         if msg.rollout_id <= self.last_rollout_id:

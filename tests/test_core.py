@@ -375,3 +375,22 @@ def test_pause_survives_a_coordinator_restart():
     ledger.apply(eff)
     assert ledger.restored(3).paused is False
 
+
+def test_generate_resumes_a_rollout_its_killed_predecessor_left_paused():
+    core = make_core(batch=1, prefetch=0)
+    w, _ = register(core)
+    s1 = attach(core)
+    waiting = core.on_trainer_control(b"trainer", p.TrainerControl(s1, 5, "pause", {"drain": True}), 0.0)
+    assert core.paused
+    # The trainer dies; its successor attaches and asks for the next batch.
+    s2 = sends(core.on_attach(b"t2", p.Attach(1, "t2"), 0.0), p.Ok)[0].msg.result["session"]
+    eff = core.on_generate(b"t2", p.Generate(s2, 2, 0), 0.0)
+    assert not core.paused
+    assert [s.to for s in sends(eff, p.Control)] == ["a"] and sends(eff, p.Control)[0].msg.action == "resume"
+    assert len(grants(eff)) == 1, "admission resumed for the waiting generate"
+    # Replaying a recorded batch does not resume; a pause still draining is told it was overtaken.
+    del waiting
+    core.on_trainer_control(b"t2", p.TrainerControl(s2, 6, "pause", {"drain": True}), 0.0)
+    eff = core.on_trainer_control(b"t2", p.TrainerControl(s2, 7, "resume", {}), 0.0)
+    errs = sends(eff, p.Error)
+    assert errs and errs[0].msg.req == 6 and errs[0].msg.code == "resumed"
