@@ -1,0 +1,427 @@
+"""Coordinator-side faults of issue 3, each on a real loopback cluster.
+
+Every test asserts what a user would notice, not timings:
+- no dataset index is ever delivered twice (within the run's one data epoch);
+- a recorded batch replays identically (same groups, same samples);
+- nothing the coordinator acknowledged is lost: every group an agent holds as
+  acknowledged is recorded in the coordinator's ledger under the same key, and
+  every group the ledger records as ready/delivered is still on its agent;
+- every prompt is delivered, filtered or pending (ledger vs. trainer view).
+
+Readiness is always polled (``wait_for``); processes are tracked by pid
+through the harness. The agent and coordinator LMDBs are opened read-only
+from this process to prove what is durable where.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import textwrap
+import threading
+
+import lmdb
+import msgpack
+
+from tests.cluster import wait_for
+from tests.proxy import TcpProxy
+
+# ~1 s per group: work is reliably in flight when a fault is injected.
+SLOW = "--token-latency-ms 20 --output-len-dist fixed --output-len-median 48"
+MEDIUM = "--token-latency-ms 6 --output-len-dist fixed --output-len-median 48"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def group_id(g) -> tuple:
+    """What makes a delivered group *that* group: prompt, producer and every sample."""
+    return (g.data_epoch, g.index, g.agent_id, tuple(tuple(s.response_tokens) for s in g.samples))
+
+
+def batch_ids(batch) -> list[tuple]:
+    return [group_id(g) for g in batch.groups]
+
+
+def assert_no_index_twice(batches) -> set[int]:
+    seen: dict[tuple[int, int], int] = {}
+    for rid, batch in sorted(batches.items()):
+        assert len(batch.groups) == 8, f"batch {rid} has {len(batch.groups)} groups"
+        for g in batch.groups:
+            key = (g.data_epoch, g.index)
+            assert key not in seen, f"dataset index {g.index} (epoch {g.data_epoch}) delivered in batch {seen[key]} and again in batch {rid}"
+            seen[key] = rid
+    return {i for _, i in seen}
+
+
+def _read_env(path, dbs: list[bytes]) -> dict[bytes, dict[bytes, bytes]]:
+    """One consistent read-only snapshot of some named databases of an LMDB env."""
+    env = lmdb.open(str(path), readonly=True, max_dbs=4, lock=True, create=False)
+    try:
+        handles = {name: env.open_db(name, create=False) for name in dbs}
+        with env.begin(buffers=False) as txn:
+            return {name: dict(txn.cursor(db=h)) for name, h in handles.items()}
+    finally:
+        env.close()
+
+
+def read_store(cluster, agent: str) -> tuple[set[str], set[str]]:
+    """An agent's store: (keys of groups held, keys whose receipt is unacknowledged)."""
+    snap = _read_env(cluster.tmp / agent / "store", [b"groups", b"outbox"])
+    return {k.decode() for k in snap[b"groups"]}, {k.decode() for k in snap[b"outbox"]}
+
+
+def read_ledger(cluster) -> tuple[dict, dict, dict]:
+    """The coordinator ledger: prompts {(epoch, index): rec}, batches {rid: batch}, meta."""
+    snap = _read_env(cluster.tmp / "coordinator" / "ledger", [b"prompts", b"batches", b"meta"])
+    prompts = {}
+    for k, v in snap[b"prompts"].items():
+        epoch, index = int.from_bytes(k[:8], "big"), int.from_bytes(k[8:], "big")
+        prompts[(epoch, index)] = msgpack.unpackb(v, raw=False)
+    batches = {int.from_bytes(k, "big", signed=True): msgpack.unpackb(v, raw=False) for k, v in snap[b"batches"].items()}
+    meta = {k.decode(): msgpack.unpackb(v, raw=False, strict_map_key=False) for k, v in snap[b"meta"].items()}
+    return prompts, batches, meta
+
+
+def assert_ledger_matches_stores(cluster, agents, *, trimmed_indices=frozenset()):
+    """Nothing accepted is lost, nothing is held twice.
+
+    - a group an agent holds as acknowledged (not in its outbox) is recorded in
+      the ledger as ready/delivered from that agent under the same key;
+    - a group the ledger records as ready/delivered is on its agent (unless a
+      checkpoint trimmed it);
+    - no prompt is held acknowledged by two agents.
+    """
+    prompts, _, _ = read_ledger(cluster)
+    holders: dict[tuple[int, int], str] = {}
+    held_keys: dict[str, set[str]] = {}
+    for agent in agents:
+        groups, outbox = read_store(cluster, agent)
+        held_keys[agent] = groups
+        for key in groups - outbox:
+            epoch, index, _ = key.split(":")
+            pk = (int(epoch), int(index))
+            assert pk not in holders, f"prompt {pk} is held acknowledged by {holders[pk]} and {agent}"
+            holders[pk] = agent
+            rec = prompts.get(pk)
+            assert rec is not None and rec["s"] in ("r", "d"), f"{agent} holds acknowledged group {key} the ledger does not record ({rec})"
+            assert rec["k"] == key and rec["a"] == agent, f"{agent} holds {key} but the ledger accepted {rec['k']} from {rec['a']}"
+    for pk, rec in prompts.items():
+        if rec["s"] in ("r", "d") and pk[1] not in trimmed_indices:
+            assert rec["k"] in held_keys.get(rec["a"], set()), f"ledger records {rec['k']} on {rec['a']} but the agent lost it"
+
+
+def stop(proc, sig=signal.SIGTERM, timeout: float = 30) -> int:
+    proc.signal(sig)
+    return proc.wait(timeout)
+
+
+def stop_cluster(cluster) -> None:
+    """Coordinator first (no ack can arrive after it), then every agent at once."""
+    assert stop(cluster.coordinator) == 0
+    procs = list(cluster.agents.values())
+    for proc in procs:
+        proc.signal(signal.SIGTERM)
+    for proc in procs:
+        proc.wait(30)
+
+
+def registrations(proc) -> int:
+    return proc.text().count("registered (session")
+
+
+def regenerated(procs) -> list[str]:
+    """Groups an agent generated for nothing: the coordinator refused them as duplicates."""
+    return [line for proc in procs for line in proc.text().splitlines() if "coordinator refused group" in line]
+
+
+# A restarted coordinator keeps prompts that were in flight for their agents for
+# one TTL; make it comfortably longer than re-registration on a loaded CI box.
+RESTART_TTL = ("--agent-ttl", "5")
+
+
+class TrainerLoop(threading.Thread):
+    """Pulls rollouts ``first .. last`` in the background; keeps batches or the error."""
+
+    def __init__(self, client, rollout_ids):
+        super().__init__(daemon=True)
+        self.client = client
+        self.rollout_ids = list(rollout_ids)
+        self.batches: dict = {}
+        self.error: BaseException | None = None
+
+    def run(self):
+        try:
+            for rid in self.rollout_ids:
+                self.batches[rid] = self.client.generate(rid)
+        except BaseException as exc:  # reported by finish()
+            self.error = exc
+
+    def finish(self, timeout: float = 60) -> dict:
+        self.join(timeout)
+        assert not self.is_alive(), f"trainer stuck after {sorted(self.batches)}"
+        if self.error is not None:
+            raise self.error
+        return self.batches
+
+
+# --------------------------------------------------------------------------- (1) SIGSTOP
+
+
+def test_stopped_agent_loses_leases_then_is_fenced_and_delivers_nothing_twice(make_cluster):
+    cluster = make_cluster(dynamic_filter="none")
+    cluster.start_coordinator()
+    a1 = cluster.start_agent("a1", sim_args=SLOW)
+    cluster.start_agent("a2", sim_args=SLOW)
+    watch = cluster.client(attach=False)
+    trainer = TrainerLoop(cluster.client(), range(6))
+    trainer.start()
+
+    wait_for(lambda: watch.stats()["agents"]["a1"]["leases"] > 0, 30, "a1 to hold leases")
+    a1.signal(signal.SIGSTOP)
+    try:
+        # Silent past the TTL: presumed dead, its leases go back and are reissued to a2.
+        def reissued():
+            s = watch.stats()
+            a = s["agents"]
+            # Every leased prompt has a live holder: none is stuck on the stopped agent.
+            return a["a1"]["status"] == "dead" and a["a1"]["leases"] == 0 and a["a2"]["leases"] == s["leased"] == s["prompts"]["leased"] > 0
+
+        wait_for(reissued, 20, "a1's leases to be reissued to a2")
+    finally:
+        a1.signal(signal.SIGCONT)
+    # It comes back, is fenced and registers again (reporting what it committed meanwhile).
+    wait_for(lambda: registrations(a1) >= 2 and watch.stats()["agents"]["a1"]["status"] == "alive", 30, "a1 to register again")
+    batches = trainer.finish()
+    delivered = assert_no_index_twice(batches)
+    # Recorded batches replay identically, to a new trainer too.
+    with cluster.client() as other:
+        for rid in (0, 3, 5):
+            assert batch_ids(other.generate(rid)) == batch_ids(batches[rid])
+    s = watch.stats()
+    assert s["prompts"]["delivered"] == len(delivered)
+    assert sum(s["prompts"].values()) == 400
+    stop_cluster(cluster)
+    assert_ledger_matches_stores(cluster, ["a1", "a2"])
+
+
+# --------------------------------------------------------------------------- (3) coordinator SIGKILL
+
+
+def test_coordinator_sigkill_restart_loses_and_duplicates_nothing(make_cluster):
+    cluster = make_cluster(dynamic_filter="none", prefetch=0)
+    coordinator = cluster.start_coordinator()
+    agents = {name: cluster.start_agent(name, sim_args=SLOW) for name in ("a1", "a2")}
+    client = cluster.client()
+    batches = {rid: client.generate(rid) for rid in range(2)}
+    watch = cluster.client(attach=False)
+
+    in_flight = TrainerLoop(client, [2, 3])
+    in_flight.start()
+    wait_for(lambda: watch.stats()["pending_generates"] == 1 and len(in_flight.batches) == 0, 30, "generate(2) to be waiting on the coordinator")
+    stop(coordinator, signal.SIGKILL)
+    assert not in_flight.batches, "generate(2) must still be in flight at the kill"
+    cluster.start_coordinator(*RESTART_TTL)
+
+    # The call in flight during the kill completes; agents re-register after backoff.
+    batches.update(in_flight.finish())
+    for name, proc in agents.items():
+        wait_for(lambda: registrations(proc) >= 2, 30, f"{name} to register with the new coordinator")
+    batches.update({rid: client.generate(rid) for rid in (4, 5)})
+    delivered = assert_no_index_twice(batches)
+    # Batches recorded before the kill replay identically after it (asked again by the
+    # same trainer: a second trainer attaching would fence this one).
+    for rid in range(4):
+        assert batch_ids(client.generate(rid)) == batch_ids(batches[rid]), f"batch {rid} changed across the restart"
+    s = watch.stats()
+    assert s["prompts"]["delivered"] == len(delivered)
+    assert sum(s["prompts"].values()) == 400
+    # Work in flight at the kill was adopted back by its agents, not generated a second time.
+    assert not regenerated(agents.values())
+
+    # A trainer checkpointing across a crash: paused and drained before the kill,
+    # still paused and drained after it, so state_dict() just works.
+    client.pause(drain=True)
+    stop(cluster.coordinator, signal.SIGKILL)
+    cluster.start_coordinator(*RESTART_TTL)
+    state = client.state_dict()
+    assert state["rollout_id"] == 5
+    assert watch.stats()["paused"]
+    batches[6] = client.generate(6)  # generating again resumes admission
+    delivered = assert_no_index_twice(batches)
+    stop_cluster(cluster)
+    assert_ledger_matches_stores(cluster, list(agents), trimmed_indices={g.index for rid in range(6) for g in batches[rid].groups})
+
+
+# --------------------------------------------------------------------------- (5) trainer checkpoint
+
+
+TRAINER = textwrap.dedent(
+    """
+    import json, sys, time
+    from common.errors import StateError
+    from coordinator.client import RolloutClient
+
+    address, mode, state_path, out_path = sys.argv[1:5]
+
+    def ids(batch):
+        return [[g.data_epoch, g.index, g.agent_id, [s.response_tokens for s in g.samples]] for g in batch.groups]
+
+    with RolloutClient(address, timeout=60, retry_interval=0.5) as client:
+        out = {}
+        if mode == "first":
+            for rid in range(4):
+                out[rid] = ids(client.generate(rid))
+            try:
+                client.state_dict()
+                refused = ""
+            except StateError as exc:
+                refused = str(exc)
+            client.pause(drain=True)
+            state = client.state_dict()
+            with open(state_path, "w") as f:
+                json.dump(state, f)  # plain JSON data, or this raises
+            client.resume()
+            for rid in (4, 5):
+                out[rid] = ids(client.generate(rid))
+            client.pause(drain=True)  # e.g. to save the next checkpoint
+            with open(out_path, "w") as f:
+                json.dump({"batches": out, "refused": refused}, f)
+            print("CHECKPOINTED", flush=True)
+            time.sleep(600)  # the test SIGKILLs the trainer here, paused
+        else:
+            with open(state_path) as f:
+                client.load_state_dict(json.load(f))
+            for rid in (4, 5, 6, 7):
+                out[rid] = ids(client.generate(rid))
+            with open(out_path, "w") as f:
+                json.dump({"batches": out}, f)
+            print("RESUMED", flush=True)
+    """
+)
+
+
+def test_killed_trainer_resumes_from_checkpoint_and_consumed_payloads_are_trimmed(make_cluster):
+    cluster = make_cluster(dynamic_filter="none")
+    cluster.start_coordinator()
+    cluster.start_agent("a1", sim_args=MEDIUM)
+    cluster.start_agent("a2", sim_args=MEDIUM)
+    script = cluster.tmp / "trainer.py"
+    script.write_text(TRAINER)
+    state_path, out1, out2 = (cluster.tmp / n for n in ("state.json", "first.json", "second.json"))
+
+    first = cluster._spawn("trainer-first", [sys.executable, str(script), cluster.address, "first", str(state_path), str(out1)])
+    wait_for(lambda: "CHECKPOINTED" in first.text() or not first.alive(), 60, "the first trainer to checkpoint")
+    assert first.alive(), first.text()
+    stop(first, signal.SIGKILL)  # dies paused, after consuming 4..5 past its checkpoint
+    state = json.loads(state_path.read_text())
+    assert state["rollout_id"] == 3
+    before = json.loads(out1.read_text())
+    assert "paused and drained" in before["refused"], "state_dict while running must be refused clearly"
+
+    second = cluster._spawn("trainer-second", [sys.executable, str(script), cluster.address, "second", str(state_path), str(out2)])
+    assert second.wait(60) == 0, second.text()
+    after = json.loads(out2.read_text())["batches"]
+    # Batches delivered after the checkpoint come again, with the same groups and samples;
+    # then generation goes on although the dead trainer left the rollout paused.
+    for rid in ("4", "5"):
+        assert after[rid] == before["batches"][rid], f"batch {rid} differs after resuming from the checkpoint"
+    consumed = {(e, i) for rid in "0123" for e, i, _, _ in before["batches"][rid]}
+    later = [(e, i) for rid in "4567" for e, i, _, _ in after[rid]]
+    assert len(later) == len(set(later)) == 32
+    assert not consumed & set(later), "a group consumed before the checkpoint came back"
+
+    # Payloads behind the checkpointed frontier are gone from the agents; later ones stay.
+    stop_cluster(cluster)
+    held = {}
+    for name in cluster.agents:
+        groups, _ = read_store(cluster, name)
+        held.update({(int(k.split(":")[0]), int(k.split(":")[1])): k for k in groups})
+    assert not consumed & set(held), f"consumed groups still stored: {sorted(consumed & set(held))[:5]}"
+    assert set(later) <= set(held)
+    _, ledger_batches, meta = read_ledger(cluster)
+    assert meta["trimmed_upto"] == 3
+    assert sorted(ledger_batches) == [4, 5, 6, 7]
+    assert_ledger_matches_stores(cluster, list(cluster.agents), trimmed_indices={i for _, i in consumed})
+
+
+# --------------------------------------------------------------------------- (8) partition
+
+
+def test_partitioned_agent_is_presumed_dead_and_its_late_receipts_create_no_duplicates(make_cluster):
+    cluster = make_cluster(dynamic_filter="none")
+    cluster.start_coordinator()
+    proxy = TcpProxy("127.0.0.1", cluster.port)
+    try:
+        cut = cluster.start_agent("cut", "--coordinator", proxy.address, sim_args=SLOW)
+        cluster.start_agent("direct", sim_args=SLOW)
+        watch = cluster.client(attach=False)  # the trainer connects directly
+        trainer = TrainerLoop(cluster.client(), range(6))
+        trainer.start()
+
+        wait_for(lambda: watch.stats()["agents"]["cut"]["leases"] > 0, 30, "the cut-off agent to hold leases")
+        proxy.partition()
+
+        def reissued():
+            s = watch.stats()
+            a = s["agents"]
+            return a["cut"]["status"] == "dead" and a["cut"]["leases"] == 0 and a["direct"]["leases"] == s["leased"] == s["prompts"]["leased"] > 0
+
+        wait_for(reissued, 20, "the cut-off agent's leases to be reissued")
+        # Alive but cut off, it keeps committing groups whose receipts cannot arrive,
+        # and gives up on its connection: it reconnects and registers into the void.
+        wait_for(lambda: read_store(cluster, "cut")[1], 20, "the cut-off agent to commit groups during the partition")
+        wait_for(lambda: "reconnecting to the coordinator" in cut.text(), 20, "the cut-off agent to notice the silence")
+        # Healing delivers the old connection's held bytes (receipts and heartbeats of
+        # the fenced session) late, racing the agent's new registration.
+        proxy.heal()
+
+        wait_for(lambda: registrations(cut) >= 2 and watch.stats()["agents"]["cut"]["status"] == "alive", 30, "the healed agent to register again")
+        batches = trainer.finish()
+        delivered = assert_no_index_twice(batches)
+        s = watch.stats()
+        assert s["prompts"]["delivered"] == len(delivered)
+        assert sum(s["prompts"].values()) == 400
+        with cluster.client() as other:
+            assert batch_ids(other.generate(2)) == batch_ids(batches[2])
+        stop_cluster(cluster)
+        assert_ledger_matches_stores(cluster, list(cluster.agents))
+    finally:
+        proxy.close()
+
+
+# --------------------------------------------------------------------------- (9) SIGTERM
+
+
+def test_sigterm_flushes_the_ledger_and_restart_resumes_with_everything(make_cluster):
+    cluster = make_cluster(dynamic_filter="none")
+    coordinator = cluster.start_coordinator()
+    cluster.start_agent("a1", sim_args=MEDIUM)
+    cluster.start_agent("a2", sim_args=MEDIUM)
+    client = cluster.client()
+    watch = cluster.client(attach=False)
+    trainer = TrainerLoop(client, range(8))
+    trainer.start()
+    wait_for(lambda: len(trainer.batches) >= 2 and watch.stats()["leased"] > 0, 60, "receipts to be flowing")
+
+    assert stop(coordinator, signal.SIGTERM) == 0, coordinator.text()[-3000:]
+    assert len(trainer.batches) < 8, "the trainer must have a call in flight across the restart"
+    assert "flushing the ledger" in coordinator.text()
+    # With the coordinator gone, everything it acknowledged to an agent is in its ledger.
+    assert_ledger_matches_stores(cluster, ["a1", "a2"])
+    at_exit, recorded, _ = read_ledger(cluster)
+    assert recorded, "batches recorded before the shutdown must be durable"
+
+    cluster.start_coordinator(*RESTART_TTL)
+    batches = trainer.finish()  # calls in progress retried against the new process
+    delivered = assert_no_index_twice(batches)
+    final, _, _ = read_ledger(cluster)  # LMDB readers do not block the running writer
+    for pk, rec in at_exit.items():
+        assert pk in final and final[pk].get("k") == rec.get("k"), f"prompt {pk} accepted before SIGTERM was lost: {rec} -> {final.get(pk)}"
+    with cluster.client() as other:
+        for rid in sorted(recorded):
+            assert batch_ids(other.generate(rid)) == batch_ids(batches[rid])
+    assert watch.stats()["prompts"]["delivered"] == len(delivered)
+    # Leases in flight at the shutdown went back to their agents; nothing was generated twice.
+    assert not regenerated(cluster.agents.values())
