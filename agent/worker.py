@@ -103,8 +103,6 @@ class Agent:
         self.rids: dict[int, tuple[str, list[str]]] = {}  # lease -> (engine url, rids)
         self.max_lease = 0
         self.paused = False
-        self.resumed = asyncio.Event()
-        self.resumed.set()
         self.aborting: set[int] = set()
         self.engine_change = asyncio.Event()
         self.outbox_sent: dict[str, float] = {}
@@ -384,11 +382,7 @@ class Agent:
 
     def _set_paused(self, paused: bool, *, abort: bool) -> None:
         self.paused = paused
-        if not paused:
-            self.resumed.set()
-            return
-        self.resumed.clear()
-        if abort:
+        if paused and abort:
             for lease in list(self.rids):
                 self.aborting.add(lease)
                 url, rids = self.rids[lease]
@@ -510,9 +504,9 @@ class Agent:
         params = config.sampling_params()
         attempt = 0
         while True:
-            if lease not in self.aborting:
-                await self.resumed.wait()
-            if lease in self.aborting:
+            # A lease that has not reached an engine while the rollout is paused goes
+            # back to the coordinator: waiting here would stall a pause(drain=True).
+            if lease in self.aborting or self.paused:
                 raise LeaseAborted()
             slot = self.pool.pick()
             if slot is None:

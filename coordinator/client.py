@@ -253,6 +253,9 @@ class AsyncRolloutClient:
                     raise RolloutError(f"generate({rollout_id}): {exc}") from None
                 log.warning("generate(%d): %s; asking the coordinator again", rollout_id, exc)
                 await asyncio.sleep(self.retry_interval)
+        # Tell the coordinator the batch is in hand before returning it: from now on
+        # its prompts are never generated again, even if their node is lost.
+        await self._control("consumed", rollout_id=rollout_id)
         self.consumed = max(self.consumed, rollout_id)
         metrics = dict(refs.metrics)
         metrics["rollout/wait_seconds"] = waited

@@ -87,6 +87,7 @@ class Restored:
     trimmed_upto: int = -1
     last_rollout_id: int = -1
     paused: bool = False
+    consumed_upto: int = -1
 
 
 class CoordinatorCore:
@@ -118,6 +119,8 @@ class CoordinatorCore:
         self._seq = 0
         self.batches: dict[int, dict] = dict(restored.batches)
         self.trimmed_upto = restored.trimmed_upto
+        # Highest rollout id a trainer has fetched completely (ever): its prompts were trained on.
+        self.consumed_upto = max(restored.consumed_upto, restored.trimmed_upto)
         self.last_rollout_id = max([restored.last_rollout_id, *self.batches]) if self.batches else restored.last_rollout_id
         self.pending: list[PendingGenerate] = []
         self.repairs: dict[int, list[tuple[bytes, int]]] = {}  # batch -> trainers waiting for it
@@ -132,7 +135,7 @@ class CoordinatorCore:
         self.filtered_total = 0
         self._restore(restored, now)
         for rid, batch in self.batches.items():
-            if len(batch["groups"]) < config.rollout_batch_size:
+            if len(batch["groups"]) < config.rollout_batch_size and rid > self.consumed_upto:
                 self.repairs[rid] = []
 
     # ------------------------------------------------------------------ restore
@@ -203,6 +206,7 @@ class CoordinatorCore:
             "data_epochs": sorted(self.frontier.epochs),
             "last_rollout_id": self.last_rollout_id,
             "trimmed_upto": self.trimmed_upto,
+            "consumed_upto": self.consumed_upto,
             "filtered_total": self.filtered_total,
         }
 
@@ -386,19 +390,23 @@ class CoordinatorCore:
     def _repair_batches(self, agent_id: str, ops: list) -> None:
         """Recorded batches lose the groups of a retired node; replacements will fill them.
 
-        Their prompts are generated again. A trainer asking for such a batch
-        waits for the replacements and sees ``rollout/replaced_groups``.
+        A batch no trainer has fetched yet: its lost prompts are generated
+        again, and it is refilled at once. A batch already fetched (so trained
+        on): its prompts stay delivered — never trained twice — and it is
+        refilled with fresh prompts only if a resumed trainer asks for it
+        again. Either way the trainer sees ``rollout/replaced_groups``.
         """
         for rid, batch in self.batches.items():
             lost = [g for g in batch["groups"] if g[2] == agent_id]
             if not lost:
                 continue
             batch["groups"] = [g for g in batch["groups"] if g[2] != agent_id]
-            for index, epoch, _, _ in lost:
-                self.frontier.reopen(epoch, index)
-                ops.append(("prompt", epoch, index, None))
+            if rid > self.consumed_upto:
+                for index, epoch, _, _ in lost:
+                    self.frontier.reopen(epoch, index)
+                    ops.append(("prompt", epoch, index, None))
+                self.repairs.setdefault(rid, [])
             batch["metrics"]["rollout/replaced_groups"] = batch["metrics"].get("rollout/replaced_groups", 0.0) + len(lost)
-            self.repairs.setdefault(rid, [])
             ops.append(("batch", rid, batch))
 
     def _fill_repairs(self) -> list:
@@ -470,8 +478,11 @@ class CoordinatorCore:
             return err
         if msg.prefetch >= 0:
             self.prefetch = msg.prefetch
-        if msg.rollout_id in self.batches and msg.rollout_id not in self.repairs:
-            return [Send(peer, self._batch_reply(msg.req, msg.rollout_id))]
+        batch = self.batches.get(msg.rollout_id)
+        if batch is not None and msg.rollout_id not in self.repairs:
+            if len(batch["groups"]) >= self.config.rollout_batch_size:
+                return [Send(peer, self._batch_reply(msg.req, msg.rollout_id))]
+            self.repairs[msg.rollout_id] = []  # a fetched batch that lost a node, asked for again
         # Asking for a batch that still needs generating resumes admission, as
         # in the seed: a trainer killed while paused (e.g. saving a checkpoint)
         # must not leave its successor's generate() waiting forever.
@@ -633,6 +644,16 @@ class CoordinatorCore:
         if not isinstance(rid, int) or rid < self.trimmed_upto:
             return [Send(peer, p.Error("bad_state", f"checkpoint at rollout {rid} is older than the newest checkpoint ({self.trimmed_upto}); the batches between were trimmed", msg.req))]
         return [Send(peer, p.Ok(msg.req, {"rollout_id": rid, "last_rollout_id": self.last_rollout_id}))]
+
+    def _trainer_consumed(self, peer: bytes, msg: p.TrainerControl, now: float) -> list:
+        """The trainer fetched a batch completely; its prompts count as trained from now on."""
+        rid = msg.args.get("rollout_id")
+        if not isinstance(rid, int) or rid not in self.batches and rid > self.trimmed_upto:
+            return [Send(peer, p.Error("bad_request", f"rollout {rid!r} was never delivered", msg.req))]
+        if rid <= self.consumed_upto:
+            return [Send(peer, p.Ok(msg.req, {"consumed_upto": self.consumed_upto}))]
+        self.consumed_upto = rid
+        return [self._persist([("meta", "consumed_upto", rid)], [Send(peer, p.Ok(msg.req, {"consumed_upto": rid}))])]
 
     def _trainer_detach(self, peer: bytes, msg: p.TrainerControl, now: float) -> list:
         self.trainer_session = 0

@@ -103,6 +103,8 @@ def run_chaos(workdir: Path, *, batches: int = 30, agents: int = 3, seed: int = 
 
         trainer = start_trainer(False)
         trainer_killed = False
+        planned = ["agent", "engine", "coordinator"]
+        rng.shuffle(planned)
         deadline = time.monotonic() + max(240, batches * 8)
         while trainer.poll() is None:
             if time.monotonic() > deadline:
@@ -111,7 +113,8 @@ def run_chaos(workdir: Path, *, batches: int = 30, agents: int = 3, seed: int = 
             if trainer.poll() is not None:
                 break
             n_consumed = len(_read_consumed(consumed))
-            action = rng.choice(["agent", "agent", "engine", "engine", "coordinator"])
+            # Every kind of failure happens at least once, early; then at random.
+            action = planned.pop() if planned else rng.choice(["agent", "agent", "engine", "engine", "coordinator"])
             if not trainer_killed and ckpt.exists() and n_consumed >= batches // 2:
                 action = "trainer"
             if action == "agent":

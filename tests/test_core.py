@@ -394,3 +394,27 @@ def test_generate_resumes_a_rollout_its_killed_predecessor_left_paused():
     eff = core.on_trainer_control(b"t2", p.TrainerControl(s2, 7, "resume", {}), 0.0)
     errs = sends(eff, p.Error)
     assert errs and errs[0].msg.req == 6 and errs[0].msg.code == "resumed"
+
+
+def test_a_fetched_batch_that_loses_its_node_never_regenerates_its_prompts():
+    core = make_core(batch=1, prefetch=0, ttl=1.0, retire=5.0)
+    wa, _ = register(core, "a", slots=N)
+    session = attach(core)
+    ga = grants(core.on_generate(b"trainer", p.Generate(session, 1, 0), 0.0))
+    receipt(core, wa.session, ga[0])
+    ok = sends(core.on_trainer_control(b"trainer", p.TrainerControl(session, 2, "consumed", {"rollout_id": 0}), 0.0), p.Ok)
+    assert ok and core.consumed_upto == 0
+    wb, _ = register(core, "b", slots=N)
+    core.on_heartbeat(b"b", p.Heartbeat(wb.session), 1.9)
+    core.tick(2.0)
+    core.on_heartbeat(b"b", p.Heartbeat(wb.session), 5.9)
+    core.tick(6.0)  # a retired: batch 0 was trained on, so its prompt stays delivered
+    assert core.frontier.state_of(0, ga[0]["index"]) == DELIVERED
+    assert core.statistics()["batches_in_repair"] == []
+    # A resumed trainer asking for batch 0 again gets it completed with a fresh prompt.
+    eff = core.on_generate(b"trainer", p.Generate(session, 3, 0), 6.0)
+    fresh = grants(eff)
+    assert len(fresh) == 1 and fresh[0]["index"] != ga[0]["index"]
+    eff, _ = receipt(core, wb.session, fresh[0], agent=b"b", now=6.1)
+    refs = sends(eff, p.BatchRefs)[0].msg
+    assert [g[0] for g in refs.groups] == [fresh[0]["index"]] and refs.metrics["rollout/replaced_groups"] == 1

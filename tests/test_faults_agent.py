@@ -245,10 +245,6 @@ def test_retired_agent_leaves_the_pool_and_recorded_batches_are_completed_with_r
                 seen.take(client.generate(rid), unique_across=False)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "coordinator/core.py _repair_batches reopens the prompts of every recorded batch holding the "
-    "retired agent's groups, including batches the trainer already fetched and trained on; those "
-    "prompts are generated again and delivered a second time"))
 def test_retirement_does_not_deliver_an_already_trained_prompt_again(make_cluster):
     cluster = _retirement_cluster(make_cluster)
     seen = TrainerView(cluster)
