@@ -16,7 +16,7 @@ import zmq.asyncio
 
 from common import protocol as p
 from common.errors import ProtocolError
-from common.transport import router
+from common.transport import router, send_nowait
 
 log = logging.getLogger("rollfleet.agent.payload")
 
@@ -68,10 +68,8 @@ class PayloadServer:
         self._send(peer, [p.encode(p.Payloads(msg.req, found, missing)), *frames])
 
     def _send(self, peer: bytes, frames: list[bytes]) -> None:
-        try:
-            self.sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK, copy=len(frames) < 3)
-        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or at HWM: it will retry
-            log.warning("payload reply to a trainer failed: %s", exc)
+        # Peer gone (ROUTER_MANDATORY) or at its HWM: the trainer resends its fetch.
+        send_nowait(self.sock, [peer, *frames], lambda exc: log.warning("payload reply to a trainer failed: %s", exc), copy=len(frames) < 3)
 
     def close(self) -> None:
         self.sock.close(linger=0)

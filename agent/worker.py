@@ -41,7 +41,7 @@ from common import protocol as p
 from common.config import RolloutConfig
 from common.errors import EngineError, EngineUnavailable, ProtocolError, RolloutError
 from common.tokenizer import BYTE_TOKENIZER_NAME, load_tokenizer
-from common.transport import dealer
+from common.transport import dealer, send_nowait
 from common.types import Group, Sample
 
 log = logging.getLogger("rollfleet.agent")
@@ -233,14 +233,7 @@ class Agent:
     def _send(self, msg: p.Message) -> None:
         if self.sock is None:
             return
-        # A zmq.asyncio socket reports a failed non-blocking send (zmq.Again at the
-        # HWM) through the returned future, not by raising: look at it there.
-        try:
-            fut = self.sock.send(p.encode(msg), flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            _send_failed(msg.TYPE, exc)
-            return
-        fut.add_done_callback(functools.partial(_check_sent, msg.TYPE))
+        send_nowait(self.sock, [p.encode(msg)], functools.partial(_send_failed, msg.TYPE))
 
     async def _link(self) -> None:
         backoff = 0.2
@@ -555,11 +548,6 @@ class Agent:
 
 class _Reconnect(Exception):
     pass
-
-
-def _check_sent(kind: str, fut) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        _send_failed(kind, fut.exception())
 
 
 def _send_failed(kind: str, exc: BaseException) -> None:

@@ -16,6 +16,7 @@ Why each option (see the facts in the design notes):
 from __future__ import annotations
 
 import socket
+from typing import Callable
 from urllib.parse import urlparse
 
 import zmq
@@ -58,6 +59,28 @@ def dealer(ctx: zmq.asyncio.Context, connect: str, *, identity: bytes | None = N
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
     sock.connect(connect)
     return sock
+
+
+def send_nowait(sock: zmq.asyncio.Socket, frames: list, on_error: Callable[[BaseException], None], *, copy: bool = True) -> None:
+    """Send without waiting; a failure goes to ``on_error``, never unobserved.
+
+    A zmq.asyncio socket reports a failed non-blocking send (``zmq.Again`` at
+    the HWM, ``EHOSTUNREACH`` for a gone ROUTER peer) either by raising or
+    through the future it returns; both end up in ``on_error``. Callers rely on
+    resends and lease reconciliation, not on the transport, for delivery.
+    """
+    try:
+        fut = sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
+    except zmq.ZMQError as exc:
+        on_error(exc)
+        return
+
+    def check(f) -> None:
+        if not f.cancelled() and f.exception() is not None:
+            on_error(f.exception())
+
+    if fut is not None and hasattr(fut, "add_done_callback"):
+        fut.add_done_callback(check)
 
 
 def validate_endpoint(address: str, what: str) -> str:

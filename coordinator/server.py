@@ -28,7 +28,7 @@ import zmq.asyncio
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
 from common.errors import ProtocolError
-from common.transport import router
+from common.transport import router, send_nowait
 from coordinator.core import CoordinatorCore, Persist, Send
 from coordinator.dataset import Dataset, epoch_permutation
 from coordinator.ledger import Ledger
@@ -86,12 +86,9 @@ class CoordinatorServer:
             peer = rec.peer
         else:
             peer = to
-        try:
-            self.sock.send_multipart([peer, p.encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            # Peer gone (ROUTER_MANDATORY) or at its HWM. Agents repair this by
-            # resending (receipts) and heartbeat reconciliation; trainers retry.
-            log.debug("send %s to %r failed: %s", msg.TYPE, peer, exc)
+        # Peer gone (ROUTER_MANDATORY) or at its HWM: agents repair this by
+        # resending (receipts) and heartbeat reconciliation; trainers retry.
+        send_nowait(self.sock, [peer, p.encode(msg)], lambda exc: log.debug("send %s to %r failed: %s", msg.TYPE, peer, exc))
 
     def _deliver(self, s: Send) -> None:
         """Send now, unless an earlier message to the same destination still waits on a commit."""

@@ -32,7 +32,7 @@ from pathlib import Path
 import lmdb
 import msgpack
 
-from tests.cluster import ROOT, Cluster, wait_for
+from tests.cluster import ROOT, Cluster
 
 
 @dataclass

@@ -6,7 +6,7 @@ import pytest
 
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
-from coordinator.core import CoordinatorCore, Persist, Restored, Send
+from coordinator.core import CoordinatorCore, Persist, Restored
 from coordinator.frontier import DELIVERED, FILTERED, LEASED, PENDING, READY
 
 N = 4  # samples per prompt
