@@ -28,19 +28,17 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import lmdb
 import msgpack
 
-MAP_SIZE = 1 << 40
+from common.lmdb_env import open_env
+
 log = logging.getLogger("rollfleet.agent.store")
 
 
 class GroupStore:
     def __init__(self, data_dir: str | os.PathLike, *, agent_id: str | None = None, sync: bool = True):
         self.path = Path(data_dir) / "store"
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.env = lmdb.open(str(self.path), map_size=MAP_SIZE, max_dbs=4, max_readers=512, sync=sync, metasync=sync, writemap=False)
-        self.env.reader_check()
+        self.env = open_env(self.path, sync=sync, max_readers=512)
         self.groups = self.env.open_db(b"groups")
         self.outbox = self.env.open_db(b"outbox")
         self.meta = self.env.open_db(b"meta")

@@ -33,12 +33,13 @@ the same destination (e.g. a Control never overtakes the Grant before it).
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
+from agent.filters import DropStats
 from coordinator.frontier import DELIVERED, FILTERED, LEASED, PENDING, READY, Frontier
 from coordinator.membership import ALIVE, AgentRecord, Membership
 
@@ -130,8 +131,7 @@ class CoordinatorCore:
         self.trainer_session = 0
         self.trainer_client = ""
         self._last_attach: tuple[str, int] = ("", 0)
-        self.drops: Counter = Counter()
-        self.kept_since_batch = 0
+        self.drops = DropStats()  # filter verdicts since the last batch was assembled
         self.filtered_total = 0
         self._restore(restored, now)
         for rid, batch in self.batches.items():
@@ -313,7 +313,7 @@ class CoordinatorCore:
         self._seq += 1
         self.ready.append((epoch, index))
         self.ready_info[(epoch, index)] = ReadyGroup(rec.agent_id, key, stats, self._seq)
-        self.kept_since_batch += 1
+        self.drops.record_kept()
         ops.append(("prompt", epoch, index, {"s": "r", "a": rec.agent_id, "k": key, "st": stats, "seq": self._seq}))
         return True, ""
 
@@ -344,7 +344,7 @@ class CoordinatorCore:
         if self.frontier.state_of(msg.data_epoch, msg.index) not in (PENDING, LEASED):
             return self._pump(now)
         self.frontier.set(msg.data_epoch, msg.index, FILTERED)
-        self.drops[msg.reason] += 1
+        self.drops.record_dropped(msg.reason)
         self.filtered_total += 1
         ops = [("prompt", msg.data_epoch, msg.index, {"s": "f", "a": rec.agent_id, "why": msg.reason})]
         return [self._persist(ops, [])] + self._pump(now)
@@ -535,20 +535,14 @@ class CoordinatorCore:
         self.last_rollout_id = max(self.last_rollout_id, g.rollout_id)
         ops.append(("batch", g.rollout_id, batch))
         ops.append(("meta", "last_rollout_id", self.last_rollout_id))
-        self.drops.clear()
-        self.kept_since_batch = 0
+        self.drops = DropStats()
         for closed in self.frontier.close_finished():
             ops.append(("close_epoch", closed))
         return self._persist(ops, [Send(g.peer, self._batch_reply(g.req, g.rollout_id))])
 
     def _metrics(self, stats: list[dict], epochs: list[int]) -> dict:
         n = len(stats)
-        dropped = sum(self.drops.values())
-        kept = self.kept_since_batch
-        m: dict[str, float] = {f"{FILTER_PREFIX}/drop_{reason}": float(c) for reason, c in sorted(self.drops.items())}
-        m[f"{FILTER_PREFIX}/dropped_groups"] = float(dropped)
-        m[f"{FILTER_PREFIX}/kept_groups"] = float(kept)
-        m[f"{FILTER_PREFIX}/dropped_ratio"] = dropped / (dropped + kept) if dropped + kept else 0.0
+        m = {k: float(v) for k, v in self.drops.metrics(FILTER_PREFIX).items()}
 
         def total(k):
             return float(sum(s.get(k, 0) for s in stats))

@@ -23,15 +23,14 @@ import os
 import struct
 from pathlib import Path
 
-import lmdb
 import msgpack
 
 from common.errors import ConfigError
+from common.lmdb_env import open_env
 from coordinator.core import Restored
 
 _PROMPT = struct.Struct(">QQ")
 _BATCH = struct.Struct(">q")
-MAP_SIZE = 1 << 40
 
 
 def _pack(v) -> bytes:
@@ -45,9 +44,7 @@ def _unpack(b: bytes):
 class Ledger:
     def __init__(self, data_dir: str | os.PathLike, *, sync: bool = True):
         self.path = Path(data_dir) / "ledger"
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.env = lmdb.open(str(self.path), map_size=MAP_SIZE, max_dbs=4, max_readers=256, sync=sync, metasync=sync, writemap=False)
-        self.env.reader_check()
+        self.env = open_env(self.path, sync=sync, max_readers=256)
         self.meta = self.env.open_db(b"meta")
         self.prompts = self.env.open_db(b"prompts")
         self.batches = self.env.open_db(b"batches")

@@ -1,0 +1,27 @@
+"""Opening rollfleet's LMDB environments (the coordinator's ledger, each agent's store).
+
+Settings, and why:
+- ``map_size`` 1 TiB: only address space on 64-bit (the file is sparse), so
+  the map never fills in practice and is never resized at run time (resizing
+  invalidates readers and has a history of bugs);
+- ``sync``/``metasync`` on by default with ``writemap`` off: a commit that
+  returned survives a crash (``--no-sync`` trades that for speed);
+- ``reader_check()`` at open clears reader slots left by killed processes,
+  which would otherwise pin old pages and grow the file.
+Local disks only: LMDB's locking and mmap break on NFS.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lmdb
+
+MAP_SIZE = 1 << 40
+
+
+def open_env(path: Path, *, sync: bool = True, max_readers: int = 256, max_dbs: int = 4) -> lmdb.Environment:
+    path.mkdir(parents=True, exist_ok=True)
+    env = lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=max_dbs, max_readers=max_readers, sync=sync, metasync=sync, writemap=False)
+    env.reader_check()
+    return env
