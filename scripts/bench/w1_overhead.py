@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""W1 — orchestration overhead (the ceiling), as defined in /work/shared/BENCHMARKS.md.
+"""W1 — orchestration overhead (the ceiling), as the benchmark brief defines it.
 
 Two measurements in one run, never at the same time (2 shared cores):
 
