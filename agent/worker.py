@@ -301,7 +301,16 @@ class Agent:
         self.last_heard = time.monotonic()
         self.outbox_sent.clear()
         for key, accepted in msg.acks:
-            await self.store.ack(key, accepted)
+            self.store.ack_nowait(key, accepted)
+        # Receipts committed while we were registering went out under no session
+        # and were dropped: send every one the Welcome did not answer.
+        answered = {key for key, _ in msg.acks}
+        await self.store.drain()
+        now = time.monotonic()
+        for r in await asyncio.to_thread(self.store.unacked):
+            if r["key"] not in answered:
+                self._send(p.Receipt(self.session, r["lease"], r["data_epoch"], r["index"], r["key"], r["n_samples"], r.get("stats", {})))
+                self.outbox_sent[r["key"]] = now
         for lease in msg.cancel:
             task = self.tasks.get(lease)
             if task is not None:
@@ -368,6 +377,15 @@ class Agent:
                 self._set_paused(False, abort=False)
         elif isinstance(msg, p.Trim):
             self.store.trim_nowait(msg.keys)
+        elif isinstance(msg, p.Heartbeat):
+            if msg.session != self.session:
+                return
+            # Repairs a lost Grant (our next heartbeat lists what we hold, so grants
+            # we never saw are released) and a lost pause/resume.
+            self.max_lease = max(self.max_lease, int(msg.stats.get("max_lease", 0) or 0))
+            paused = bool(msg.stats.get("paused", self.paused))
+            if paused != self.paused:
+                self._set_paused(paused, abort=False)
         elif isinstance(msg, p.Fence):
             raise _Reconnect(f"fenced: {msg.reason}")
         elif isinstance(msg, p.Error):
@@ -415,9 +433,15 @@ class Agent:
             raise
         except RolloutError as exc:
             # Bad reward/filter code or a rejected request: give the prompt back
-            # and say why; the agent keeps serving.
+            # and say why (the coordinator filters a prompt that keeps failing);
+            # the agent keeps serving.
             log.error("lease %x (index %d) failed: %s", lease, grant["index"], exc)
             self._send(p.Release(self.session, [lease], f"failed: {exc}"))
+        except Exception as exc:
+            # Anything else (a chat template that rejects a row, a store error) is a
+            # failure of this one prompt, not of the agent.
+            log.exception("lease %x (index %d) failed unexpectedly", lease, grant["index"])
+            self._send(p.Release(self.session, [lease], f"failed: {type(exc).__name__}: {exc}"))
         finally:
             self.in_flight.pop(lease, None)
             self.tasks.pop(lease, None)

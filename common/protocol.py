@@ -13,9 +13,11 @@ Rules every receiver follows:
 - Unknown fields are rejected: a field added to a message is a protocol change
   and bumps ``PROTOCOL_VERSION``.
 
-Correlation: requests carry ``req`` (an int unique per sender session);
-replies echo it. Mutating trainer requests are deduplicated on
-``(session, req)`` by the coordinator, so a retried request is harmless.
+Correlation: requests carry ``req`` (an int unique per sender process);
+replies echo it. Every trainer request is idempotent by what it asks
+(``generate`` by rollout id, ``pause``/``resume``/``consumed`` by the state
+they set), so a resent request is harmless; a resent ``attach`` is recognised
+by ``(client_id, req)`` and gets the same session.
 """
 
 from __future__ import annotations

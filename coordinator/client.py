@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import logging
 import threading
 import time
@@ -153,11 +154,17 @@ class _Endpoint:
         self.sock.close(linger=0)
 
 
-_REQ = itertools.count(1)
+# Random start: a restarted trainer process must not reuse its predecessor's
+# request ids (the coordinator deduplicates a resent Attach on them).
+_REQ = itertools.count(random.randrange(1, 1 << 40))
 
 
 class FetchFailed(RolloutError):
     """Some payloads of a batch could not be fetched from their node (yet)."""
+
+    def __init__(self, message: str, missing: list[str] = ()):
+        super().__init__(message)
+        self.missing = list(missing)
 
 
 class AsyncRolloutClient:
@@ -252,7 +259,11 @@ class AsyncRolloutClient:
                 if self.timeout is not None and time.monotonic() - started > self.timeout:
                     raise RolloutError(f"generate({rollout_id}): {exc}") from None
                 log.warning("generate(%d): %s; asking the coordinator again", rollout_id, exc)
-                await asyncio.sleep(self.retry_interval)
+                if exc.missing:
+                    # The node is up but lost them (wiped disk): the coordinator replaces them.
+                    await self._control("missing", rollout_id=rollout_id, keys=exc.missing)
+                else:
+                    await asyncio.sleep(self.retry_interval)
         # Tell the coordinator the batch is in hand before returning it: from now on
         # its prompts are never generated again, even if their node is lost.
         await self._control("consumed", rollout_id=rollout_id)
@@ -290,7 +301,7 @@ class AsyncRolloutClient:
         if isinstance(msg, p.Error):
             raise RemoteError(f"agent {address}: [{msg.code}] {msg.message}", code=msg.code)
         if msg.missing:
-            raise FetchFailed(f"agent {address} no longer holds {len(msg.missing)} group(s), e.g. {msg.missing[:3]}")
+            raise FetchFailed(f"agent {address} no longer holds {len(msg.missing)} group(s), e.g. {msg.missing[:3]}", msg.missing)
         return dict(zip(msg.found, (bytes(f) for f in frames)))
 
     async def pause(self, drain: bool = True, abort: bool = False) -> dict:

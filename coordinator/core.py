@@ -44,6 +44,8 @@ from coordinator.frontier import DELIVERED, FILTERED, LEASED, PENDING, READY, Fr
 from coordinator.membership import ALIVE, AgentRecord, Membership
 
 FILTER_PREFIX = "rollout/dynamic_filter"
+MAX_FAILURES = 3
+"""Failed attempts after which a prompt is filtered with reason ``generation_failed``."""
 
 
 def range_order(size: int, data_epoch: int):
@@ -89,6 +91,7 @@ class Restored:
     last_rollout_id: int = -1
     paused: bool = False
     consumed_upto: int = -1
+    last_checkpoint: int = -1
 
 
 class CoordinatorCore:
@@ -133,10 +136,14 @@ class CoordinatorCore:
         self._last_attach: tuple[str, int] = ("", 0)
         self.drops = DropStats()  # filter verdicts since the last batch was assembled
         self.filtered_total = 0
-        self._restore(restored, now)
+        self.last_checkpoint = restored.last_checkpoint
+        self.epoch_last_rid: dict[int, int] = {}  # epoch -> last batch holding its prompts
         for rid, batch in self.batches.items():
-            if len(batch["groups"]) < config.rollout_batch_size and rid > self.consumed_upto:
-                self.repairs[rid] = []
+            for g in batch["groups"]:
+                self._note_epoch(g[1], rid)
+        self.failures: dict[tuple[int, int], int] = {}  # prompts whose generation failed, by count
+        self._last_tick = now
+        self._restore(restored, now)
 
     # ------------------------------------------------------------------ restore
 
@@ -155,6 +162,12 @@ class CoordinatorCore:
             self.ready.append((epoch, index))
             self.ready_info[(epoch, index)] = ReadyGroup(rec["a"], rec["k"], rec.get("st", {}), seq)
             self._seq = max(self._seq, seq)
+        # Agents the ledger points at are known from now on, even if they never come
+        # back: they are then retired on schedule and their groups replaced.
+        referenced = {info.agent_id for info in self.ready_info.values()}
+        referenced |= {g[2] for batch in self.batches.values() for g in batch["groups"]}
+        for agent_id in referenced:
+            self.membership.placeholder(agent_id, now)
 
     # ------------------------------------------------------------------ helpers
 
@@ -222,14 +235,19 @@ class CoordinatorCore:
             return [Send(peer, p.Error("too_small", f"agent {msg.agent_id}'s total engine concurrency ({msg.capacity}) is smaller than one group ({n} samples per prompt); raise --concurrency or add engines"))]
         old = self.membership.agents.get(msg.agent_id)
         reported = {}
+        stale = []  # leases for prompts of closed (or never opened) epochs: drop them
         for item in msg.in_flight:
-            if isinstance(item, list) and len(item) == 3:
-                reported[item[0]] = (item[1], item[2])
+            if isinstance(item, list) and len(item) == 3 and isinstance(item[0], int):
+                if self.frontier.valid(item[1], item[2]):
+                    reported[item[0]] = (item[1], item[2])
+                else:
+                    stale.append(item[0])
         if old is not None:
             self._release_agent_leases(old, keep=set(reported))
-        rec = self.membership.register(msg.agent_id, msg.incarnation, peer, msg.capacity // n, msg.payload_address, msg.engines, now)
+        engines = [e for e in msg.engines if isinstance(e, dict)]
+        rec = self.membership.register(msg.agent_id, msg.incarnation, peer, msg.capacity // n, msg.payload_address, engines, now)
         rec.local_dataset = bool(msg.dataset_fingerprint)
-        cancel = []
+        cancel = stale
         for lease, (epoch, index) in reported.items():
             owner = self.leases.get(lease)
             if owner is not None and owner[0] == msg.agent_id:
@@ -246,6 +264,8 @@ class CoordinatorCore:
             try:
                 lease, epoch, index, key, stats = receipt["lease"], receipt["data_epoch"], receipt["index"], receipt["key"], receipt.get("stats", {})
             except (TypeError, KeyError):
+                continue
+            if not (isinstance(lease, int) and isinstance(key, str) and isinstance(stats, dict)):
                 continue
             accepted, _ = self._accept(rec, lease, epoch, index, key, stats, ops)
             acks.append([key, accepted])
@@ -291,11 +311,13 @@ class CoordinatorCore:
 
     def _accept(self, rec: AgentRecord, lease: int, epoch: int, index: int, key: str, stats: dict, ops: list) -> tuple[bool, str]:
         """Record an agent's committed group unless the prompt is already accounted for."""
-        if not (0 <= index < self.dataset_size) or epoch < 0:
-            return False, f"index {index} / data epoch {epoch} out of range"
         info = self.leases.get(lease)
         if info is not None and info[0] == rec.agent_id:
             self._end_lease(lease)
+        if isinstance(epoch, int) and self.frontier.is_closed(epoch):
+            return False, "duplicate: its data epoch is complete"
+        if not self.frontier.valid(epoch, index):
+            return False, f"index {index!r} / data epoch {epoch!r} is not a prompt of an open epoch"
         state = self.frontier.state_of(epoch, index)
         if state in (READY, DELIVERED):
             existing = self.ready_info.get((epoch, index))
@@ -341,36 +363,57 @@ class CoordinatorCore:
         if info is None or info[0] != rec.agent_id:
             return self._pump(now)  # lease was reissued; the successor accounts for the prompt
         self._end_lease(msg.lease)
-        if self.frontier.state_of(msg.data_epoch, msg.index) not in (PENDING, LEASED):
+        _, epoch, index, _ = info  # the lease's prompt, whatever the message claims
+        return self._filter(epoch, index, rec.agent_id, msg.reason, now)
+
+    def _filter(self, epoch: int, index: int, agent_id: str, reason: str, now: float) -> list:
+        if self.frontier.state_of(epoch, index) not in (PENDING, LEASED):
             return self._pump(now)
-        self.frontier.set(msg.data_epoch, msg.index, FILTERED)
-        self.drops.record_dropped(msg.reason)
+        self.frontier.set(epoch, index, FILTERED)
+        self.drops.record_dropped(reason)
         self.filtered_total += 1
-        ops = [("prompt", msg.data_epoch, msg.index, {"s": "f", "a": rec.agent_id, "why": msg.reason})]
+        self.failures.pop((epoch, index), None)
+        ops = [("prompt", epoch, index, {"s": "f", "a": agent_id, "why": reason})]
         return [self._persist(ops, [])] + self._pump(now)
 
     def on_release(self, peer: bytes, msg: p.Release, now: float) -> list:
         rec = self._agent(peer, msg.session, now)
         if rec is None:
             return self._fence(peer, msg.session)
+        out: list = []
         for lease in msg.leases:
             info = self.leases.get(lease)
             if info is not None and info[0] == rec.agent_id:
                 self._end_lease(lease)
-                self.frontier.release(info[1], info[2])
-        return self._pump(now)
+                prompt = (info[1], info[2])
+                if msg.reason.startswith("failed"):
+                    # A prompt that keeps failing (a reward that raises on its label, a
+                    # prompt too long for the engine) is filtered, not retried forever.
+                    self.failures[prompt] = self.failures.get(prompt, 0) + 1
+                    if self.failures[prompt] >= MAX_FAILURES:
+                        out += self._filter(*prompt, rec.agent_id, "generation_failed", now)
+                        continue
+                self.frontier.release(*prompt)
+        return out + self._pump(now)
 
     def on_capacity(self, peer: bytes, msg: p.Capacity, now: float) -> list:
         rec = self._agent(peer, msg.session, now)
         if rec is None:
             return self._fence(peer, msg.session)
         rec.capacity = max(0, msg.capacity) // self.config.n_samples_per_prompt
-        rec.engines = msg.engines
+        rec.engines = [e for e in msg.engines if isinstance(e, dict)]
         return self._pump(now)
 
     # ------------------------------------------------------------------ time
 
     def tick(self, now: float) -> list:
+        stalled = now - self._last_tick
+        if stalled > self.liveness.ttl:
+            # We, not the agents, were silent (stopped process, overloaded host):
+            # nobody's silence counts for that long.
+            for rec in self.membership.agents.values():
+                rec.last_seen += stalled
+        self._last_tick = now
         dead, retired = self.membership.expire(now, self.liveness.ttl, self.liveness.retire_after)
         out: list = []
         for rec in dead:
@@ -388,26 +431,39 @@ class CoordinatorCore:
         return out + self._pump(now)
 
     def _repair_batches(self, agent_id: str, ops: list) -> None:
-        """Recorded batches lose the groups of a retired node; replacements will fill them.
+        """Recorded batches lose the groups of a retired node (``lost``); nothing else yet.
 
-        A batch no trainer has fetched yet: its lost prompts are generated
-        again, and it is refilled at once. A batch already fetched (so trained
-        on): its prompts stay delivered — never trained twice — and it is
-        refilled with fresh prompts only if a resumed trainer asks for it
-        again. Either way the trainer sees ``rollout/replaced_groups``.
+        What happens to the lost prompts is decided when a trainer asks for
+        the batch again (``_start_repair``), because only then is it known
+        whether the trainer had fetched the batch before the node went away.
         """
         for rid, batch in self.batches.items():
             lost = [g for g in batch["groups"] if g[2] == agent_id]
-            if not lost:
-                continue
-            batch["groups"] = [g for g in batch["groups"] if g[2] != agent_id]
-            if rid > self.consumed_upto:
-                for index, epoch, _, _ in lost:
+            if lost:
+                self._lose_groups(rid, batch, lost, ops)
+
+    def _lose_groups(self, rid: int, batch: dict, lost: list, ops: list) -> None:
+        batch["groups"] = [g for g in batch["groups"] if g not in lost]
+        batch.setdefault("lost", []).extend([g[1], g[0]] for g in lost)
+        batch["metrics"]["rollout/replaced_groups"] = batch["metrics"].get("rollout/replaced_groups", 0.0) + len(lost)
+        ops.append(("batch", rid, _snapshot(batch)))
+
+    def _start_repair(self, rid: int, ops: list) -> None:
+        """A trainer asks for a batch that lost groups: refill it.
+
+        If no trainer ever fetched it, its lost prompts were never trained:
+        they are generated again. If one did (``consumed_upto``), they stay
+        delivered — never trained twice — and fresh prompts fill the batch.
+        """
+        batch = self.batches[rid]
+        if rid > self.consumed_upto:
+            for epoch, index in batch.get("lost", []):
+                if self.frontier.is_open(epoch):
                     self.frontier.reopen(epoch, index)
                     ops.append(("prompt", epoch, index, None))
-                self.repairs.setdefault(rid, [])
-            batch["metrics"]["rollout/replaced_groups"] = batch["metrics"].get("rollout/replaced_groups", 0.0) + len(lost)
-            ops.append(("batch", rid, batch))
+        batch["lost"] = []
+        ops.append(("batch", rid, _snapshot(batch)))
+        self.repairs[rid] = []
 
     def _fill_repairs(self) -> list:
         out = []
@@ -424,19 +480,29 @@ class CoordinatorCore:
                 if info is None:
                     continue
                 self.frontier.set(epoch, index, DELIVERED)
+                self._note_epoch(epoch, rid)
                 ops.append(("prompt", epoch, index, {"s": "d", "a": info.agent_id, "k": info.key, "rid": rid}))
                 batch["groups"].append([index, epoch, info.agent_id, info.key])
             if len(batch["groups"]) < size:
                 if ops:
-                    out.append(self._persist(ops + [("batch", rid, batch)], []))
+                    out.append(self._persist(ops + [("batch", rid, _snapshot(batch))], []))
                 break
             waiters = self.repairs.pop(rid)
-            ops.append(("batch", rid, batch))
+            ops.append(("batch", rid, _snapshot(batch)))
             out.append(self._persist(ops, [Send(peer, self._batch_reply(req, rid)) for peer, req in waiters]))
         return out
 
-    def heartbeat_targets(self) -> list[AgentRecord]:
-        return self.membership.alive()
+    def heartbeats(self) -> list[Send]:
+        """One heartbeat per live agent, carrying what repairs a lost Grant or Control.
+
+        ``paused`` lets an agent that missed a pause/resume catch up;
+        ``max_lease`` (the highest lease granted to it) lets it list, in its
+        next heartbeat, the grants it never received, which are then released.
+        """
+        return [
+            Send(r.agent_id, p.Heartbeat(r.session, {"paused": self.paused, "max_lease": r.max_granted}))
+            for r in self.membership.alive()
+        ]
 
     # ------------------------------------------------------------------ trainer
 
@@ -479,16 +545,19 @@ class CoordinatorCore:
         if msg.prefetch >= 0:
             self.prefetch = msg.prefetch
         batch = self.batches.get(msg.rollout_id)
+        repair: list = []
         if batch is not None and msg.rollout_id not in self.repairs:
             if len(batch["groups"]) >= self.config.rollout_batch_size:
                 return [Send(peer, self._batch_reply(msg.req, msg.rollout_id))]
-            self.repairs[msg.rollout_id] = []  # a fetched batch that lost a node, asked for again
+            ops: list = []
+            self._start_repair(msg.rollout_id, ops)
+            repair = [self._persist(ops, [])]
         # Asking for a batch that still needs generating resumes admission, as
         # in the seed: a trainer killed while paused (e.g. saving a checkpoint)
         # must not leave its successor's generate() waiting forever.
         waits = msg.rollout_id in self.repairs or msg.rollout_id > self.last_rollout_id
         resumed = self._resume() if self.paused and waits else []
-        return resumed + self._enqueue_generate(peer, msg, now)
+        return repair + resumed + self._enqueue_generate(peer, msg, now)
 
     def _enqueue_generate(self, peer: bytes, msg: p.Generate, now: float) -> list:
         if msg.rollout_id in self.repairs:
@@ -527,18 +596,31 @@ class CoordinatorCore:
         groups = []
         for epoch, index, info in chosen:
             self.frontier.set(epoch, index, DELIVERED)
+            self._note_epoch(epoch, g.rollout_id)
             ops.append(("prompt", epoch, index, {"s": "d", "a": info.agent_id, "k": info.key, "rid": g.rollout_id}))
             groups.append([index, epoch, info.agent_id, info.key])
         metrics = self._metrics([c[2].stats for c in chosen], [c[0] for c in chosen])
         batch = {"groups": groups, "metrics": metrics}
         self.batches[g.rollout_id] = batch
         self.last_rollout_id = max(self.last_rollout_id, g.rollout_id)
-        ops.append(("batch", g.rollout_id, batch))
+        ops.append(("batch", g.rollout_id, _snapshot(batch)))
         ops.append(("meta", "last_rollout_id", self.last_rollout_id))
         self.drops = DropStats()
-        for closed in self.frontier.close_finished():
-            ops.append(("close_epoch", closed))
+        self._close_epochs(ops)
         return self._persist(ops, [Send(g.peer, self._batch_reply(g.req, g.rollout_id))])
+
+    def _note_epoch(self, epoch: int, rollout_id: int) -> None:
+        self.epoch_last_rid[epoch] = max(self.epoch_last_rid.get(epoch, -1), rollout_id)
+
+    def _close_epochs(self, ops: list) -> None:
+        """Close complete epochs once every batch holding their prompts was fetched.
+
+        Until then a lost node could still send some of their prompts back to
+        pending, which needs the epoch open.
+        """
+        for closed in self.frontier.close_finished(lambda e: self.epoch_last_rid.get(e, -1) <= self.consumed_upto):
+            self.epoch_last_rid.pop(closed, None)
+            ops.append(("close_epoch", closed))
 
     def _metrics(self, stats: list[dict], epochs: list[int]) -> dict:
         n = len(stats)
@@ -606,13 +688,19 @@ class CoordinatorCore:
         ops: list = []
         out: list = []
         by_agent: dict[str, list[str]] = {}
-        for rid in sorted(r for r in self.batches if r <= consumed):
+        # Trim only behind the *previous* checkpoint: the trainer may die before
+        # it has saved this one, and must then be able to resume from the last.
+        previous = self.last_checkpoint
+        for rid in sorted(r for r in self.batches if r <= previous):
             for index, epoch, agent_id, key in self.batches.pop(rid)["groups"]:
                 by_agent.setdefault(agent_id, []).append(key)
             ops.append(("batch", rid, None))
-        if consumed > self.trimmed_upto:
-            self.trimmed_upto = consumed
-            ops.append(("meta", "trimmed_upto", consumed))
+        if previous > self.trimmed_upto:
+            self.trimmed_upto = previous
+            ops.append(("meta", "trimmed_upto", previous))
+        if consumed > self.last_checkpoint:
+            self.last_checkpoint = consumed
+            ops.append(("meta", "last_checkpoint", consumed))
         for agent_id, keys in by_agent.items():
             rec = self.membership.agents.get(agent_id)
             if rec is not None and rec.status == ALIVE:
@@ -636,7 +724,9 @@ class CoordinatorCore:
             return [Send(peer, p.Error("bad_state", "checkpoint was taken on a different dataset (fingerprint differs)", msg.req))]
         rid = state.get("rollout_id")
         if not isinstance(rid, int) or rid < self.trimmed_upto:
-            return [Send(peer, p.Error("bad_state", f"checkpoint at rollout {rid} is older than the newest checkpoint ({self.trimmed_upto}); the batches between were trimmed", msg.req))]
+            return [Send(peer, p.Error("bad_state", f"checkpoint at rollout {rid} is older than the last two checkpoints (batches up to {self.trimmed_upto} were trimmed)", msg.req))]
+        if rid > self.last_rollout_id:
+            return [Send(peer, p.Error("bad_state", f"checkpoint at rollout {rid} is newer than anything this coordinator delivered (last {self.last_rollout_id}); is this the right --data-dir?", msg.req))]
         return [Send(peer, p.Ok(msg.req, {"rollout_id": rid, "last_rollout_id": self.last_rollout_id}))]
 
     def _trainer_consumed(self, peer: bytes, msg: p.TrainerControl, now: float) -> list:
@@ -647,7 +737,22 @@ class CoordinatorCore:
         if rid <= self.consumed_upto:
             return [Send(peer, p.Ok(msg.req, {"consumed_upto": self.consumed_upto}))]
         self.consumed_upto = rid
-        return [self._persist([("meta", "consumed_upto", rid)], [Send(peer, p.Ok(msg.req, {"consumed_upto": rid}))])]
+        ops: list = [("meta", "consumed_upto", rid)]
+        self._close_epochs(ops)
+        return [self._persist(ops, [Send(peer, p.Ok(msg.req, {"consumed_upto": rid}))])]
+
+    def _trainer_missing(self, peer: bytes, msg: p.TrainerControl, now: float) -> list:
+        """An agent that is up answered that it no longer holds some groups of a batch
+        (e.g. its disk was wiped): they are treated like groups of a lost node."""
+        rid, keys = msg.args.get("rollout_id"), msg.args.get("keys")
+        batch = self.batches.get(rid) if isinstance(rid, int) else None
+        if batch is None or not isinstance(keys, list):
+            return [Send(peer, p.Error("bad_request", f"no recorded batch {rid!r} with missing keys", msg.req))]
+        lost = [g for g in batch["groups"] if g[3] in set(keys)]
+        ops: list = []
+        if lost:
+            self._lose_groups(rid, batch, lost, ops)
+        return [self._persist(ops, [Send(peer, p.Ok(msg.req, {"lost": len(lost)}))])]
 
     def _trainer_detach(self, peer: bytes, msg: p.TrainerControl, now: float) -> list:
         self.trainer_session = 0
@@ -691,6 +796,7 @@ class CoordinatorCore:
                 self.leases[lease] = (agent_id, epoch, index, rollout_id)
                 self.leased_by[(epoch, index)] = lease
                 rec.leases.add(lease)
+                rec.max_granted = lease
                 grant = {"lease": lease, "data_epoch": epoch, "index": index, "rollout_id": rollout_id}
                 if not rec.local_dataset:
                     prompt, label, metadata = self._row(index)
@@ -702,3 +808,8 @@ class CoordinatorCore:
             # Write-ahead: the cursor covering these leases is durable before they leave.
             out.append(self._persist([], granted))
         return out
+
+
+def _snapshot(batch: dict) -> dict:
+    """A copy of a batch for the ledger: the live dict may change before the write."""
+    return {"groups": [list(g) for g in batch["groups"]], "metrics": dict(batch["metrics"]), "lost": [list(x) for x in batch.get("lost", [])]}

@@ -10,8 +10,11 @@ index)`` is at any moment exactly one of
     FILTERED   the dynamic filter rejected its group (with a reason)
 
 Memory per epoch is one byte per prompt plus a cursor and a requeue, so it
-does not grow with row content or run length. An epoch is closed (forgotten)
-once every prompt is DELIVERED or FILTERED and a newer epoch is open.
+does not grow with row content or run length. Epochs close in order: the
+oldest open epoch closes once every prompt is DELIVERED or FILTERED, a newer
+epoch is open and the caller agrees (the coordinator waits until every batch
+holding its prompts was fetched). A closed epoch is never opened again: its
+prompts all count as done, and only ``take`` opens a new (latest + 1) epoch.
 
 Pure: no I/O and no clock; ``now`` is passed in.
 """
@@ -71,14 +74,26 @@ class Frontier:
         self.size = size
         self._order_for_epoch = order_for_epoch
         self.epochs: dict[int, EpochFrontier] = {}
-        self.open_epoch(0)
+        self.floor = 0  # epochs below it are closed
+        self._open(0)
 
-    def open_epoch(self, data_epoch: int) -> EpochFrontier:
-        ep = self.epochs.get(data_epoch)
-        if ep is None:
-            ep = EpochFrontier(data_epoch, self._order_for_epoch(data_epoch))
-            self.epochs[data_epoch] = ep
+    def _open(self, data_epoch: int) -> EpochFrontier:
+        ep = EpochFrontier(data_epoch, self._order_for_epoch(data_epoch))
+        self.epochs[data_epoch] = ep
         return ep
+
+    def is_open(self, data_epoch: int) -> bool:
+        return data_epoch in self.epochs
+
+    def is_closed(self, data_epoch: int) -> bool:
+        return data_epoch < self.floor
+
+    def valid(self, data_epoch, index) -> bool:
+        """An (epoch, index) pair of the right types and range, in an open epoch."""
+        return (
+            isinstance(data_epoch, int) and isinstance(index, int) and not isinstance(index, bool)
+            and 0 <= index < self.size and data_epoch in self.epochs
+        )
 
     @property
     def latest(self) -> int:
@@ -93,7 +108,7 @@ class Frontier:
                 return data_epoch, index
         latest = self.epochs[self.latest]
         if latest.exhausted:
-            nxt = self.open_epoch(latest.data_epoch + 1)
+            nxt = self._open(latest.data_epoch + 1)
             index = nxt.take(now)
             if index is not None:
                 nxt.state[index] = LEASED
@@ -101,14 +116,16 @@ class Frontier:
         return None
 
     def state_of(self, data_epoch: int, index: int) -> int:
+        """The prompt's state; every prompt of a closed epoch counts as DELIVERED."""
         ep = self.epochs.get(data_epoch)
         if ep is None:
-            # Closed epochs are complete; epochs never opened are pending.
-            return DELIVERED if data_epoch < min(self.epochs) else PENDING
+            if data_epoch < self.floor:
+                return DELIVERED
+            raise KeyError(f"data epoch {data_epoch} was never opened")
         return ep.state[index]
 
     def set(self, data_epoch: int, index: int, state: int) -> None:
-        ep = self.open_epoch(data_epoch)
+        ep = self.epochs[data_epoch]
         old = ep.state[index]
         if old == state:
             return
@@ -134,12 +151,16 @@ class Frontier:
         self.set(data_epoch, index, PENDING)
         ep.requeue.append(index)
 
-    def close_finished(self) -> list[int]:
-        """Forget complete epochs older than the latest; returns their numbers."""
-        latest = self.latest
-        closed = [e for e, ep in self.epochs.items() if e != latest and ep.complete]
-        for e in closed:
-            del self.epochs[e]
+    def close_finished(self, may_close: Callable[[int], bool] = lambda e: True) -> list[int]:
+        """Close complete epochs, oldest first, while ``may_close`` agrees; returns their numbers."""
+        closed = []
+        while len(self.epochs) > 1:
+            oldest = min(self.epochs)
+            if not (self.epochs[oldest].complete and may_close(oldest)):
+                break
+            del self.epochs[oldest]
+            self.floor = oldest + 1
+            closed.append(oldest)
         return closed
 
     def restore(self, cursors: dict[int, int], records: dict[tuple[int, int], int], now: float, orphan_delay: float) -> None:
@@ -152,8 +173,10 @@ class Frontier:
         the meantime adopt them back).
         """
         self.epochs.clear()
-        for data_epoch in sorted(set(cursors) | {e for e, _ in records} or {0}):
-            self.open_epoch(data_epoch)
+        opened = sorted(set(cursors) | {e for e, _ in records} or {0})
+        for data_epoch in range(opened[0], opened[-1] + 1):
+            self._open(data_epoch)
+        self.floor = opened[0]
         for (data_epoch, index), state in records.items():
             self.set(data_epoch, index, state)
         for data_epoch, cursor in cursors.items():
@@ -167,7 +190,9 @@ class Frontier:
 
     def adopt(self, data_epoch: int, index: int) -> bool:
         """An agent re-registering still generates this prompt: lease it back if still pending."""
-        ep = self.open_epoch(data_epoch)
+        if not self.valid(data_epoch, index):
+            return False
+        ep = self.epochs[data_epoch]
         if ep.state[index] != PENDING:
             return False
         self.set(data_epoch, index, LEASED)

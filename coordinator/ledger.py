@@ -3,7 +3,8 @@
 Layout (one environment, three named databases):
 - ``meta``: ``generation`` (bumped at every start; fences pre-restart
   sessions and lease ids), ``dataset`` (size + fingerprint), ``cursors``,
-  ``trimmed_upto``, ``consumed_upto`` (highest batch a trainer fetched), ``last_rollout_id``, ``paused`` (the trainer's pause
+  ``trimmed_upto``, ``consumed_upto`` (highest batch a trainer fetched),
+  ``last_checkpoint``, ``last_rollout_id``, ``paused`` (the trainer's pause
   outlives a coordinator restart).
 - ``prompts``: ``(data_epoch, index)`` -> ``{s: r|d|f, a: agent, k: key, ...}``
   for every prompt of an open epoch that is READY, DELIVERED or FILTERED.
@@ -70,7 +71,7 @@ class Ledger:
             txn.put(b"generation", _pack(generation), db=self.meta)
         restored = Restored(generation=generation)
         with self.env.begin() as txn:
-            for name in ("cursors", "trimmed_upto", "last_rollout_id", "paused", "consumed_upto"):
+            for name in ("cursors", "trimmed_upto", "last_rollout_id", "paused", "consumed_upto", "last_checkpoint"):
                 raw = txn.get(name.encode(), db=self.meta)
                 if raw is not None:
                     value = _unpack(raw)

@@ -33,6 +33,8 @@ class AgentRecord:
     status: str = ALIVE
     leases: set[int] = field(default_factory=set)
     trim_backlog: list[str] = field(default_factory=list)
+    max_granted: int = 0
+    """Highest lease id granted to this session (sent back in heartbeats)."""
     local_dataset: bool = False
     """The agent reads prompts from its own replica; grants carry indices only."""
 
@@ -71,6 +73,11 @@ class Membership:
         self._by_session[rec.session] = rec
         return rec
 
+    def placeholder(self, agent_id: str, now: float) -> None:
+        """An agent known only from the ledger (after a restart): presumed dead until it registers."""
+        if agent_id not in self.agents:
+            self.agents[agent_id] = AgentRecord(agent_id, 0, 0, b"", 0, "", [], now, status=DEAD)
+
     def by_session(self, session: int) -> AgentRecord | None:
         rec = self._by_session.get(session)
         return rec if rec is not None and rec.status == ALIVE else None
@@ -100,29 +107,30 @@ class Membership:
         return bool(self.agents) and all(r.status == RETIRED or (r.status == ALIVE and not r.usable) for r in self.agents.values())
 
     def distribute(self, budget: int) -> dict[str, int]:
-        """Split ``budget`` new leases over agents by free capacity, round robin."""
+        """Split ``budget`` new leases over agents by free capacity, round robin.
+
+        O(agents) per call: each pass hands every agent with room an equal
+        share (at least one), starting from a rotating offset.
+        """
         out: dict[str, int] = {}
-        candidates = [r for r in self.agents.values() if r.free > 0]
-        if not candidates or budget <= 0:
+        free = {r.agent_id: r.free for r in self.agents.values() if r.free > 0}
+        if not free or budget <= 0:
             return out
-        free = {r.agent_id: r.free for r in candidates}
-        n = len(candidates)
-        start = self._rr % n
+        order = list(free)
+        start = self._rr % len(order)
         self._rr += 1
-        i = 0
-        while budget > 0 and free:
-            rec = candidates[(start + i) % n]
-            i += 1
-            left = free.get(rec.agent_id, 0)
-            if left <= 0:
-                if i > n and not any(free.values()):
+        order = order[start:] + order[:start]
+        while budget > 0 and order:
+            share = max(1, budget // len(order))
+            still = []
+            for agent_id in order:
+                if budget <= 0:
                     break
-                continue
-            # Hand out in chunks so a large budget costs O(agents), not O(budget).
-            chunk = max(1, min(left, budget // n or 1))
-            out[rec.agent_id] = out.get(rec.agent_id, 0) + chunk
-            free[rec.agent_id] = left - chunk
-            budget -= chunk
-            if not any(free.values()):
-                break
+                n = min(share, free[agent_id], budget)
+                out[agent_id] = out.get(agent_id, 0) + n
+                free[agent_id] -= n
+                budget -= n
+                if free[agent_id] > 0:
+                    still.append(agent_id)
+            order = still
         return out

@@ -183,8 +183,8 @@ class CoordinatorServer:
             await asyncio.sleep(interval / 2)
             now = time.monotonic()
             self._run(self.core.tick(now))
-            for rec in self.core.heartbeat_targets():
-                self._send(rec.agent_id, p.Heartbeat(rec.session))
+            for beat in self.core.heartbeats():
+                self._deliver(beat)  # behind any grant still waiting on the ledger
             if now - last_report > 30:
                 last_report = now
                 s = self.core.statistics()

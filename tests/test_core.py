@@ -32,6 +32,16 @@ def register(core, agent="a", slots=4 * N, now=0.0, unacked=(), in_flight=()):
     return welcome, eff
 
 
+def tick(core, now):
+    """Advance the clock to ``now`` the way the server does: many small ticks."""
+    out = []
+    t = core._last_tick
+    while t < now:
+        t = min(now, t + 0.25)
+        out += core.tick(t)
+    return out
+
+
 def grants(effects):
     return [g for s in sends(effects, p.Grant) for g in s.msg.leases]
 
@@ -120,7 +130,7 @@ def test_silent_agent_loses_its_leases_and_is_fenced_when_it_returns():
     leased = grants(eff)
     w2, _ = register(core, "b", now=0.0)
     core.on_heartbeat(b"b", p.Heartbeat(w2.session), 2.9)
-    eff = core.tick(3.5)  # a is silent past the TTL; b is not
+    eff = tick(core, 3.5)  # a is silent past the TTL; b is not
     reissued = grants(eff)
     assert sorted(g["index"] for g in reissued) == sorted(g["index"] for g in leased)
     assert all(s.to == "b" for s in sends(eff, p.Grant))
@@ -165,8 +175,8 @@ def test_retired_agent_ready_groups_are_generated_again():
     for g in grants(eff):
         receipt(core, w.session, g)
     assert core.statistics()["ready"] == 2
-    core.tick(2.0)  # dead: no leases to release
-    eff = core.tick(6.0)  # retired: its payloads are gone for good
+    tick(core, 2.0)  # dead: no leases to release
+    eff = tick(core, 6.0)  # retired: its payloads are gone for good
     assert core.statistics()["ready"] == 0
     assert core.statistics()["prompts"]["pending"] == 20
 
@@ -176,8 +186,8 @@ def test_all_agents_retired_fails_generate_clearly():
     register(core, "a")
     session = attach(core)
     core.on_generate(b"trainer", p.Generate(session, 1, 0), 0.0)
-    core.tick(1.5)
-    eff = core.tick(3.0)
+    tick(core, 1.5)
+    eff = tick(core, 3.0)
     err = sends(eff, p.Error)[0].msg
     assert err.code == "no_capacity" and "retired" in err.message
 
@@ -205,14 +215,21 @@ def test_state_dict_trims_consumed_batches_and_refuses_older_checkpoints():
     ctl = lambda action, **args: core.on_trainer_control(b"trainer", p.TrainerControl(session, 99, action, args), 0.0)
     assert sends(ctl("state_dict", consumed=2), p.Error)[0].msg.code == "not_drained"
     ctl("pause", drain=True)
+    eff = ctl("state_dict", consumed=0)
+    first = sends(eff, p.Ok)[0].msg.result
+    assert first["rollout_id"] == 0 and sends(eff, p.Trim) == []  # nothing trimmed before a second checkpoint
     eff = ctl("state_dict", consumed=1)
     state = sends(eff, p.Ok)[0].msg.result
     trims = sends(eff, p.Trim)
-    assert state["rollout_id"] == 1 and len(trims[0].msg.keys) == 2
-    assert sorted(core.batches) == [2]
-    assert sends(ctl("load_state_dict", state={**state, "rollout_id": 0}), p.Error)[0].msg.code == "bad_state"
+    # Only what is behind the previous checkpoint goes: a trainer that dies while
+    # saving checkpoint 1 can still resume from checkpoint 0.
+    assert state["rollout_id"] == 1 and len(trims[0].msg.keys) == 1
+    assert sorted(core.batches) == [1, 2]
+    assert sends(ctl("load_state_dict", state=first), p.Ok)
+    assert sends(ctl("load_state_dict", state={**state, "rollout_id": -1}), p.Error)[0].msg.code == "bad_state"
+    assert sends(ctl("load_state_dict", state={**state, "rollout_id": 7}), p.Error)[0].msg.code == "bad_state"
     assert sends(ctl("load_state_dict", state=state), p.Ok)
-    assert sends(core.on_generate(b"trainer", p.Generate(session, 1, 1), 0.0), p.Error)[0].msg.code == "trimmed"
+    assert sends(core.on_generate(b"trainer", p.Generate(session, 1, 0), 0.0), p.Error)[0].msg.code == "trimmed"
 
 
 def test_restore_keeps_accounted_prompts_and_delays_orphans():
@@ -277,15 +294,18 @@ def test_batch_on_a_retired_node_is_completed_with_replacements():
     first = sends(eff, p.BatchRefs)[0].msg
     assert {g[1] for g in first.groups} == {"a", "b"}
     core.on_heartbeat(b"b", p.Heartbeat(wb.session), 1.9)
-    core.tick(2.0)  # a is presumed dead; b is alive
+    tick(core, 2.0)  # a is presumed dead; b is alive
     core.on_heartbeat(b"b", p.Heartbeat(wb.session), 5.9)
-    eff = core.tick(6.0)  # a is retired with its payloads
-    assert core.frontier.state_of(0, ga[0]["index"]) in (PENDING, LEASED)
-    assert core.statistics()["batches_in_repair"] == [0]
+    tick(core, 6.0)  # a is retired with its payloads
+    # Nothing changes until a trainer asks for batch 0 again (it could not fetch a's group).
+    assert core.frontier.state_of(0, ga[0]["index"]) == DELIVERED
+    eff = core.on_generate(b"trainer", p.Generate(session, 2, 0), 6.0)
+    assert sends(eff, p.BatchRefs) == []
+    # Batch 0 was never fetched, so a's prompt was never trained: it is generated again.
     replacement = grants(eff)
-    assert len(replacement) == 1 and all(s.to == "b" for s in sends(eff, p.Grant))
-    # The trainer cannot fetch a's group and asks again: it waits for the replacement.
-    assert sends(core.on_generate(b"trainer", p.Generate(session, 2, 0), 6.0), p.BatchRefs) == []
+    assert core.statistics()["batches_in_repair"] == [0]
+    assert [g["index"] for g in replacement] == [ga[0]["index"]]
+    assert all(s.to == "b" for s in sends(eff, p.Grant))
     eff, _ = receipt(core, wb.session, replacement[0], agent=b"b", now=6.1)
     repaired = sends(eff, p.BatchRefs)[0].msg
     assert len(repaired.groups) == 2 and {g[1] for g in repaired.groups} == {"b"}
@@ -406,9 +426,9 @@ def test_a_fetched_batch_that_loses_its_node_never_regenerates_its_prompts():
     assert ok and core.consumed_upto == 0
     wb, _ = register(core, "b", slots=N)
     core.on_heartbeat(b"b", p.Heartbeat(wb.session), 1.9)
-    core.tick(2.0)
+    tick(core, 2.0)
     core.on_heartbeat(b"b", p.Heartbeat(wb.session), 5.9)
-    core.tick(6.0)  # a retired: batch 0 was trained on, so its prompt stays delivered
+    tick(core, 6.0)  # a retired: batch 0 was trained on, so its prompt stays delivered
     assert core.frontier.state_of(0, ga[0]["index"]) == DELIVERED
     assert core.statistics()["batches_in_repair"] == []
     # A resumed trainer asking for batch 0 again gets it completed with a fresh prompt.
@@ -418,3 +438,97 @@ def test_a_fetched_batch_that_loses_its_node_never_regenerates_its_prompts():
     eff, _ = receipt(core, wb.session, fresh[0], agent=b"b", now=6.1)
     refs = sends(eff, p.BatchRefs)[0].msg
     assert [g[0] for g in refs.groups] == [fresh[0]["index"]] and refs.metrics["rollout/replaced_groups"] == 1
+
+
+def _run_epoch(core, w, session, size, start_rid):
+    """Deliver every prompt of one epoch as batches of one, and have the trainer fetch them."""
+    for rid in range(start_rid, start_rid + size):
+        g = grants(core.on_generate(b"trainer", p.Generate(session, rid, rid, 0), 0.0))[0]
+        receipt(core, w.session, g)
+        core.on_trainer_control(b"trainer", p.TrainerControl(session, rid, "consumed", {"rollout_id": rid}), 0.0)
+
+
+def test_a_closed_epoch_is_never_opened_again_by_a_late_agent():
+    core = make_core(size=3, batch=1, prefetch=0)
+    w, _ = register(core, slots=10 * N)
+    session = attach(core)
+    _run_epoch(core, w, session, 3, 0)
+    g = grants(core.on_generate(b"trainer", p.Generate(session, 3, 3, 0), 0.0))[0]
+    assert g["data_epoch"] == 1
+    receipt(core, w.session, g)
+    core.on_trainer_control(b"trainer", p.TrainerControl(session, 9, "consumed", {"rollout_id": 3}), 0.0)
+    _run_epoch(core, w, session, 2, 4)  # epoch 1 complete: epoch 0 closes once a newer one is open
+    assert core.frontier.is_closed(0)
+    # A zombie agent comes back claiming a lease of epoch 0 and a committed group for it.
+    w2, eff = register(core, "z", in_flight=[[12345, 0, 1]], unacked=[{"lease": 12345, "data_epoch": 0, "index": 1, "key": "late", "stats": {}}])
+    assert w2.cancel == [12345] and w2.acks == [["late", False]]
+    assert not core.frontier.is_open(0)
+    assert all(g["data_epoch"] >= 1 for g in grants(eff))
+
+
+def test_epoch_stays_open_until_its_batches_are_fetched():
+    core = make_core(size=2, batch=1, prefetch=0)
+    w, _ = register(core, slots=10 * N)
+    session = attach(core)
+    for rid in range(3):
+        g = grants(core.on_generate(b"trainer", p.Generate(session, rid, rid, 0), 0.0))[0]
+        receipt(core, w.session, g)
+    assert core.frontier.is_open(0), "batches 0 and 1 hold epoch 0 and were not fetched yet"
+    core.on_trainer_control(b"trainer", p.TrainerControl(session, 7, "consumed", {"rollout_id": 1}), 0.0)
+    assert core.frontier.is_closed(0)
+
+
+def test_a_prompt_that_keeps_failing_is_filtered_not_retried_forever():
+    core = make_core(batch=1, prefetch=1)
+    w, eff = register(core)
+    g = grants(eff)[0]
+    for attempt in range(3):
+        eff = core.on_release(b"a", p.Release(w.session, [g["lease"]], "failed: reward raised ValueError"), 0.0)
+        again = [x for x in grants(eff) if x["index"] == g["index"]]
+        if attempt < 2:
+            assert again, "a failed prompt is retried"
+            g = again[0]
+    assert core.frontier.state_of(0, g["index"]) == FILTERED
+    # The next batch reports it with the other filter drops.
+    assert core.drops.metrics()["rollout/dynamic_filter/drop_generation_failed"] == 1
+
+
+def test_filtered_report_counts_for_the_leased_prompt_only():
+    core = make_core(prefetch=1)
+    w, eff = register(core)
+    g = grants(eff)[0]
+    core.on_filtered(b"a", p.Filtered(w.session, g["lease"], 0, -1, "zero_std_0"), 0.0)
+    assert core.frontier.state_of(0, g["index"]) == FILTERED
+
+
+def test_malformed_register_fields_are_ignored_not_fatal():
+    core = make_core(prefetch=2)
+    eff = core.on_register(b"a", p.Register("a", 1, 4 * N, "tcp://a:1", ["not a dict", {"state": "healthy"}], [{"lease": "x"}, 5], [["l", "e", 1], [1, 0, 10_000]]), 0.0)
+    assert sends(eff, p.Welcome)
+    assert core.statistics()["agents"]["a"]["engines"] == [{"state": "healthy"}]
+    assert len(grants(eff)) == 2
+
+
+def test_coordinator_stall_does_not_retire_the_fleet():
+    core = make_core(prefetch=2, ttl=1.0, retire=5.0)
+    w, _ = register(core)
+    core.tick(100.0)  # the coordinator itself was stopped for 100 s
+    assert core.statistics()["agents"]["a"]["status"] == "alive"
+
+
+def test_agents_named_in_the_ledger_are_retired_if_they_never_come_back():
+    restored = Restored(generation=2, cursors={0: 2}, prompts={(0, 0): {"s": "r", "a": "gone", "k": "k0", "seq": 1}})
+    core = make_core(prefetch=0, restored=restored, ttl=1.0, retire=5.0)
+    assert core.statistics()["agents"]["gone"]["status"] == "dead"
+    tick(core, 6.0)
+    assert core.statistics()["agents"]["gone"]["status"] == "retired"
+    assert core.frontier.state_of(0, 0) == PENDING, "its ready group is generated again"
+
+
+def test_distribute_spreads_leases_over_many_agents_in_linear_time():
+    core = make_core(size=100_000, prefetch=0)
+    for i in range(512):
+        register(core, f"n{i}", slots=32 * N)
+    split = core.membership.distribute(1000)
+    assert sum(split.values()) == 1000 and max(split.values()) - min(split.values()) <= 1
+    assert sum(core.membership.distribute(10**6).values()) == 512 * 32

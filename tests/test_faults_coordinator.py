@@ -295,6 +295,11 @@ TRAINER = textwrap.dedent(
                 client.load_state_dict(json.load(f))
             for rid in (4, 5, 6, 7):
                 out[rid] = ids(client.generate(rid))
+            # The next checkpoint trims what is behind the previous one (rollout 3):
+            # until this one is taken, a trainer dying mid-save can still go back to 3.
+            client.pause(drain=True)
+            client.state_dict()
+            client.resume()
             with open(out_path, "w") as f:
                 json.dump({"batches": out}, f)
             print("RESUMED", flush=True)
@@ -332,7 +337,7 @@ def test_killed_trainer_resumes_from_checkpoint_and_consumed_payloads_are_trimme
     assert len(later) == len(set(later)) == 32
     assert not consumed & set(later), "a group consumed before the checkpoint came back"
 
-    # Payloads behind the checkpointed frontier are gone from the agents; later ones stay.
+    # Payloads behind the previous checkpoint are gone from the agents; later ones stay.
     stop_cluster(cluster)
     held = {}
     for name in cluster.agents:
