@@ -407,7 +407,7 @@ class Agent:
             log.warning("abort of %s on %s failed: %s", rid, url, exc)
 
     def _stats(self) -> dict:
-        return {**self.counters, "in_flight": len(self.in_flight), "capacity": self.pool.capacity(), "stored_groups": 0}
+        return {**self.counters, "in_flight": len(self.in_flight), "capacity": self.pool.capacity(), "stored_groups": self.store.count()}
 
     # ------------------------------------------------------------------ leases
 

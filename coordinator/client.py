@@ -335,6 +335,12 @@ class AsyncRolloutClient:
         if self._closed:
             return
         self._closed = True
+        if self.session and self._coord is not None:
+            # Leave the fleet for the next trainer; best effort, a dead coordinator must not block close().
+            try:
+                await self._coord.request(lambda req: p.TrainerControl(self.session, req, "detach"), retry_interval=0.5, timeout=1.0, what="detach")
+            except RolloutError:
+                pass
         for ep in [*self._agents.values(), *([self._coord] if self._coord else [])]:
             await ep.close()
         self._agents.clear()

@@ -215,6 +215,7 @@ class CoordinatorCore:
             "batches_in_repair": sorted(self.repairs),
             "prefetch": self.prefetch,
             "paused": self.paused,
+            "trainer": self.trainer_client if self.trainer_session else None,
             "prompts": counts,
             "data_epochs": sorted(self.frontier.epochs),
             "last_rollout_id": self.last_rollout_id,

@@ -99,9 +99,6 @@ class Membership:
     def alive(self) -> list[AgentRecord]:
         return [r for r in self.agents.values() if r.status == ALIVE]
 
-    def any_usable(self) -> bool:
-        return any(r.usable for r in self.agents.values())
-
     def all_gone(self) -> bool:
         """Agents have joined, and none of them can generate any more."""
         return bool(self.agents) and all(r.status == RETIRED or (r.status == ALIVE and not r.usable) for r in self.agents.values())
