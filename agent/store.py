@@ -143,6 +143,13 @@ class GroupStore:
 
     # ---------------------------------------------------------------- reads
 
+    def snapshot(self) -> tuple[list[str], list[dict]]:
+        """Stored group keys and unacknowledged receipts, read in one transaction."""
+        with self.env.begin() as txn:
+            keys = [k.decode() for k, _ in txn.cursor(db=self.groups)]
+            unacked = [msgpack.unpackb(v, raw=False) for _, v in txn.cursor(db=self.outbox)]
+        return keys, unacked
+
     def unacked(self) -> list[dict]:
         with self.env.begin() as txn:
             return [msgpack.unpackb(v, raw=False) for _, v in txn.cursor(db=self.outbox)]

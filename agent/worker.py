@@ -258,7 +258,7 @@ class Agent:
             backoff = min(backoff * 2, 10.0)
 
     async def _register(self) -> None:
-        unacked = await asyncio.to_thread(self.store.unacked)
+        stored, unacked = await asyncio.to_thread(self.store.snapshot)
         in_flight = [[lease, g["data_epoch"], g["index"]] for lease, g in self.in_flight.items()]
         reg = p.Register(
             agent_id=self.agent_id,
@@ -270,6 +270,7 @@ class Agent:
             in_flight=in_flight,
             dataset_fingerprint=self.dataset.fingerprint if self.dataset else "",
             dataset_size=len(self.dataset) if self.dataset else -1,
+            stored=stored,
         )
         frame = p.encode(reg)
         wait = 1.0

@@ -185,6 +185,8 @@ class Register(Message):
     in_flight: list
     dataset_fingerprint: str = ""
     dataset_size: int = -1
+    stored: list[str] = field(default_factory=list)
+    """Keys of every group in the agent's store: those no longer needed are trimmed."""
 
 
 @message

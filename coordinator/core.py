@@ -280,9 +280,15 @@ class CoordinatorCore:
             paused=self.paused,
         )
         then: list = [Send(msg.agent_id, welcome)]
-        if rec.trim_backlog:
-            then.append(Send(msg.agent_id, p.Trim(rec.trim_backlog)))
-            rec.trim_backlog = []
+        # Storage reconciliation: whatever the agent stores that no batch, ready group
+        # or pending receipt refers to was consumed behind a checkpoint, refused, or
+        # belongs to a closed epoch, and a Trim for it was lost (agent down, restart).
+        live = {info.key for info in self.ready_info.values() if info.agent_id == msg.agent_id}
+        live |= {g[3] for batch in self.batches.values() for g in batch["groups"] if g[2] == msg.agent_id}
+        live |= {r["key"] for r in msg.unacked if isinstance(r, dict) and isinstance(r.get("key"), str)}
+        garbage = [k for k in msg.stored if isinstance(k, str) and k not in live]
+        if garbage:
+            then.append(Send(msg.agent_id, p.Trim(garbage)))
         # Nothing may reach the agent before its Welcome: grants ride behind it.
         pumped = self._pump(now)
         then += [e for e in pumped if isinstance(e, Send)]
@@ -706,8 +712,7 @@ class CoordinatorCore:
             rec = self.membership.agents.get(agent_id)
             if rec is not None and rec.status == ALIVE:
                 out.append(Send(agent_id, p.Trim(keys)))
-            elif rec is not None:
-                rec.trim_backlog.extend(keys)
+            # An agent that is down gets its trims at registration (storage reconciliation).
         state = {
             "format": 1,
             "rollout_id": consumed,

@@ -32,7 +32,6 @@ class AgentRecord:
     last_seen: float
     status: str = ALIVE
     leases: set[int] = field(default_factory=set)
-    trim_backlog: list[str] = field(default_factory=list)
     max_granted: int = 0
     """Highest lease id granted to this session (sent back in heartbeats)."""
     local_dataset: bool = False
@@ -67,8 +66,6 @@ class Membership:
         if old is not None:
             self._by_session.pop(old.session, None)
         rec = AgentRecord(agent_id, self.new_session(), incarnation, peer, capacity, payload_address, engines, now)
-        if old is not None:
-            rec.trim_backlog = old.trim_backlog
         self.agents[agent_id] = rec
         self._by_session[rec.session] = rec
         return rec

@@ -532,3 +532,16 @@ def test_distribute_spreads_leases_over_many_agents_in_linear_time():
     split = core.membership.distribute(1000)
     assert sum(split.values()) == 1000 and max(split.values()) - min(split.values()) <= 1
     assert sum(core.membership.distribute(10**6).values()) == 512 * 32
+
+
+def test_registration_trims_stored_groups_nothing_refers_to():
+    core = make_core(batch=1, prefetch=0)
+    w, _ = register(core, "a")
+    session = attach(core)
+    g = grants(core.on_generate(b"trainer", p.Generate(session, 1, 0), 0.0))[0]
+    receipt(core, w.session, g, key="kept")
+    g2 = grants(core.on_generate(b"trainer", p.Generate(session, 2, 1), 0.0))[0]
+    unacked = [{"lease": g2["lease"], "data_epoch": 0, "index": g2["index"], "key": "pending-receipt", "stats": {}}]
+    eff = core.on_register(b"a", p.Register("a", 2, 4 * N, "tcp://a:1", [], unacked, [], stored=["kept", "pending-receipt", "consumed-long-ago", "refused-dup"]), 1.0)
+    trims = [s.msg.keys for s in sends(eff, p.Trim)]
+    assert trims == [["consumed-long-ago", "refused-dup"]]
