@@ -2,8 +2,8 @@
 
 It is a real aiohttp server, not a mock: the agent, coordinator and benchmarks
 drive it exactly as they drive ``sglang.launch_server`` (the contract is
-``/work/shared/reference/sglang-http-api.md``; facts there are for SGLang
-0.5.15.post1, plus the 0.5.23 details named below). It uses the byte
+SGLang 0.5.15.post1's native HTTP API, plus the 0.5.23 details named
+below). It uses the byte
 vocabulary of :class:`common.tokenizer.ByteTokenizer` and reports
 ``tokenizer_path == BYTE_TOKENIZER_NAME`` so clients pick the same tokenizer.
 
