@@ -30,7 +30,7 @@ from pathlib import Path
 
 import msgpack
 
-from common.lmdb_env import open_env
+from common.lmdb_env import lock_dir, open_env
 
 log = logging.getLogger("rollfleet.agent.store")
 
@@ -38,6 +38,7 @@ log = logging.getLogger("rollfleet.agent.store")
 class GroupStore:
     def __init__(self, data_dir: str | os.PathLike, *, agent_id: str | None = None, sync: bool = True):
         self.path = Path(data_dir) / "store"
+        self._lock = lock_dir(Path(data_dir), "agent data dir")
         self.env = open_env(self.path, sync=sync, max_readers=512)
         self.groups = self.env.open_db(b"groups")
         self.outbox = self.env.open_db(b"outbox")
@@ -169,3 +170,4 @@ class GroupStore:
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=True)
         self.env.close()
+        self._lock.close()

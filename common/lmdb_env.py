@@ -13,9 +13,13 @@ Local disks only: LMDB's locking and mmap break on NFS.
 
 from __future__ import annotations
 
+import fcntl
+import os
 from pathlib import Path
 
 import lmdb
+
+from common.errors import ConfigError
 
 MAP_SIZE = 1 << 40
 
@@ -25,3 +29,26 @@ def open_env(path: Path, *, sync: bool = True, max_readers: int = 256, max_dbs: 
     env = lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=max_dbs, max_readers=max_readers, sync=sync, metasync=sync, writemap=False)
     env.reader_check()
     return env
+
+
+def lock_dir(path: Path, what: str):
+    """Take ``path``'s exclusive lock for this process's lifetime, or fail clearly.
+
+    Two coordinators (or agents) on one data dir would both write its LMDB
+    and break every guarantee. The kernel drops the lock when the process
+    dies, so a SIGKILLed predecessor never blocks a restart.
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    fh = open(path / "rollfleet.lock", "a+")
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "another process"
+        fh.close()
+        raise ConfigError(f"{what} {path} is in use by {holder}; stop it first or use another --data-dir") from None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"pid {os.getpid()}")
+    fh.flush()
+    return fh

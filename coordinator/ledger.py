@@ -27,7 +27,7 @@ from pathlib import Path
 import msgpack
 
 from common.errors import ConfigError
-from common.lmdb_env import open_env
+from common.lmdb_env import lock_dir, open_env
 from coordinator.core import Restored
 
 _PROMPT = struct.Struct(">QQ")
@@ -45,6 +45,7 @@ def _unpack(b: bytes):
 class Ledger:
     def __init__(self, data_dir: str | os.PathLike, *, sync: bool = True):
         self.path = Path(data_dir) / "ledger"
+        self._lock = lock_dir(Path(data_dir), "coordinator data dir")
         self.env = open_env(self.path, sync=sync, max_readers=256)
         self.meta = self.env.open_db(b"meta")
         self.prompts = self.env.open_db(b"prompts")
@@ -52,6 +53,7 @@ class Ledger:
 
     def close(self) -> None:
         self.env.close()
+        self._lock.close()
 
     def open_run(self, dataset_size: int, fingerprint: str) -> Restored:
         """Bump the generation and load everything a restart needs."""

@@ -39,3 +39,17 @@ def test_restart_recovers_unacked_receipts_and_keeps_identity(tmp_path):
     store.close()
     with pytest.raises(ValueError, match="belongs to agent"):
         GroupStore(tmp_path, agent_id="someone-else")
+
+
+def test_a_data_dir_serves_one_process_at_a_time(tmp_path):
+    import subprocess
+    import sys
+
+    first = GroupStore(tmp_path)
+    try:
+        out = subprocess.run([sys.executable, "-c", f"from agent.store import GroupStore; GroupStore({str(tmp_path)!r})"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0 and "is in use by pid" in out.stderr
+    finally:
+        first.close()
+    GroupStore(tmp_path).close()  # free again once the first one closed
