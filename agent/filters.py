@@ -47,8 +47,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from agent.rewards import import_callable, is_async_callable
-from common.errors import ConfigError, RolloutError
+from agent.rewards import is_async_callable, resolve_spec
+from common.errors import RolloutError
 from common.types import Sample
 
 __all__ = [
@@ -177,17 +177,8 @@ class FilterFn:
 
 def load_filter(spec: str) -> FilterFn:
     """``"nonzero_std"`` (default), ``"check_reward_nonzero_std"``, ``"none"`` or ``"module:function"``."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ConfigError(f"filter spec must be a non-empty string, got {spec!r}")
-    spec = spec.strip()
-    if spec in BUILTIN_FILTERS:
-        return FilterFn(spec, BUILTIN_FILTERS[spec], builtin=True)
-    if ":" not in spec:
-        raise ConfigError(
-            f"unknown filter {spec!r}: use one of {', '.join(sorted(BUILTIN_FILTERS))} "
-            "or 'module:function'"
-        )
-    return FilterFn(spec, import_callable(spec, "filter"))
+    spec, fn, builtin = resolve_spec(spec, BUILTIN_FILTERS, "filter")
+    return FilterFn(spec, fn, builtin=builtin)
 
 
 # --------------------------------------------------------------------------

@@ -286,6 +286,18 @@ def import_callable(spec: str, kind: str = "reward") -> Callable:
     return obj
 
 
+def resolve_spec(spec: str, builtins: dict[str, Callable], kind: str) -> tuple[str, Callable, bool]:
+    """``(spec, fn, is_builtin)`` for a built-in name or ``module:function``; ConfigError otherwise."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"{kind} spec must be a non-empty string, got {spec!r}")
+    spec = spec.strip()
+    if spec in builtins:
+        return spec, builtins[spec], True
+    if ":" not in spec:
+        raise ConfigError(f"unknown {kind} {spec!r}: use one of {', '.join(sorted(builtins))} or 'module:function'")
+    return spec, import_callable(spec, kind), False
+
+
 def is_async_callable(fn: Callable) -> bool:
     """True for coroutine functions, including callable objects with ``async __call__``."""
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
@@ -367,14 +379,5 @@ class RewardFn:
 
 def load_reward(spec: str) -> RewardFn:
     """``"exact"``, ``"math"`` or ``"module:function"`` → ``RewardFn``."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ConfigError(f"reward spec must be a non-empty string, got {spec!r}")
-    spec = spec.strip()
-    if spec in BUILTIN_REWARDS:
-        return RewardFn(spec, BUILTIN_REWARDS[spec], builtin=True)
-    if ":" not in spec:
-        raise ConfigError(
-            f"unknown reward {spec!r}: use one of {', '.join(sorted(BUILTIN_REWARDS))} "
-            "or 'module:function'"
-        )
-    return RewardFn(spec, import_callable(spec, "reward"))
+    spec, fn, builtin = resolve_spec(spec, BUILTIN_REWARDS, "reward")
+    return RewardFn(spec, fn, builtin=builtin)

@@ -23,7 +23,6 @@ import gc
 import functools
 import logging
 import random
-import signal
 import time
 from operator import itemgetter
 from pathlib import Path
@@ -42,7 +41,7 @@ from common import protocol as p
 from common.config import RolloutConfig
 from common.errors import EngineError, EngineUnavailable, ProtocolError, RolloutError
 from common.tokenizer import BYTE_TOKENIZER_NAME, load_tokenizer
-from common.transport import dealer, send_nowait
+from common.transport import dealer, send_nowait, stop_on_signals
 from common.types import Group, Sample
 
 log = logging.getLogger("rollfleet.agent")
@@ -120,11 +119,7 @@ class Agent:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                loop.add_signal_handler(sig, stop.set)
-            except (NotImplementedError, RuntimeError):
-                pass
+        stop_on_signals(loop, stop)
         self.client = EngineClient()
         try:
             log.info("agent %s (incarnation %d): starting engines", self.agent_id, self.store.incarnation)

@@ -15,6 +15,7 @@ Why each option (see the facts in the design notes):
 
 from __future__ import annotations
 
+import signal
 import socket
 from typing import Callable
 from urllib.parse import urlparse
@@ -104,3 +105,12 @@ def advertised_host(coordinator: str) -> str:
             return s.getsockname()[0]
     except OSError:
         return socket.gethostbyname(socket.gethostname())
+
+
+def stop_on_signals(loop, stop) -> None:
+    """Set the asyncio event ``stop`` on SIGTERM or SIGINT (orderly shutdown)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests run servers in-process)
+            pass

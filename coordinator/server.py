@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,7 +27,7 @@ import zmq.asyncio
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
 from common.errors import ProtocolError
-from common.transport import router, send_nowait
+from common.transport import router, send_nowait, stop_on_signals
 from coordinator.core import CoordinatorCore, Persist, Send
 from coordinator.dataset import Dataset, epoch_permutation
 from coordinator.ledger import Ledger
@@ -196,11 +195,7 @@ class CoordinatorServer:
     async def serve(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                loop.add_signal_handler(sig, stop.set)
-            except (NotImplementedError, RuntimeError):
-                pass
+        stop_on_signals(loop, stop)
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [
