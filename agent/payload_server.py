@@ -26,7 +26,11 @@ MAX_KEYS_PER_FETCH = 4096
 class PayloadServer:
     def __init__(self, ctx: zmq.asyncio.Context, store, bind: str):
         self.store = store
-        self.sock, self.endpoint = router(ctx, bind)
+        # The same port across restarts of this data dir: trainers fetching from
+        # the node reconnect by themselves instead of waiting for a new address.
+        saved = store.meta_get("payload_port")
+        self.sock, self.endpoint = router(ctx, bind, prefer_port=int(saved) if saved else None)
+        store.meta_put("payload_port", self.endpoint.rsplit(":", 1)[1])
         self.served = 0
 
     async def serve(self) -> None:

@@ -144,6 +144,16 @@ class GroupStore:
 
     # ---------------------------------------------------------------- reads
 
+    def meta_get(self, name: str) -> str | None:
+        with self.env.begin() as txn:
+            raw = txn.get(name.encode(), db=self.meta)
+        return raw.decode() if raw is not None else None
+
+    def meta_put(self, name: str, value: str) -> None:
+        """A small synchronous write, for start-up only (never from the event loop)."""
+        with self.env.begin(write=True) as txn:
+            txn.put(name.encode(), value.encode(), db=self.meta)
+
     def snapshot(self) -> tuple[list[str], list[dict]]:
         """Stored group keys and unacknowledged receipts, read in one transaction."""
         with self.env.begin() as txn:

@@ -35,16 +35,29 @@ def _common(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.RCVHWM, 100_000)
 
 
-def router(ctx: zmq.asyncio.Context, bind: str, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[zmq.asyncio.Socket, str]:
-    """Bind a ROUTER; returns the socket and its resolved endpoint (port 0 resolved)."""
+def router(ctx: zmq.asyncio.Context, bind: str, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, prefer_port: int | None = None) -> tuple[zmq.asyncio.Socket, str]:
+    """Bind a ROUTER; returns the socket and its resolved endpoint (port 0 resolved).
+
+    With port 0, ``prefer_port`` is tried first (a restarted agent takes its old
+    port back, so peers' connections to it simply reconnect), then any port.
+    """
     sock = ctx.socket(zmq.ROUTER)
     _common(sock)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes * 2 + 4096)
     if bind.startswith("tcp://") and bind.rsplit(":", 1)[-1] in ("0", "*"):
-        port = sock.bind_to_random_port(bind.rsplit(":", 1)[0])
-        endpoint = f"{bind.rsplit(':', 1)[0]}:{port}"
+        host = bind.rsplit(":", 1)[0]
+        port = None
+        if prefer_port:
+            try:
+                sock.bind(f"{host}:{prefer_port}")
+                port = prefer_port
+            except zmq.ZMQError:
+                port = None
+        if port is None:
+            port = sock.bind_to_random_port(host)
+        endpoint = f"{host}:{port}"
     else:
         sock.bind(bind)
         endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)

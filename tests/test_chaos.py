@@ -13,7 +13,7 @@ from tests.chaos import run_chaos
 @pytest.mark.chaos
 @pytest.mark.timeout(420)
 def test_exactly_once_under_random_kills(tmp_path):
-    batches = int(os.environ.get("ROLLFLEET_CHAOS_BATCHES", "30"))
+    batches = int(os.environ.get("ROLLFLEET_CHAOS_BATCHES", "60"))
     seed = int(os.environ.get("ROLLFLEET_CHAOS_SEED", "1"))
     report = run_chaos(tmp_path, batches=batches, seed=seed)
     kinds = {a[1] for a in report.actions}
