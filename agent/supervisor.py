@@ -605,6 +605,9 @@ class EngineSupervisor:
         if eng.state == state:
             return
         eng.state = state
+        self._notify(eng, state)
+
+    def _notify(self, eng: _Engine, state: str) -> None:
         if self._on_change is not None:
             try:
                 self._on_change(eng.name, state)
@@ -808,6 +811,8 @@ class EngineSupervisor:
                 if reported:
                     log.info("engine %s passed its health check after a reported failure (%s)",
                              eng.name, reported)
+                    # The reporter may have stopped using it meanwhile: say it is fine.
+                    self._notify(eng, "healthy")
                 continue
             eng.wake.clear()
             timeout = None if self._paused else max(0.0, next_check - now)

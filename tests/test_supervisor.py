@@ -454,3 +454,22 @@ def test_stop_during_start_and_run_returns(tmp_path):
             await sup.stop()
 
     asyncio.run(main())
+
+
+def test_reported_failure_of_a_healthy_engine_is_answered_with_healthy(tmp_path):
+    """A transient request error: the caller stops using the engine, so it must hear when it is fine."""
+    events: list = []
+
+    async def main():
+        sup = _sup([_sim("e0")], tmp_path, events)
+        try:
+            await sup.start()
+            _track(sup)
+            events.clear()
+            sup.report_failure("e0", "connection reset by peer")
+            await _until(lambda: ("e0", "healthy") in events, what="a healthy verdict after the report")
+            assert sup.state("e0") == "healthy" and ("e0", "down") not in events
+        finally:
+            await sup.stop()
+
+    asyncio.run(main())
