@@ -218,7 +218,8 @@ class Agent:
             if spec.name == name:
                 url = spec.url
         changed = self.pool.set_engine(name, url, state == "healthy")
-        log.warning("agent %s: engine %s is %s (capacity now %d samples)", self.agent_id, name, state, self.pool.capacity())
+        log.log(logging.INFO if state == "healthy" else logging.WARNING,
+                "agent %s: engine %s is %s (capacity now %d samples)", self.agent_id, name, state, self.pool.capacity())
         self.engine_change.set()
         if self.session and (changed or state == "retired"):
             self._send(p.Capacity(self.session, self.pool.capacity(), self._engines()))

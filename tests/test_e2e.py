@@ -98,9 +98,22 @@ def test_trainer_that_stops_pulling_holds_work_at_the_bound(make_cluster):
             produced.append(s["prompts"]["ready"] + s["prompts"]["delivered"] + s["prompts"]["filtered"])
             time.sleep(0.25)
         assert len(set(produced)) == 1, f"admission did not stop: {produced}"
+        # ... and memory stays flat while the trainer is away.
+        procs = [cluster.coordinator, *cluster.agents.values()]
+        before = [rss_kib(proc.pid) for proc in procs]
+        time.sleep(2.0)
+        after = [rss_kib(proc.pid) for proc in procs]
+        assert all(a - b < 8 * 1024 for a, b in zip(after, before)), f"RSS grew while idle: {before} -> {after} KiB"
         # And pulling again resumes generation.
         batch = client.generate(2)
         assert len(batch.groups) == 4
+
+
+def rss_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def _raw_request(address: str, frame: bytes, timeout_ms: int = 5000) -> p.Message:
