@@ -68,7 +68,7 @@ def join(args) -> int:
         specs += plan_engines("url", urls=args.engine_url)
     dataset = None
     if args.dataset:
-        from coordinator.dataset import Dataset
+        from common.dataset import Dataset
 
         dataset = Dataset(args.dataset, input_key=args.input_key, label_key=args.label_key)
     agent = Agent(

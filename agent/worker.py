@@ -31,10 +31,10 @@ import zmq
 import zmq.asyncio
 
 from agent.engine_client import EngineClient, sample_status
-from agent.filters import load_filter
+from common.filters import load_filter
 from agent.payload_server import PayloadServer
 from agent.pool import GenerationPool
-from agent.rewards import load_reward
+from common.rewards import load_reward
 from agent.store import GroupStore
 from agent.supervisor import EngineSupervisor
 from common import protocol as p

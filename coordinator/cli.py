@@ -49,9 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args) -> int:
-    from agent.filters import load_filter
-    from agent.rewards import load_reward
-    from coordinator.dataset import Dataset
+    from common.filters import load_filter
+    from common.rewards import load_reward
+    from common.dataset import Dataset
     from coordinator.server import CoordinatorServer
 
     config = RolloutConfig(

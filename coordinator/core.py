@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
-from agent.filters import DropStats
+from common.metrics import DropStats
 from coordinator.frontier import DELIVERED, FILTERED, LEASED, PENDING, READY, Frontier
 from coordinator.membership import ALIVE, AgentRecord, Membership
 

@@ -29,7 +29,7 @@ from common.config import Liveness, RolloutConfig
 from common.errors import ProtocolError
 from common.transport import router, send_nowait, stop_on_signals
 from coordinator.core import CoordinatorCore, Persist, Send
-from coordinator.dataset import Dataset, epoch_permutation
+from common.dataset import Dataset, epoch_permutation
 from coordinator.ledger import Ledger
 
 log = logging.getLogger("rollfleet.coordinator")

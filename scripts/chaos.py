@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.chaos import run_chaos  # noqa: E402
+from harness.chaos import run_chaos  # noqa: E402
 
 
 def main() -> int:

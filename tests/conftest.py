@@ -1,6 +1,6 @@
 import pytest
 
-from tests.cluster import Cluster
+from harness.cluster import Cluster
 
 
 @pytest.fixture

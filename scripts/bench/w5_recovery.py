@@ -33,8 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.chaos import ChaosReport, _read_consumed, check  # noqa: E402
-from tests.cluster import Cluster, wait_for  # noqa: E402
+from harness.chaos import ChaosReport, _read_consumed, check  # noqa: E402
+from harness.cluster import Cluster, wait_for  # noqa: E402
 
 
 def emit(metric: str, value, unit: str, **extra) -> None:
@@ -69,7 +69,7 @@ def main() -> int:
             cluster.start_agent(name, concurrency=32, sim_args=sim)
         trainer_log = open(work / "trainer.log", "ab")
         trainer = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "chaos_trainer.py"), "--coordinator", cluster.address, "--batches", str(batches),
+            [sys.executable, "-m", "harness.chaos_trainer", "--coordinator", cluster.address, "--batches", str(batches),
              "--consumed", str(consumed), "--checkpoint", str(ckpt), "--checkpoint-every", "1000000"],
             stdout=trainer_log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
 

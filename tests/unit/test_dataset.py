@@ -9,7 +9,7 @@ from array import array
 import pytest
 
 from common.errors import DatasetError
-from coordinator.dataset import Dataset, Row, epoch_permutation
+from common.dataset import Dataset, Row, epoch_permutation
 
 
 def write(tmp_path, text: str, name: str = "data.jsonl"):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.chaos import run_chaos
+from harness.chaos import run_chaos
 
 
 @pytest.mark.chaos

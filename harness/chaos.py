@@ -1,7 +1,7 @@
 """The chaos run: kill agents, engines, the coordinator and the trainer while batches flow.
 
-Used by ``tests/test_chaos.py`` (bounded, in CI) and ``scripts/chaos.py``
-(long runs). A trainer process (``tests/chaos_trainer.py``) pulls batches and
+Used by ``tests/cluster/test_chaos.py`` (bounded, in CI) and ``scripts/chaos.py``
+(long runs). A trainer process (``harness/chaos_trainer.py``) pulls batches and
 checkpoints; this driver SIGKILLs and restarts random agents, random engines
 and the coordinator, and the trainer once (which resumes from its last
 checkpoint). At the end ``check`` reads the consumed stream, the
@@ -32,7 +32,7 @@ from pathlib import Path
 import lmdb
 import msgpack
 
-from tests.cluster import ROOT, Cluster
+from harness.cluster import ROOT, Cluster
 
 
 @dataclass
@@ -95,7 +95,7 @@ def run_chaos(workdir: Path, *, batches: int = 30, agents: int = 3, seed: int = 
 
         def start_trainer(resume: bool) -> subprocess.Popen:
             log_file = open(workdir / f"trainer-{'resumed' if resume else 'first'}.log", "ab")
-            argv = [sys.executable, str(ROOT / "tests" / "chaos_trainer.py"), "--coordinator", cluster.address,
+            argv = [sys.executable, "-m", "harness.chaos_trainer", "--coordinator", cluster.address,
                     "--batches", str(batches), "--consumed", str(consumed), "--checkpoint", str(ckpt), "--checkpoint-every", "4"]
             if resume:
                 argv.append("--resume")

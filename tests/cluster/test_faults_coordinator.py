@@ -24,8 +24,8 @@ import threading
 import lmdb
 import msgpack
 
-from tests.cluster import wait_for
-from tests.proxy import TcpProxy
+from harness.cluster import wait_for
+from harness.proxy import TcpProxy
 
 # ~1 s per group: work is reliably in flight when a fault is injected.
 SLOW = "--token-latency-ms 20 --output-len-dist fixed --output-len-median 48"

@@ -34,9 +34,8 @@ normalisation) with the reason ``zero_std_<reward:g>``, e.g. ``zero_std_1``,
 ``zero_std_0``, ``zero_std_0.5``. Note that a one-sample group always has
 zero std and is therefore always dropped by it.
 
-``DropStats`` accumulates kept/dropped counts per reason and renders them as
-metrics; it serialises to plain JSON types so the coordinator can store it
-with each batch.
+Drop accounting (``DropStats``) lives in ``common.metrics``, shared with the
+coordinator, which stores it with each batch.
 """
 
 from __future__ import annotations
@@ -47,8 +46,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from agent.rewards import is_async_callable, resolve_spec
 from common.errors import RolloutError
+from common.metrics import DEFAULT_REASON, DropStats, sanitize_reason
+from common.plugins import is_async_callable, resolve_spec
 from common.types import Sample
 
 __all__ = [
@@ -64,8 +64,6 @@ __all__ = [
     "sanitize_reason",
 ]
 
-DEFAULT_REASON = "dynamic_filter"
-_UNSAFE_RE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
 class FilterError(RolloutError):
@@ -78,14 +76,6 @@ class Verdict:
 
     keep: bool
     reason: str = ""
-
-
-def sanitize_reason(reason: Any) -> str:
-    """A non-empty, metric-name-safe version of ``reason`` (``[A-Za-z0-9_.-]+``)."""
-    if reason is None:
-        return DEFAULT_REASON
-    cleaned = _UNSAFE_RE.sub("_", str(reason).strip())
-    return cleaned or DEFAULT_REASON
 
 
 def _as_bool(value: Any) -> bool | None:
@@ -179,68 +169,3 @@ def load_filter(spec: str) -> FilterFn:
     """``"nonzero_std"`` (default), ``"check_reward_nonzero_std"``, ``"none"`` or ``"module:function"``."""
     spec, fn, builtin = resolve_spec(spec, BUILTIN_FILTERS, "filter")
     return FilterFn(spec, fn, builtin=builtin)
-
-
-# --------------------------------------------------------------------------
-# Accounting
-# --------------------------------------------------------------------------
-
-
-class DropStats:
-    """Kept/dropped group counts, dropped ones broken down by reason."""
-
-    def __init__(self, kept: int = 0, dropped: dict[str, int] | None = None):
-        self.kept = int(kept)
-        self.dropped: dict[str, int] = {}
-        for reason, n in (dropped or {}).items():
-            self.record_dropped(reason, n)
-
-    def record(self, verdict: Verdict) -> None:
-        if verdict.keep:
-            self.kept += 1
-        else:
-            self.record_dropped(verdict.reason)
-
-    def record_kept(self, n: int = 1) -> None:
-        self.kept += n
-
-    def record_dropped(self, reason: str, n: int = 1) -> None:
-        reason = sanitize_reason(reason)
-        self.dropped[reason] = self.dropped.get(reason, 0) + int(n)
-
-    @property
-    def dropped_total(self) -> int:
-        return sum(self.dropped.values())
-
-    def metrics(self, prefix: str = "rollout/dynamic_filter") -> dict[str, float]:
-        dropped = self.dropped_total
-        total = self.kept + dropped
-        out: dict[str, float] = {f"{prefix}/drop_{r}": n for r, n in sorted(self.dropped.items())}
-        out[f"{prefix}/dropped_groups"] = dropped
-        out[f"{prefix}/kept_groups"] = self.kept
-        out[f"{prefix}/dropped_ratio"] = dropped / total if total else 0.0
-        return out
-
-    def merge(self, other: "DropStats") -> "DropStats":
-        """Add ``other``'s counts into this one; returns self."""
-        self.kept += other.kept
-        for reason, n in other.dropped.items():
-            self.record_dropped(reason, n)
-        return self
-
-    def to_dict(self) -> dict:
-        return {"kept": self.kept, "dropped": dict(self.dropped)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "DropStats":
-        if not isinstance(d, dict) or not isinstance(d.get("dropped", {}), dict):
-            raise ValueError(f"not a DropStats dict: {d!r}")
-        return cls(kept=d.get("kept", 0), dropped=d.get("dropped", {}))
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, DropStats):
-            return NotImplemented
-        return self.kept == other.kept and self.dropped == other.dropped
-
-    def __repr__(self) -> str:
-        return f"DropStats(kept={self.kept}, dropped={self.dropped})"

@@ -12,12 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from coordinator.client import RolloutClient  # noqa: E402
+from coordinator.client import RolloutClient
 
 
 def main() -> int:
@@ -63,4 +60,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -13,7 +13,7 @@ import zmq
 
 from common import protocol as p
 from common.errors import StateError
-from tests.cluster import ROOT, wait_for
+from harness.cluster import ROOT, wait_for
 
 
 def _dataset_rows(cluster):

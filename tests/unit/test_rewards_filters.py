@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from agent.filters import DropStats, FilterError, Verdict, load_filter
-from agent.rewards import RewardError, load_reward, per_group
+from common.filters import DropStats, FilterError, Verdict, load_filter
+from common.rewards import RewardError, load_reward, per_group
 from common.errors import ConfigError, RolloutError
 from common.types import Sample
 
@@ -174,7 +174,7 @@ def test_sync_reward_returning_an_awaitable_is_awaited(user_module):
 def test_per_group_reward_sync_and_async(user_module):
     mod = user_module(
         """
-        from agent.rewards import per_group
+        from common.rewards import per_group
         @per_group
         def rank(samples):
             order = sorted(range(len(samples)), key=lambda i: len(samples[i].response_text))
@@ -210,8 +210,8 @@ def test_per_group_decorator_marks_function():
         ("def f(s): return '1.0'", "str"),
         ("def f(s): return None", "NoneType"),
         ("def f(s): raise KeyError('boom')", "KeyError"),
-        ("from agent.rewards import per_group\n@per_group\ndef f(ss): return [1.0]", "1 values for 2 samples"),
-        ("from agent.rewards import per_group\n@per_group\ndef f(ss): return 1.0", "expected a list"),
+        ("from common.rewards import per_group\n@per_group\ndef f(ss): return [1.0]", "1 values for 2 samples"),
+        ("from common.rewards import per_group\n@per_group\ndef f(ss): return 1.0", "expected a list"),
     ],
 )
 def test_bad_reward_values_raise_reward_error_naming_the_function(user_module, body, problem):
@@ -278,8 +278,8 @@ def test_none_filter_keeps_everything():
     ],
 )
 def test_custom_filter_verdicts_are_normalised(user_module, ret, verdict):
-    mod = user_module(f"from agent.filters import Verdict\ndef f(samples): return {ret}\n")
-    amod = user_module(f"from agent.filters import Verdict\nasync def f(samples): return {ret}\n")
+    mod = user_module(f"from common.filters import Verdict\ndef f(samples): return {ret}\n")
+    amod = user_module(f"from common.filters import Verdict\nasync def f(samples): return {ret}\n")
     assert check(f"{mod}:f", [1.0, 0.0]) == verdict
     assert check(f"{amod}:f", [1.0, 0.0]) == verdict
 
