@@ -3,7 +3,12 @@
 Every process is started with Popen in its own session and tracked by pid:
 coordinators, agents, standalone sim engines, and the engines agents launch
 (read from the agents' logs). ``stop_all`` ends them all (SIGTERM, then
-SIGKILL). Nothing is ever killed by name.
+SIGKILL) and returns what it found leaked: a process still alive, a port still
+bound, a client thread still running. Nothing is ever killed by name.
+
+Readiness comes from the coordinator's status (the same call as ``coordinator
+status``): the coordinator is up when it answers; an agent has joined when the
+status lists it alive under a session it did not have before.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import time
 from pathlib import Path
 
 from common.demo_data import write_arithmetic_dataset
+from harness.polling import WaitAborted, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,20 +33,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    last_exc = None
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except Exception as exc:  # the thing polled may not be up yet
-            last_exc = exc
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
 
 
 class Proc:
@@ -106,9 +98,18 @@ class Cluster:
         argv += list(extra)
         self.coordinator = self._spawn(f"coordinator-{len(self.procs)}", argv)
         if wait:
-            wait_for(lambda: "coordinator listening" in self.coordinator.text() or not self.coordinator.alive(), 20, "coordinator to listen")
-            assert self.coordinator.alive(), self.coordinator.text()
+            self.wait_coordinator_ready()
         return self.coordinator
+
+    def wait_coordinator_ready(self, timeout: float = 30) -> dict:
+        proc = self.coordinator
+
+        def answering():
+            if not proc.alive():
+                raise WaitAborted(f"coordinator exited: {proc.text()[-3000:]}")
+            return self.status(timeout=2)
+
+        return wait_for(answering, timeout, "the coordinator to answer status")
 
     def start_agent(self, name: str, *extra: str, engines: int = 1, concurrency: int = 32, sim_args: str = "", engine_urls=(), wait: bool = True) -> Proc:
         argv = [sys.executable, "-m", "agent.cli", "join", "--coordinator", self.address,
@@ -122,23 +123,34 @@ class Cluster:
             if sim_args:
                 argv.append(f"--sim-args={sim_args}")  # '=' form: the value may start with '--'
         argv += list(extra)
+        earlier = self._agent_entry(name) if wait else None
         proc = self._spawn(f"{name}-{len(self.procs)}", argv)
         self.agents[name] = proc
         if wait:
-            self.wait_agent_registered(name)
+            self.wait_agent_registered(name, after=earlier)
         return proc
 
-    def wait_agent_registered(self, name: str, timeout: float = 30) -> None:
+    def wait_agent_registered(self, name: str, timeout: float = 30, *, after: dict | None = None) -> dict:
+        """Wait until the status lists ``name`` alive; with ``after`` (its earlier status entry), under a new session."""
         proc = self.agents[name]
+        before = (after or {}).get("session")
 
         def registered():
-            text = proc.text()
-            self._collect_engine_pids(text)
+            self._collect_engine_pids(proc.text())
             if not proc.alive():
-                raise AssertionError(f"agent {name} exited: {text[-3000:]}")
-            return "registered (session" in text
+                raise WaitAborted(f"agent {name} exited: {proc.text()[-3000:]}")
+            entry = self.status(timeout=2)["agents"].get(name)
+            if entry and entry["status"] == "alive" and (after is None or entry["session"] != before):
+                return entry
+            return None
 
-        wait_for(registered, timeout, f"agent {name} to register")
+        return wait_for(registered, timeout, f"agent {name} to register")
+
+    def _agent_entry(self, name: str) -> dict | None:
+        try:
+            return self.status(timeout=2)["agents"].get(name)
+        except Exception:  # the coordinator is not up (yet): nothing earlier to tell apart
+            return None
 
     def _collect_engine_pids(self, text: str) -> None:
         for m in re.finditer(r"launched \(pid (\d+)\)", text):
@@ -168,15 +180,24 @@ class Cluster:
         return c
 
     def stats(self) -> dict:
+        """``coordinator status`` run as a user runs it (a subprocess printing JSON)."""
         out = subprocess.run([sys.executable, "-m", "coordinator.cli", "status", "--coordinator", self.address, "--timeout", "5"],
                              capture_output=True, text=True, timeout=30, cwd=ROOT)
         if out.returncode != 0:
             raise RuntimeError(out.stderr)
         return json.loads(out.stdout)
 
+    def status(self, timeout: float = 5) -> dict:
+        """The same status, in-process: what readiness polls (a subprocess per poll is slow on 2 cores)."""
+        from coordinator.client import RolloutClient
+
+        with RolloutClient(self.address, timeout=timeout, attach=False) as probe:
+            return probe.stats()
+
     # ------------------------------------------------------------ teardown
 
-    def stop_all(self) -> None:
+    def stop_all(self) -> list[str]:
+        """End every process this cluster started; return the leaks found afterwards (empty when clean)."""
         for c in self._clients:
             try:
                 c.close()
@@ -199,3 +220,43 @@ class Cluster:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        return self._leaks()
+
+    def _leaks(self) -> list[str]:
+        leaks = [f"process {p.name} (pid {p.pid}) still running" for p in self.procs if p.alive()]
+        # Engines die with their agent (PR_SET_PDEATHSIG); give the kernel a moment to reap them.
+        alive = lambda: [pid for pid in self.engine_pids if _pid_alive(pid)]  # noqa: E731
+        try:
+            wait_for(lambda: not alive(), 5, "engines to exit")
+        except AssertionError:
+            leaks += [f"engine pid {pid} still running after its agent stopped" for pid in alive()]
+        try:
+            wait_for(lambda: port_free(self.port), 5, f"port {self.port} to be released")
+        except AssertionError:
+            leaks.append(f"coordinator port {self.port} still bound")
+        return leaks
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def client_threads() -> set[int]:
+    """Idents of live client loop threads (a client a test forgot to close leaks one)."""
+    import threading
+
+    return {t.ident for t in threading.enumerate() if t.name == "rollfleet-client" and t.is_alive()}

@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from harness.chaos import ChaosReport, _read_consumed, check  # noqa: E402
-from harness.cluster import Cluster, wait_for  # noqa: E402
+from harness.cluster import Cluster  # noqa: E402
+from harness.polling import wait_for  # noqa: E402
 
 
 def emit(metric: str, value, unit: str, **extra) -> None:

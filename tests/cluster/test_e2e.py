@@ -13,7 +13,8 @@ import zmq
 
 from common import protocol as p
 from common.errors import StateError
-from harness.cluster import ROOT, wait_for
+from harness.cluster import ROOT
+from harness.polling import wait_for
 
 
 def _dataset_rows(cluster):

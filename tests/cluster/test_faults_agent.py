@@ -25,7 +25,7 @@ import pytest
 from agent.store import GroupStore
 from common.errors import NoCapacity
 from common.types import Group
-from harness.cluster import wait_for
+from harness.polling import wait_for
 
 SLOW = "--token-latency-ms 10 --output-len-dist fixed --output-len-median 32"
 

@@ -24,7 +24,7 @@ import threading
 import lmdb
 import msgpack
 
-from harness.cluster import wait_for
+from harness.polling import wait_for
 from harness.proxy import TcpProxy
 
 # ~1 s per group: work is reliably in flight when a fault is injected.
