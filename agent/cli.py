@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def join(args) -> int:
-    from agent.supervisor import plan_engines
+    from agent.engine_plan import plan_engines
     from agent.worker import Agent
 
     validate_endpoint(args.coordinator, "--coordinator")

@@ -2,7 +2,12 @@
 
 Only what the agent needs: ``/generate`` (one request per sample, n=1, so a
 single sample can be aborted by its rid), ``/abort_request``, pause and
-continue, ``/flush_cache``, ``/update_weights_from_disk`` and ``/model_info``.
+continue, ``/flush_cache``, ``/update_weights_from_disk``, ``/model_info`` and
+the health probes ``/health_generate`` and ``/health``.
+
+One client, hence one aiohttp session and connection pool, serves an agent's
+request path and its engine supervisor's health probes.  The session is made
+on first use, so a client can be built before the event loop runs.
 
 Errors are split the way the caller must react:
 - ``EngineUnavailable``: connection refused/reset, 5xx, timeouts — the engine
@@ -13,26 +18,39 @@ Errors are split the way the caller must react:
 
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
 import orjson
 
-from common.errors import EngineError, EngineUnavailable
+from common.errors import Closed, EngineError, EngineUnavailable
 
 
 class EngineClient:
     def __init__(self, *, limit: int = 0, request_timeout: float | None = None):
-        # limit=0: the agent's pool bounds concurrency; aiohttp must not add a second queue.
-        self._connector = aiohttp.TCPConnector(limit=limit, limit_per_host=0, keepalive_timeout=60)
-        self._session = aiohttp.ClientSession(
-            connector=self._connector,
-            timeout=aiohttp.ClientTimeout(total=request_timeout, connect=10),
-            json_serialize=lambda o: orjson.dumps(o).decode(),
-        )
+        self._limit = limit
+        self._request_timeout = request_timeout
+        self._http: aiohttp.ClientSession | None = None
+        self._closed = False
+
+    @property
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            if self._closed:
+                raise Closed("the engine client was closed")
+            # limit=0: the agent's pool bounds concurrency; aiohttp must not add a second queue.
+            connector = aiohttp.TCPConnector(limit=self._limit, limit_per_host=0, keepalive_timeout=60)
+            self._http = aiohttp.ClientSession(
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(total=self._request_timeout, connect=10),
+                json_serialize=lambda o: orjson.dumps(o).decode(),
+            )
+        return self._http
 
     async def close(self) -> None:
-        await self._session.close()
+        """Close the session; idempotent.  Later requests raise Closed."""
+        self._closed = True
+        http, self._http = self._http, None
+        if http is not None:
+            await http.close()
 
     async def _post(self, url: str, path: str, body: dict, *, timeout: float | None = None) -> dict | list | None:
         try:
@@ -53,7 +71,7 @@ class EngineClient:
                     return orjson.loads(raw)
                 except orjson.JSONDecodeError:
                     return {"text": raw.decode(errors="replace")}
-        except (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError, asyncio.TimeoutError, ConnectionError) as exc:
+        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError, ConnectionError) as exc:
             raise EngineUnavailable(f"{url}{path}: {type(exc).__name__}: {exc}") from None
 
     async def generate(self, url: str, input_ids: list[int], sampling_params: dict, rid: str) -> dict:
@@ -81,6 +99,24 @@ class EngineClient:
             raise EngineError(f"{url}: weight update failed: {out}")
         return out
 
+    async def health(self, url: str, *, timeout: float, generate: bool = True) -> None:
+        """One health probe: ``GET /health_generate`` (``generate=False``: ``/health``).
+
+        Returns on HTTP 200; otherwise raises EngineUnavailable saying what
+        happened (the status, no answer within ``timeout`` seconds, or the
+        connection error).
+        """
+        path = "/health_generate" if generate else "/health"
+        try:
+            async with self._session.get(url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    raise EngineUnavailable(f"HTTP {resp.status} from {url}{path}")
+        except TimeoutError:
+            raise EngineUnavailable(f"no answer from {url}{path} within {timeout:g}s") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise EngineUnavailable(f"{url}{path}: {type(exc).__name__}: {exc}") from None
+
     async def model_info(self, url: str) -> dict:
         try:
             async with self._session.get(url + "/model_info", timeout=aiohttp.ClientTimeout(total=30)) as resp:
@@ -90,7 +126,7 @@ class EngineClient:
                 if resp.status != 200:
                     raise EngineUnavailable(f"{url}/model_info: HTTP {resp.status}")
                 return orjson.loads(await resp.read())
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientConnectionError) as exc:
             raise EngineUnavailable(f"{url}/model_info: {type(exc).__name__}: {exc}") from None
 
 

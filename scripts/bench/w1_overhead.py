@@ -282,7 +282,7 @@ async def _floor_client(urls: list[str], concurrency: int, warmup: int, measured
 
 
 def start_floor_engines(procs: Procs, n: int) -> list[tuple[Proc, str]]:
-    from agent.supervisor import plan_engines
+    from agent.engine_plan import plan_engines
 
     out = []
     for i, spec in enumerate(plan_engines("sim", count=n, sim_args=SIM_ARGS)):

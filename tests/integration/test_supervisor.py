@@ -1,4 +1,6 @@
-"""Tests of agent.supervisor: planning (pure) and supervising real sim-engine children."""
+"""agent.supervisor with real sim-engine children: start, health checks, restarts, retirement, stop.
+
+Planning is tested without processes in tests/unit/test_engine_plan.py."""
 
 from __future__ import annotations
 
@@ -15,8 +17,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from agent.supervisor import EngineSpec, EngineSupervisor, plan_engines, sglang_command
-from common.errors import ConfigError, EngineStartError
+from agent.engine_client import EngineClient
+from agent.engine_plan import SIM_MODULE, EngineSpec, plan_engines
+from agent.supervisor import EngineSupervisor
+from common.errors import Closed, ConfigError, EngineStartError, EngineUnavailable
+from harness.polling import wait_for_async
 
 # ---------------------------------------------------------------- helpers
 
@@ -53,14 +58,6 @@ def _track(sup: EngineSupervisor) -> dict[str, int]:
     return pids
 
 
-async def _until(pred, timeout: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 async def _get_health(url: str) -> int:
     async with aiohttp.ClientSession() as s:
         async with s.get(url + "/health_generate", timeout=aiohttp.ClientTimeout(total=5)) as r:
@@ -80,81 +77,7 @@ def _sup(specs, tmp_path: Path, events: list | None = None, **kw) -> EngineSuper
     return EngineSupervisor(specs, log_dir=tmp_path / "logs", on_change=on_change, **kw)
 
 
-# ---------------------------------------------------------------- planning
-
-
-def test_sglang_command():
-    argv = sglang_command("/models/qwen", host="0.0.0.0", port=30001, tp_size=2,
-                          extra_args=["--enable-metrics"])
-    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
-    joined = " ".join(argv)
-    for piece in ("--model-path /models/qwen", "--host 0.0.0.0", "--port 30001",
-                  "--tp-size 2", "--base-gpu-id 0", "--skip-server-warmup"):
-        assert piece in joined
-    assert argv[-1] == "--enable-metrics"
-    assert sglang_command("m", host="h", port=1, tp_size=1, module="x.y")[2] == "x.y"
-    with pytest.raises(ConfigError):
-        sglang_command("m", host="h", port=1, tp_size=0)
-
-
-def test_plan_sglang_ports_gpus_env(monkeypatch):
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    specs = plan_engines("sglang", count=3, model_path="/m", tp_size=2,
-                         gpu_ids=[4, 5, 6, 7, 2, 3, 0], sglang_args=["--dtype", "bfloat16"])
-    assert [s.name for s in specs] == ["sglang-0", "sglang-1", "sglang-2"]
-    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["4,5", "6,7", "2,3"]
-    assert [s.gpu_ids for s in specs] == [[4, 5], [6, 7], [2, 3]]
-    for s in specs:
-        assert s.kind == "sglang"
-        assert "PYTORCH_CUDA_ALLOC_CONF" not in s.env
-        assert s.env["PATH"] == os.environ["PATH"]
-        assert s.argv[s.argv.index("--tp-size") + 1] == "2"
-        assert s.argv[s.argv.index("--base-gpu-id") + 1] == "0"
-        assert s.argv[-2:] == ["--dtype", "bfloat16"]
-        port = int(s.argv[s.argv.index("--port") + 1])
-        assert s.url == f"http://127.0.0.1:{port}"
-    ports = [int(s.argv[s.argv.index("--port") + 1]) for s in specs]
-    assert len(set(ports)) == 3
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # ours untouched
-
-
-def test_plan_sglang_too_few_gpus():
-    with pytest.raises(ConfigError) as ei:
-        plan_engines("sglang", count=2, model_path="/m", tp_size=2, gpu_ids=[0, 1, 2])
-    msg = str(ei.value)
-    assert "need 4" in msg and "only 3" in msg and "tp_size 2" in msg
-    with pytest.raises(ConfigError):
-        plan_engines("sglang", count=1, tp_size=1, gpu_ids=[0])  # no model path
-    with pytest.raises(ConfigError):
-        plan_engines("sglang", model_path="/m", gpu_ids=[1, 1])
-
-
-def test_plan_sglang_default_gpus_from_env(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
-    specs = plan_engines("sglang", count=2, model_path="/m")
-    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["3", "5"]
-
-
-def test_plan_url_and_sim():
-    specs = plan_engines("url", urls=["http://10.0.0.1:30000/", "http://10.0.0.2:30000"])
-    assert [(s.name, s.kind, s.url, s.argv) for s in specs] == [
-        ("url-0", "url", "http://10.0.0.1:30000", None),
-        ("url-1", "url", "http://10.0.0.2:30000", None),
-    ]
-    for bad in (dict(urls=[]), dict(urls=["10.0.0.1:30000"]), dict(urls=["ftp://x:1"])):
-        with pytest.raises(ConfigError):
-            plan_engines("url", **bad)
-    with pytest.raises(ConfigError):
-        plan_engines("sim", urls=["http://x:1"])
-    with pytest.raises(ConfigError):
-        plan_engines("vllm")
-    with pytest.raises(ConfigError):
-        plan_engines("sim", count=0)
-    sims = plan_engines("sim", count=2, sim_args=["--startup-delay", "1"])
-    assert [s.name for s in sims] == ["sim-0", "sim-1"]
-    assert sims[0].url is None
-    assert sims[0].argv == [sys.executable, "-m", "agent.sim_engine", "--host", "127.0.0.1",
-                            "--port", "0", "--startup-delay", "1"]
+# ---------------------------------------------------------------- construction
 
 
 def test_supervisor_rejects_bad_specs(tmp_path):
@@ -208,8 +131,7 @@ def test_two_sim_engines_become_healthy_and_stop_cleanly(tmp_path):
 
 @pytest.mark.timeout(30)
 def test_sglang_kind_launches_through_same_path(tmp_path):
-    specs = plan_engines("sglang", model_path="/nonexistent/model", gpu_ids=[3],
-                         sglang_module="agent.sim_engine")
+    specs = plan_engines("sglang", model_path="/nonexistent/model", gpu_ids=[3], sglang_module=SIM_MODULE)
 
     async def main():
         sup = _sup(specs, tmp_path)
@@ -267,8 +189,7 @@ def test_unhealthy_engine_retired_while_other_starts(tmp_path):
     events: list = []
 
     async def main():
-        sup = _sup([_sim("good"), _sim("sick", "--unhealthy")], tmp_path, events,
-                   start_timeout=2.0)
+        sup = _sup([_sim("good"), _sim("sick", "--unhealthy")], tmp_path, events, start_timeout=2.0)
         try:
             await sup.start()
             pids = _track(sup)
@@ -309,9 +230,9 @@ def test_sigkill_child_goes_down_then_healthy_with_new_pid(tmp_path):
             old = _track(sup)["e"]
             old_url = sup.healthy()[0].url
             os.kill(old, signal.SIGKILL)
-            await _until(lambda: sup.state("e") == "down", 5, "down")
+            await wait_for_async(lambda: sup.state("e") == "down", 5, "down")
             assert sup.healthy() == []
-            await _until(lambda: sup.state("e") == "healthy", 15, "healthy again")
+            await wait_for_async(lambda: sup.state("e") == "healthy", 15, "healthy again")
             new = _track(sup)["e"]
             assert new != old and not _alive(old)
             url = sup.healthy()[0].url
@@ -335,20 +256,18 @@ def test_crash_budget_exhausted_retires(tmp_path):
         try:
             await sup.start()
             os.kill(_track(sup)["e"], signal.SIGKILL)
-            await _until(lambda: sup.state("e") == "down", 5, "down")
-            await _until(lambda: sup.state("e") == "healthy", 15, "restarted")
+            await wait_for_async(lambda: sup.state("e") == "down", 5, "down")
+            await wait_for_async(lambda: sup.state("e") == "healthy", 15, "restarted")
             url = sup.healthy()[0].url
             async with aiohttp.ClientSession() as s:  # crash it the sim engine's way
                 try:
-                    async with s.post(url + "/rollfleet/crash",
-                                      timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    async with s.post(url + "/rollfleet/crash", timeout=aiohttp.ClientTimeout(total=5)) as r:
                         await r.read()
                 except aiohttp.ClientError:
                     pass
-            await _until(lambda: sup.state("e") == "retired", 10, "retired")
+            await wait_for_async(lambda: sup.state("e") == "retired", 10, "retired")
             assert sup.pids() == {} and sup.healthy() == []
-            assert events == [("e", "healthy"), ("e", "down"), ("e", "healthy"),
-                              ("e", "down"), ("e", "retired")]
+            assert events == [("e", "healthy"), ("e", "down"), ("e", "healthy"), ("e", "down"), ("e", "retired")]
             await asyncio.sleep(1.0)
             assert sup.state("e") == "retired" and sup.pids() == {}  # never restarted
         finally:
@@ -373,8 +292,8 @@ def test_hung_engine_reported_failure_and_paused_checks(tmp_path):
             await asyncio.sleep(1.0)
             assert sup.state("e") == "healthy"  # checks are paused
             sup.resume_health_checks()  # the deferred check runs now
-            await _until(lambda: sup.state("e") == "down", 5, "down")
-            await _until(lambda: sup.state("e") == "healthy", 15, "healthy again")
+            await wait_for_async(lambda: sup.state("e") == "down", 5, "down")
+            await wait_for_async(lambda: sup.state("e") == "healthy", 15, "healthy again")
             assert _track(sup)["e"] != pid and not _alive(pid)
         finally:
             await sup.stop()
@@ -391,29 +310,34 @@ def _free_port() -> int:
 @pytest.mark.timeout(40)
 def test_url_engine_goes_down_and_comes_back(tmp_path):
     port = _free_port()
-    cmd = [sys.executable, "-m", "agent.sim_engine", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", SIM_MODULE, "--host", "127.0.0.1", "--port", str(port)]
     events: list = []
 
     def launch():
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         _SEEN_PIDS.add(p.pid)
         return p
 
     async def main():
         proc = launch()
-        sup = _sup(plan_engines("url", urls=[f"http://127.0.0.1:{port}"]), tmp_path, events,
-                   health_interval=0.2, health_timeout=1.0, max_restarts=0)
+        sup = _sup(
+            plan_engines("url", urls=[f"http://127.0.0.1:{port}"]),
+            tmp_path,
+            events,
+            health_interval=0.2,
+            health_timeout=1.0,
+            max_restarts=0,
+        )
         try:
             await sup.start()
             assert sup.state("url-0") == "healthy" and sup.pids() == {}
             proc.kill()
             proc.wait()
-            await _until(lambda: sup.state("url-0") == "down", 5, "down")
+            await wait_for_async(lambda: sup.state("url-0") == "down", 5, "down")
             await asyncio.sleep(0.5)
             assert sup.state("url-0") == "down"  # not retired, despite max_restarts=0
             proc = launch()
-            await _until(lambda: sup.state("url-0") == "healthy", 15, "back up")
+            await wait_for_async(lambda: sup.state("url-0") == "healthy", 15, "back up")
             assert events == [("url-0", "healthy"), ("url-0", "down"), ("url-0", "healthy")]
         finally:
             await sup.stop()
@@ -425,13 +349,11 @@ def test_url_engine_goes_down_and_comes_back(tmp_path):
 
 @pytest.mark.timeout(30)
 def test_stop_during_start_and_run_returns(tmp_path):
-    from common.errors import Closed
-
     async def main():
         sup = _sup([_sim("slow", "--startup-delay", "30")], tmp_path)
         try:
             start = asyncio.create_task(sup.start())
-            await _until(lambda: sup.pids() != {}, 10, "launched")
+            await wait_for_async(lambda: sup.pids() != {}, 10, "launched")
             pid = _track(sup)["slow"]
             await sup.stop(timeout=2.0)
             with pytest.raises(Closed):
@@ -467,9 +389,92 @@ def test_reported_failure_of_a_healthy_engine_is_answered_with_healthy(tmp_path)
             _track(sup)
             events.clear()
             sup.report_failure("e0", "connection reset by peer")
-            await _until(lambda: ("e0", "healthy") in events, what="a healthy verdict after the report")
+            await wait_for_async(lambda: ("e0", "healthy") in events, 15, "a healthy verdict after the report")
             assert sup.state("e0") == "healthy" and ("e0", "down") not in events
         finally:
             await sup.stop()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_stop_before_engine_tasks_ran_ends_start(tmp_path):
+    async def main():
+        sup = _sup([_sim("e")], tmp_path)
+        start = asyncio.create_task(sup.start())
+        await asyncio.sleep(0)  # start() has spawned the engine task; it has not run yet
+        await sup.stop()
+        with pytest.raises(Closed):
+            await asyncio.wait_for(start, 5)
+        assert sup.pids() == {}
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(40)
+def test_health_probes_share_the_agents_client(tmp_path):
+    """Probes go through the client passed in; the supervisor leaves it open for its owner."""
+
+    async def main():
+        client = EngineClient()
+        try:
+            sup = _sup([_sim("a")], tmp_path / "a", client=client)
+            try:
+                await sup.start()
+                _track(sup)
+                (url,) = [e.url for e in sup.healthy()]
+                await client.health(url, timeout=5)
+                await client.health(url, timeout=5, generate=False)
+            finally:
+                await sup.stop()
+            with pytest.raises(EngineUnavailable, match=r"/health_generate: ClientConnectorError"):
+                await client.health(url, timeout=5)  # the engine is gone, the client is not
+            sup = _sup([_sim("b")], tmp_path / "b", client=client)  # a second user of the same client
+            try:
+                await sup.start()
+                _track(sup)
+                assert sup.state("b") == "healthy"
+            finally:
+                await sup.stop()
+        finally:
+            await client.close()
+        with pytest.raises(Closed):
+            await client.health(url, timeout=5)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_client_health_reports_what_happened():
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", SIM_MODULE, "--host", "127.0.0.1", "--port", str(port), "--unhealthy"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    _SEEN_PIDS.add(proc.pid)
+
+    async def main():
+        client = EngineClient()
+        try:
+            await wait_for_async(lambda: _answers(client, url), 15, "the engine's port")
+            with pytest.raises(EngineUnavailable, match=rf"HTTP 503 from {url}/health_generate"):
+                await client.health(url, timeout=5)
+            os.kill(proc.pid, signal.SIGSTOP)  # hung: the port is open but nothing answers
+            with pytest.raises(EngineUnavailable, match=rf"no answer from {url}/health within 0.3s"):
+                await client.health(url, timeout=0.3, generate=False)
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def _answers(client: EngineClient, url: str) -> bool:
+    """True once ``url`` answers /health_generate at all (an unhealthy answer counts)."""
+    try:
+        await client.health(url, timeout=1)
+    except EngineUnavailable as e:
+        return "HTTP" in str(e)
+    return True
