@@ -40,13 +40,13 @@ def _join_args(sp: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from agent import sim_engine
+    from agent.sim import cli as sim_cli
 
     parser = argparse.ArgumentParser(prog="agent", description="rollfleet node agent")
     sub = parser.add_subparsers(dest="command", required=True)
     _join_args(sub.add_parser("join", help="join a coordinator and generate on this node's engines"))
     sim = sub.add_parser("sim-engine", help="run one sim engine (SGLang HTTP API on CPU)")
-    sim_engine.add_arguments(sim)
+    sim_cli.add_arguments(sim)
     return parser
 
 
@@ -102,9 +102,9 @@ def join(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "sim-engine":
-        from agent import sim_engine
+        from agent.sim import cli as sim_cli
 
-        sim_engine.run(args)
+        sim_cli.run(args)
         return 0
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

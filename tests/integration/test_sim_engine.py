@@ -1,4 +1,4 @@
-"""Tests of agent.sim_engine: the SGLang-compatible CPU engine, seen as a client sees it."""
+"""Tests of agent.sim: the SGLang-compatible CPU engine, seen as a client sees it."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ import orjson
 import pytest
 from aiohttp import web
 
-from agent.sim_engine import SimEngine, make_app
+from agent.sim import SimEngine, make_app
 from common.tokenizer import BYTE_TOKENIZER_NAME, ByteTokenizer
+from harness.polling import wait_for_async
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOK = ByteTokenizer()
 ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 ABORT_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
@@ -38,7 +39,7 @@ def async_test(fn):
 
 @contextlib.asynccontextmanager
 async def serve(**config):
-    """An in-process engine on 127.0.0.1, port 0, run as agent.sim_engine.run() runs it."""
+    """An in-process engine on 127.0.0.1, port 0, run as agent.sim.run() runs it."""
     engine = SimEngine(**config)
     runner = web.AppRunner(make_app(engine), handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
     await runner.setup()
@@ -66,21 +67,40 @@ async def loads(session):
     return body["loads"][0]
 
 
-async def wait_until(predicate, timeout=3.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached in time")
-
-
 async def wait_running(session, running, waiting=0):
     async def ok():
         ld = await loads(session)
         return ld["num_running_reqs"] == running and ld["num_waiting_reqs"] == waiting
 
-    await wait_until(ok)
+    await wait_for_async(ok, 10, f"{running} running and {waiting} waiting requests")
+
+
+async def wait_live(session, rid):
+    """Wait until the engine holds a live request ``rid``: at the pause gate, queued or running.
+
+    The probe reuses the rid with an impossible token budget, so it is refused either way and never
+    admitted: "Duplicate request ID" once ``rid`` is live, a context-length error before.
+    """
+
+    async def live():
+        probe = {"text": "probe", "rid": rid, "sampling_params": {"max_new_tokens": 10**9}}
+        err = await gen(session, probe, status=400)
+        return "Duplicate request ID detected" in err["error"]["message"]
+
+    await wait_for_async(live, 10, f"request {rid!r} live in the engine")
+
+
+async def sse_chunks(resp):
+    """The data chunks of an open SSE response, as they arrive; ends after ``data: [DONE]``."""
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield orjson.loads(data)
+    raise AssertionError("stream did not end with [DONE]")
 
 
 async def abort(session, **body):
@@ -219,7 +239,9 @@ async def test_arithmetic_answers_and_determinism():
 
         # Greedy: same prompt, same output. sampling_seed: reproducible. Otherwise random.
         async def sample(sp):
-            out = await gen(s, {"text": PROMPT, "sampling_params": {"max_new_tokens": 8192, **sp}, "return_logprob": True})
+            out = await gen(
+                s, {"text": PROMPT, "sampling_params": {"max_new_tokens": 8192, **sp}, "return_logprob": True}
+            )
             return out["output_ids"], out["meta_info"]["output_token_logprobs"]
 
         assert await sample({"temperature": 0}) == await sample({"temperature": 0})
@@ -254,7 +276,7 @@ async def test_streaming_cumulative_chunks_then_done():
             s, {"text": "x", "sampling_params": {"max_new_tokens": 64, "stream_interval": 4}, "return_logprob": True}
         )
         assert [c["meta_info"]["completion_tokens"] for c in chunks] == [4, 8, 10]
-        for prev, cur in zip(chunks, chunks[1:]):
+        for prev, cur in zip(chunks, chunks[1:], strict=False):
             assert cur["output_ids"][: len(prev["output_ids"])] == prev["output_ids"]
             assert cur["text"].startswith(prev["text"])
         assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None, None]
@@ -276,7 +298,9 @@ async def test_streaming_cumulative_chunks_then_done():
 async def test_client_disconnect_aborts_request():
     async with serve(token_latency_ms=5, output_len_dist="fixed", output_len_median=5000) as (engine, s):
         async with aiohttp.ClientSession(f"http://127.0.0.1:{engine.port}") as other:
-            resp = await other.post("/generate", json={"text": "x", "stream": True, "sampling_params": {"max_new_tokens": 8000}})
+            resp = await other.post(
+                "/generate", json={"text": "x", "stream": True, "sampling_params": {"max_new_tokens": 8000}}
+            )
             await resp.content.readline()
             await wait_running(s, 1)
             resp.close()
@@ -295,7 +319,9 @@ async def test_client_disconnect_aborts_request():
 async def test_abort_by_rid_returns_partial_output():
     async with serve(token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (engine, s):
         sp = {"max_new_tokens": 4000}
-        task = asyncio.create_task(gen(s, {"text": PROMPT, "rid": "abc-1", "sampling_params": sp, "return_logprob": True}))
+        task = asyncio.create_task(
+            gen(s, {"text": PROMPT, "rid": "abc-1", "sampling_params": sp, "return_logprob": True})
+        )
         await wait_running(s, 1)
         await asyncio.sleep(0.1)
         await abort(s, rid="abc-1")
@@ -309,11 +335,18 @@ async def test_abort_by_rid_returns_partial_output():
         await abort(s, rid="no-such-rid")  # unknown rids: still 200, empty body
 
         # Prefix matching: the exact live rid "req-1" also aborts "req-10"; a bare prefix does nothing.
-        tasks = {rid: asyncio.create_task(gen(s, {"text": "x", "rid": rid, "sampling_params": sp}))
-                 for rid in ("req-1", "req-10", "req-2")}
-        await wait_running(s, 3)
+        tasks = {
+            rid: asyncio.create_task(gen(s, {"text": "x", "rid": rid, "sampling_params": sp}))
+            for rid in ("req-1", "req-10", "req-2")
+        }
+        marker = asyncio.create_task(gen(s, {"text": "x", "rid": "marker", "sampling_params": sp}))
+        await wait_running(s, 4)
         await abort(s, rid="req-")
-        await asyncio.sleep(0.05)
+        # Samples an abort reaches leave the scheduler in abort order, so once "marker" (aborted
+        # after the bare prefix) is back, anything the prefix had aborted would be gone too.
+        await abort(s, rid="marker")
+        assert (await asyncio.wait_for(marker, 2))["meta_info"]["finish_reason"] == ABORTED
+        assert (await loads(s))["num_running_reqs"] == 3
         assert not any(t.done() for t in tasks.values())
         await abort(s, rid="req-1")
         for rid in ("req-1", "req-10"):
@@ -404,7 +437,7 @@ async def test_pause_abort_mode_holds_new_requests_until_continue():
         assert running.done() and running.result()["meta_info"]["finish_reason"] == ABORTED
 
         held = asyncio.create_task(gen(s, {"text": "b", "rid": "held", "sampling_params": {"max_new_tokens": 10}}))
-        await asyncio.sleep(0.3)
+        await wait_live(s, "held")  # it reached the engine; past the gate it would now be running
         assert not held.done()
         ld = await loads(s)
         assert ld["num_running_reqs"] == ld["num_waiting_reqs"] == 0  # held at the gate, not queued
@@ -417,34 +450,47 @@ async def test_pause_abort_mode_holds_new_requests_until_continue():
 
 @async_test
 async def test_pause_in_place_freezes_and_tracks_weight_versions(tmp_path):
-    async with serve(token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (engine, s):
-        task = asyncio.create_task(gen(s, {"text": "a", "sampling_params": {"max_new_tokens": 60}}))
-        await wait_running(s, 1)
-        await asyncio.sleep(0.05)
-        async with s.post("/pause_generation", json={"mode": "in_place"}) as resp:
+    timed = {"token_latency_ms": 5, "output_len_dist": "fixed", "output_len_median": 2000, "health_timeout": 0.2}
+    async with serve(**timed) as (engine, s):
+        budget = 400
+        body = {"text": "a", "stream": True, "sampling_params": {"max_new_tokens": budget, "stream_interval": 4}}
+        async with s.post("/generate", json=body) as resp:
             assert resp.status == 200
-        t0 = time.monotonic()
-        await asyncio.sleep(0.5)  # longer than the whole request would take
-        assert not task.done()
-        async with s.post("/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": "v1"}) as r:
-            assert r.status == 200 and (await r.json())["success"] is True
-        async with s.post("/continue_generation", json={}) as resp:
-            assert resp.status == 200
-        out = await asyncio.wait_for(task, 2)
-        assert time.monotonic() - t0 >= 0.5
-        meta = out["meta_info"]
-        assert meta["finish_reason"] == {"type": "length", "length": 60}
+            chunks = sse_chunks(resp)
+            first = await anext(chunks)  # tokens were produced before the pause
+            assert 0 < first["meta_info"]["completion_tokens"] < budget
+            async with s.post("/pause_generation", json={"mode": "in_place"}) as r:
+                assert r.status == 200
+            frozen_at = (await loads(s))["num_used_tokens"] - first["meta_info"]["prompt_tokens"]
+            assert first["meta_info"]["completion_tokens"] <= frozen_at < budget
+            # The paused engine's health probe times out after 0.2 s: a running sample naps at most
+            # 35 ms per step, so had it not been frozen its next tokens would be counted by now.
+            async with s.get("/health") as r:
+                assert r.status == 503
+            assert (await loads(s))["num_used_tokens"] - first["meta_info"]["prompt_tokens"] == frozen_at
+            async with s.post(
+                "/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": "v1"}
+            ) as r:
+                assert r.status == 200 and (await r.json())["success"] is True
+            async with s.post("/continue_generation", json={}) as r:
+                assert r.status == 200
+            rest = [chunk async for chunk in chunks]
+        meta = rest[-1]["meta_info"]
+        assert meta["finish_reason"] == {"type": "length", "length": budget}
         assert meta["weight_version"] == "v1"
-        spans = meta["weight_versions"]
-        assert [sp["version"] for sp in spans] == ["default", "v1"]
-        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 60
-        assert 0 < spans[0]["end"] < 60
+        # Frozen: not one token between the pause and the weight update, which paused samples do not wait for.
+        assert meta["weight_versions"] == [
+            {"version": "default", "start": 0, "end": frozen_at},
+            {"version": "v1", "start": frozen_at, "end": budget},
+        ]
 
 
 @async_test
 async def test_update_weights_from_disk(tmp_path):
     async with serve() as (engine, s):
-        async with s.post("/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": "step-3"}) as r:
+        async with s.post(
+            "/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": "step-3"}
+        ) as r:
             assert r.status == 200
             body = await r.json()
         assert body["success"] is True and body["num_paused_requests"] == 0
@@ -454,7 +500,9 @@ async def test_update_weights_from_disk(tmp_path):
         out = await gen(s, {"text": "x"})
         assert out["meta_info"]["weight_version"] == "step-3"
 
-        async with s.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "missing"), "weight_version": "bad"}) as r:
+        async with s.post(
+            "/update_weights_from_disk", json={"model_path": str(tmp_path / "missing"), "weight_version": "bad"}
+        ) as r:
             assert r.status == 400
             body = await r.json()
         assert body["success"] is False and body["message"]
@@ -462,7 +510,11 @@ async def test_update_weights_from_disk(tmp_path):
             assert (await r.json())["weight_version"] == "step-3"
 
         async with s.post("/update_weight_version", json={"new_version": "v9"}) as r:
-            assert (await r.json()) == {"success": True, "message": "Weight version updated to v9.", "new_version": "v9"}
+            assert (await r.json()) == {
+                "success": True,
+                "message": "Weight version updated to v9.",
+                "new_version": "v9",
+            }
         assert (await gen(s, {"text": "x"}))["meta_info"]["weight_version"] == "v9"
 
 
@@ -473,12 +525,15 @@ async def test_weight_update_waits_for_inflight_requests(tmp_path):
         await wait_running(s, 1)
 
         async def update():
-            async with s.post("/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": "v2"}) as r:
+            async with s.post(
+                "/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": "v2"}
+            ) as r:
                 assert r.status == 200
                 return first.done()
 
         upd = asyncio.create_task(update())
-        await asyncio.sleep(0.05)
+        # Requests sent from now on queue behind the update.
+        await wait_for_async(lambda: engine.scheduler.updating_weights or upd.done(), 10, "the weight update")
         later = asyncio.create_task(gen(s, {"text": "b", "sampling_params": {"max_new_tokens": 5}}))
         assert await asyncio.wait_for(upd, 3) is True  # the update waited for the in-flight request
         assert first.result()["meta_info"]["weight_version"] == "default"
@@ -488,11 +543,11 @@ async def test_weight_update_waits_for_inflight_requests(tmp_path):
 @async_test
 async def test_flush_cache_only_when_idle():
     async with serve(token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (engine, s):
-        task = asyncio.create_task(gen(s, {"text": "a", "sampling_params": {"max_new_tokens": 40}}))
+        task = asyncio.create_task(gen(s, {"text": "a", "sampling_params": {"max_new_tokens": 200}}))
         await wait_running(s, 1)
         async with s.get("/flush_cache") as r:
             assert r.status == 400
-        async with s.post("/flush_cache", params={"timeout": "3"}) as r:
+        async with s.post("/flush_cache", params={"timeout": "10"}) as r:
             assert r.status == 200 and (await r.text()).startswith("Cache flushed.")
         assert task.done()
 
@@ -502,8 +557,7 @@ async def test_flush_cache_only_when_idle():
 
 @async_test
 async def test_health_during_startup_delay_then_ok():
-    async with serve(startup_delay=0.4) as (engine, s):
-        t0 = time.monotonic()
+    async with serve(startup_delay=600) as (engine, s):
         for path in ("/health", "/health_generate"):
             async with s.get(path) as r:
                 assert r.status == 503
@@ -511,20 +565,26 @@ async def test_health_during_startup_delay_then_ok():
             assert r.status == 503
         async with s.get("/model_info") as r:
             assert r.status == 200 and (await r.json())["tokenizer_path"] == BYTE_TOKENIZER_NAME
+        async with s.get("/server_info") as r:
+            assert (await r.json())["status"] == "Starting"
+
+    t0 = time.monotonic()
+    async with serve(startup_delay=0.4) as (engine, s):
 
         async def healthy():
             async with s.get("/health_generate") as r:
                 return r.status == 200 and await r.read() == b""
 
-        await wait_until(healthy)
-        assert time.monotonic() - t0 >= 0.3
+        await wait_for_async(healthy, 10, "healthy after the startup delay")
+        assert time.monotonic() - t0 >= 0.4
         await gen(s, {"text": "x"})
 
     async with serve(unhealthy=True) as (engine, s):
-        for _ in range(2):
-            async with s.get("/health") as r:
+        for path in ("/health", "/health", "/ready"):
+            async with s.get(path) as r:
                 assert r.status == 503
-            await asyncio.sleep(0.05)
+        async with s.get("/server_info") as r:
+            assert (await r.json())["status"] == "UnHealthy"
 
     async with serve(health_timeout=0.2) as (engine, s):
         await s.post("/pause_generation", json={})
@@ -569,11 +629,11 @@ async def test_info_endpoints():
 
 
 class _Proc:
-    """``python -m agent.sim_engine`` as a child process; always terminated."""
+    """``python -m agent.sim`` as a child process; always terminated."""
 
     def __init__(self, *flags: str):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agent.sim_engine", "--port", "0", *flags],
+            [sys.executable, "-m", "agent.sim", "--port", "0", *flags],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -616,8 +676,19 @@ async def test_process_crash_endpoint_and_crash_after_requests():
         assert p.proc.wait(5) == 17
 
     # An SGLang launch command line runs as is; SIGTERM stops it cleanly.
-    sglang_flags = ("--model-path", "/nonexistent/model", "--tp-size", "2", "--base-gpu-id", "0",
-                    "--skip-server-warmup", "--max-running-requests", "5", "--mem-fraction-static", "0.7")
+    sglang_flags = (
+        "--model-path",
+        "/nonexistent/model",
+        "--tp-size",
+        "2",
+        "--base-gpu-id",
+        "0",
+        "--skip-server-warmup",
+        "--max-running-requests",
+        "5",
+        "--mem-fraction-static",
+        "0.7",
+    )
     with _Proc(*sglang_flags) as p:
         async with aiohttp.ClientSession(p.url) as s:
             async with s.get("/health") as r:
@@ -629,6 +700,11 @@ async def test_process_crash_endpoint_and_crash_after_requests():
         assert p.proc.wait(5) == 0
 
     # A mistyped flag is an error, not silently ignored.
-    bad = subprocess.run([sys.executable, "-m", "agent.sim_engine", "--port", "0", "--token-latency", "5", "--bogus"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=20)
+    bad = subprocess.run(
+        [sys.executable, "-m", "agent.sim", "--port", "0", "--token-latency", "5", "--bogus"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
     assert bad.returncode == 2 and "--bogus" in bad.stderr

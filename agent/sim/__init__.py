@@ -1,0 +1,51 @@
+"""rollfleet-sim: a CPU engine that speaks SGLang's native HTTP API.
+
+It is a real aiohttp server, not a mock: the agent, coordinator and benchmarks drive it exactly
+as they drive ``sglang.launch_server`` (the contract is SGLang 0.5.15.post1's native HTTP API,
+plus the 0.5.23 details named below). It uses the byte vocabulary of
+:class:`common.tokenizer.ByteTokenizer` and reports ``tokenizer_path == BYTE_TOKENIZER_NAME``
+so clients pick the same tokenizer. Run it with ``python -m agent.sim --port 0`` or
+``agent sim-engine --port 0``.
+
+Modules, one role each:
+
+- :mod:`~agent.sim.params`: sampling parameters and ``/generate`` validation; a call expands
+  into samples (batch items x ``n``), :mod:`~agent.sim.sample`.
+- :mod:`~agent.sim.output`: the output model (arithmetic answers, lengths, logprobs) and the
+  response object.
+- :mod:`~agent.sim.scheduler`: pause gate, weight-update lock (:mod:`~agent.sim.rwlock`),
+  slots, waiting queue, timed decode, abort, pause, weight versions.
+- :mod:`~agent.sim.engine`: :class:`SimEngine`, settings, readiness, crash switch;
+  :mod:`~agent.sim.info`: the info endpoints' payloads.
+- :mod:`~agent.sim.http`: the aiohttp app and SSE streaming; :mod:`~agent.sim.cli` and
+  :mod:`~agent.sim.config`: flags, ``run`` and ``main``.
+
+Faithful to SGLang: request/response fields and ``finish_reason`` shapes, batch and ``n > 1``
+expansion (``"{rid}_{i}"`` rids for batches, fresh uuids for ``n > 1``), cumulative SSE chunks
+every ``stream_interval`` tokens ending with ``data: [DONE]``, error chunks inside a stream for
+request errors, duplicate-rid / empty / out-of-vocabulary / over-long input 400s, unknown
+sampling keys 400 (0.5.23 behaviour), stop strings and ``stop_token_ids`` (with
+``no_stop_trim``), ``min_new_tokens``, ``ignore_eos``, ``logprob_start_len``,
+``return_text_in_logprobs``, ``return_prompt_token_ids``, ``weight_versions`` spans (0.5.23;
+half-open ``[start, end)`` output-token ranges), pause modes, reader/writer lock of weight
+updates, ``/flush_cache`` only when idle, ``/health`` while paused, endpoint aliases.
+
+Simplified: one DP rank, no real KV pool (``cached_tokens`` comes from an exact-prompt cache that
+flush/weight updates clear; ``max_total_num_tokens`` is nominal); ``retract`` behaves like
+``in_place``; an abort of a frozen (paused) running sample finishes it at once instead of after
+``continue``; abort credits the tokens produced so far rather than "one more step";
+``top_p``/``top_k``/penalties/grammars/``logit_bias`` are validated but do not change the
+output; stop strings are not held back from intermediate stream chunks; ``top_logprobs_num``,
+``token_ids_logprob``, hidden states, routed experts and multimodal inputs are not produced (the
+fields are ignored, except ``input_embeds``, which is refused); ``/generate`` answers 503 while
+the engine is starting (``--startup-delay``) or ``--unhealthy`` (SGLang opens its port only once
+ready); a failed ``/flush_cache`` explains itself in the 400 text; the ``/v1/loads``
+``include``/``format`` parameters are ignored (JSON, core fields).
+"""
+
+from agent.sim.cli import add_arguments, main, run
+from agent.sim.config import CRASH_EXIT_CODE, VERSION
+from agent.sim.engine import SimEngine
+from agent.sim.http import make_app
+
+__all__ = ["SimEngine", "make_app", "add_arguments", "run", "main", "VERSION", "CRASH_EXIT_CODE"]

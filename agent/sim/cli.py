@@ -1,0 +1,56 @@
+"""Command line of the sim engine: ``python -m agent.sim`` and ``agent sim-engine``.
+
+The flags are those of :func:`add_arguments`; any other flag is an error (exit 2). Once the port
+is bound the process prints ``rollfleet-sim listening on http://HOST:PORT`` (the readiness line
+the supervisor and the tests wait for) and serves until SIGTERM or SIGINT, then exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from aiohttp import web
+
+from agent.sim.config import add_arguments
+from agent.sim.engine import SimEngine
+from agent.sim.http import make_app
+
+__all__ = ["add_arguments", "run", "main"]
+
+
+async def serve(engine: SimEngine, host: str, port: int) -> None:
+    """Serve ``engine`` on ``host:port`` until SIGTERM/SIGINT; sets ``engine.port`` to the bound port."""
+    runner = web.AppRunner(make_app(engine), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    engine.port = runner.addresses[0][1]
+    print(f"rollfleet-sim listening on http://{host}:{engine.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        engine.shutdown()
+        await runner.cleanup()
+
+
+def run(args: argparse.Namespace) -> None:
+    """Serve until SIGTERM/SIGINT (blocking)."""
+    engine = SimEngine(args)
+    asyncio.run(serve(engine, engine.host, engine.port))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m agent.sim", description="CPU engine speaking SGLang's native HTTP API"
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)  # unknown flags exit with code 2, as argparse does
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run(args)

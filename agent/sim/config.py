@@ -1,0 +1,106 @@
+"""The sim engine's flags, and the engine settings they give.
+
+The flags of :func:`add_arguments` configure the engine; the common ``sglang.launch_server``
+flags are accepted too (``--max-running-requests``, ``--model``, ``--random-seed`` are aliases;
+``--tp-size``/``--dp-size`` are only reported, the rest have no effect), so the sim runs from an
+SGLang command line. :func:`engine_config` gives the same settings to an engine built in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+VERSION = "rollfleet-sim"
+CRASH_EXIT_CODE = 17
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the sim engine's flags to ``parser``."""
+    g = parser.add_argument_group("rollfleet-sim engine")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    g.add_argument("--port", type=int, required=True, help="HTTP port; 0 picks a free one")
+    g.add_argument(
+        "--slots",
+        "--max-running-requests",
+        dest="slots",
+        type=int,
+        default=256,
+        help="max running requests (default 256)",
+    )
+    g.add_argument(
+        "--token-latency-ms", type=float, default=0.0, help="decode time per token per request; 0 = instant (default)"
+    )
+    g.add_argument("--prefill-latency-ms", type=float, default=0.0, help="time before the first token (default 0)")
+    g.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed chunk (default 1)")
+    g.add_argument(
+        "--output-len-dist",
+        choices=("fixed", "lognormal"),
+        default="lognormal",
+        help="distribution of the natural output length (default lognormal)",
+    )
+    g.add_argument("--output-len-median", type=int, default=256, help="median output length (default 256)")
+    g.add_argument("--output-len-sigma", type=float, default=1.0, help="lognormal sigma (default 1.0)")
+    g.add_argument("--output-len-max", type=int, default=8192, help="cap on the drawn output length (default 8192)")
+    g.add_argument(
+        "--accuracy", type=float, default=0.5, help="probability that an arithmetic answer is correct (default 0.5)"
+    )
+    g.add_argument("--seed", "--random-seed", dest="seed", type=int, default=0, help="RNG seed (default 0)")
+    g.add_argument("--context-length", type=int, default=32768, help="context length (default 32768)")
+    g.add_argument("--weight-version", default="default", help="initial weight_version label")
+    g.add_argument("--model-path", "--model", dest="model_path", default="rollfleet-sim", help="reported model_path")
+    g.add_argument(
+        "--startup-delay", type=float, default=0.0, help="seconds the port is open but /health answers 503 (default 0)"
+    )
+    g.add_argument("--unhealthy", action="store_true", help="never become healthy (/health always 503)")
+    g.add_argument(
+        "--health-timeout",
+        type=float,
+        default=20.0,
+        help="seconds /health blocks while paused before answering 503 (default 20)",
+    )
+    g.add_argument(
+        "--crash-after-requests",
+        type=int,
+        default=0,
+        help=f"exit with code {CRASH_EXIT_CODE} after answering N /generate calls (0 = never)",
+    )
+    c = parser.add_argument_group(
+        "sglang.launch_server compatibility",
+        "accepted so the sim runs from an SGLang command line; tp/dp sizes are only reported in /server_info",
+    )
+    c.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
+    c.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1)
+    c.add_argument("--base-gpu-id", type=int, default=0)
+    c.add_argument("--gpu-id-step", type=int, default=1)
+    c.add_argument("--mem-fraction-static", type=float, default=None)
+    c.add_argument("--load-format", default="auto")
+    c.add_argument("--dtype", default="auto")
+    c.add_argument("--tokenizer-path", default=None)
+    c.add_argument("--log-level", default=None)
+    for flag in (
+        "--skip-server-warmup",
+        "--enable-metrics",
+        "--enable-memory-saver",
+        "--trust-remote-code",
+        "--disable-radix-cache",
+        "--skip-tokenizer-init",
+    ):
+        c.add_argument(flag, action="store_true")
+
+
+def engine_config(args: argparse.Namespace | None, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Flag defaults, updated by parsed ``args`` and then by ``overrides`` (keyed by flag ``dest``).
+
+    An override that names no flag is a TypeError, so a mistyped option fails loudly.
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    cfg = vars(parser.parse_args(["--port", "0"]))
+    unknown = set(overrides) - set(cfg)
+    if unknown:
+        raise TypeError(f"unknown SimEngine option(s): {sorted(unknown)}")
+    if args is not None:
+        cfg.update(vars(args))
+    cfg.update(overrides)
+    return cfg

@@ -1,0 +1,365 @@
+"""The aiohttp application: SGLang's native HTTP endpoints over a :class:`SimEngine`.
+
+Endpoints: ``/generate`` (POST, PUT), ``/abort_request``, ``/health``, ``/health_generate``,
+``/ready``, ``/model_info`` (``/get_model_info``), ``/server_info`` (``/get_server_info``),
+``/v1/loads``, ``/flush_cache`` (GET, POST, ``?timeout=``), ``/pause_generation``,
+``/continue_generation``, ``/update_weights_from_disk``, ``/update_weight_version`` (its
+``abort_all_requests`` defaults to true, as in SGLang).
+
+Streams (``"stream": true``) send cumulative SSE chunks every ``stream_interval`` tokens and end
+with ``data: [DONE]``; a request error inside a stream is an error chunk, HTTP 200. Stop strings
+are not held back from intermediate chunks. A client disconnect aborts the call's samples.
+While paused, ``/health`` blocks up to ``--health-timeout`` and then answers 503 (SGLang's
+pitfall: its probe goes through the pause gate). ``/flush_cache`` succeeds only when nothing
+runs or waits; a failed flush explains itself in the 400 text.
+
+Non-SGLang fault hooks: ``POST /rollfleet/crash`` replies 200
+``{"status":"crashing","exit_code":17}`` and then exits the process with ``os._exit(17)``
+(in-flight requests see dropped connections); ``--crash-after-requests N`` exits with code 17
+right after the response to the N-th successful ``/generate`` call has been sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from agent.sim import info
+from agent.sim.config import CRASH_EXIT_CODE
+from agent.sim.engine import SimEngine
+from agent.sim.output import response_object
+from agent.sim.params import RequestError, SchemaError
+from agent.sim.sample import Sample
+
+__all__ = ["ENGINE_KEY", "make_app"]
+
+ENGINE_KEY = web.AppKey("rollfleet_sim_engine", SimEngine)
+
+_STATUS_NAMES = {400: "Bad Request", 404: "Not Found", 503: "Service Unavailable", 500: "Internal Server Error"}
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+def _http_error(status: int, message: str) -> web.Response:
+    """SGLang's HTTPException body."""
+    return _json(
+        {
+            "object": "error",
+            "message": message,
+            "type": _STATUS_NAMES.get(status, str(status)),
+            "param": None,
+            "code": status,
+        },
+        status,
+    )
+
+
+def _generate_error(message: str) -> web.Response:
+    """The 400 of a rejected ``/generate`` body."""
+    return _json({"error": {"message": message}}, 400)
+
+
+def _bad_request(message: str) -> web.HTTPBadRequest:
+    return web.HTTPBadRequest(
+        body=orjson.dumps({"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}),
+        content_type="application/json",
+    )
+
+
+async def _read_json_body(request: web.Request) -> dict:
+    """The JSON object body of a control endpoint; empty or null is ``{}``."""
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _bad_request(f"Invalid JSON body: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise _bad_request("The request body must be a JSON object.")
+    return data
+
+
+def _client_gone(request: web.Request) -> Callable[[], bool]:
+    def gone() -> bool:
+        transport = request.transport
+        return transport is None or transport.is_closing()
+
+    return gone
+
+
+def _event_stream() -> web.StreamResponse:
+    resp = web.StreamResponse(status=200, headers={"Cache-Control": "no-cache"})
+    resp.content_type = "text/event-stream"
+    return resp
+
+
+class _Handlers:
+    """Request handlers of one engine."""
+
+    def __init__(self, engine: SimEngine):
+        self.engine = engine
+        self.scheduler = engine.scheduler
+
+    async def _drive_all(self, samples: list[Sample]) -> None:
+        try:
+            if len(samples) == 1:
+                await self.scheduler.drive(samples[0])
+            else:
+                await asyncio.gather(*(self.scheduler.drive(s) for s in samples))
+        finally:
+            for s in samples:
+                self.scheduler.finish(s)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        engine = self.engine
+        if not engine.is_ready():
+            return _http_error(503, f"The server is not ready (status: {engine.status}).")
+        try:
+            data = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as exc:
+            return _generate_error(f"Invalid JSON body: {exc}")
+        if not isinstance(data, dict):
+            return _generate_error("The request body must be a JSON object.")
+        stream = data.get("stream") is True
+        try:
+            samples, multi = engine.new_samples(data)
+        except SchemaError as exc:
+            return _generate_error(str(exc))
+        except RequestError as exc:
+            if stream:
+                return await self._stream_error(request, str(exc))
+            return _generate_error(str(exc))
+
+        if stream:
+            resp = await self._stream(request, samples, multi)
+            if resp is None:
+                return web.Response(status=200)
+        else:
+            gone = _client_gone(request)
+            for s in samples:
+                s.client_gone = gone
+            await self._drive_all(samples)
+            version = self.scheduler.weight_version
+            objs = [response_object(s, s.position, True, version) for s in samples]
+            resp = web.Response(body=orjson.dumps(objs if multi else objs[0]), content_type="application/json")
+            if engine.crash_after:
+                await resp.prepare(request)
+                await resp.write_eof()
+        engine.ok_generate_calls += 1
+        if engine.crash_after and engine.ok_generate_calls >= engine.crash_after:
+            asyncio.get_running_loop().call_soon(engine.crash, f"--crash-after-requests {engine.crash_after}")
+        return resp
+
+    async def _stream_error(self, request: web.Request, message: str) -> web.StreamResponse:
+        resp = _event_stream()
+        await resp.prepare(request)
+        err = {"error": {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}}
+        try:
+            await resp.write(b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError:
+            pass
+        return resp
+
+    async def _stream(self, request: web.Request, samples: list[Sample], multi: bool) -> web.StreamResponse | None:
+        """Stream the samples' chunks; None if the client left before the response started."""
+        resp = _event_stream()
+        dead = False
+        write_lock = asyncio.Lock() if len(samples) > 1 else None  # chunks of a batch must not interleave
+
+        def client_left() -> None:
+            nonlocal dead
+            dead = True
+            self.scheduler.abort_samples(samples)
+
+        async def emit(sample: Sample, k: int, final: bool) -> None:
+            if dead:
+                return
+            obj = response_object(sample, k, final, self.scheduler.weight_version, sample.index if multi else None)
+            chunk = b"data: " + orjson.dumps(obj) + b"\n\n"
+            try:
+                if write_lock is None:
+                    await resp.write(chunk)
+                else:
+                    async with write_lock:
+                        await resp.write(chunk)
+            except (ConnectionError, RuntimeError):
+                client_left()
+
+        gone = _client_gone(request)
+        for s in samples:
+            s.emit = emit
+            s.client_gone = gone
+        try:
+            try:
+                await resp.prepare(request)
+            except (ConnectionError, RuntimeError):
+                client_left()
+            if len(samples) == 1:
+                await self.scheduler.drive(samples[0])
+            else:
+                await asyncio.gather(*(self.scheduler.drive(s) for s in samples))
+        finally:
+            for s in samples:
+                self.scheduler.finish(s)
+        if dead:
+            return resp if resp.prepared else None
+        try:
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
+        return resp
+
+    async def abort(self, request: web.Request) -> web.Response:
+        data = await _read_json_body(request)
+        rid = data.get("rid") or ""
+        self.scheduler.abort(rid if isinstance(rid, str) else "", bool(data.get("abort_all")))
+        return web.Response(status=200)
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.engine.is_ready():
+            return web.Response(status=503)
+        if self.scheduler.paused:
+            try:
+                await asyncio.wait_for(self.scheduler.wait_unpaused(), self.engine.health_timeout)
+            except TimeoutError:
+                return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.engine.is_ready() and not self.scheduler.paused else 503)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return _json(info.model_info(self.engine))
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return _json(info.server_info(self.engine))
+
+    async def loads(self, request: web.Request) -> web.Response:
+        return _json(info.loads_response(self.engine))
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        try:
+            timeout = float(request.query.get("timeout") or 0.0)
+        except ValueError:
+            return _http_error(400, "timeout must be a number")
+        scheduler = self.scheduler
+        deadline = time.monotonic() + timeout
+        while not scheduler.idle and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if scheduler.flush():
+            return web.Response(
+                text="Cache flushed.\nPlease check backend logs for more details. "
+                "(When there are running or waiting requests, the operation will not be performed.)\n"
+            )
+        return web.Response(
+            status=400,
+            text=f"Cache not flushed: {scheduler.num_running} running and {scheduler.num_waiting} waiting requests.\n",
+        )
+
+    async def pause(self, request: web.Request) -> web.Response:
+        data = await _read_json_body(request)
+        mode = data.get("mode") or "abort"
+        if mode not in ("abort", "retract", "in_place"):
+            return _http_error(400, f"mode must be one of 'abort', 'retract', 'in_place', got {mode!r}")
+        await self.scheduler.pause(mode)
+        return _json({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await _read_json_body(request)
+        self.scheduler.resume()
+        return _json({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        data = await _read_json_body(request)
+        path = data.get("model_path")
+        if not isinstance(path, str) or not path:
+            return _json({"success": False, "message": "model_path is required"}, 400)
+        version = data.get("weight_version")
+        flush_cache = data.get("flush_cache", True)
+        if data.get("abort_all_requests"):
+            self.scheduler.abort(abort_all=True)
+
+        def load() -> web.Response:
+            if not os.path.isdir(path):
+                return _json(
+                    {
+                        "success": False,
+                        "message": f"Failed to update weights: model path {path!r} is not a "
+                        "directory. The weights were not changed.",
+                        "num_paused_requests": 0,
+                    },
+                    400,
+                )
+            self.engine.model_path = path
+            if version is not None:
+                self.scheduler.weight_version = str(version)
+            if flush_cache is not False:
+                self.scheduler.clear_prefix_cache()
+            return _json({"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
+
+        return await self.scheduler.update_weights(load)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        data = await _read_json_body(request)
+        new_version = data.get("new_version")
+        if not isinstance(new_version, str) or not new_version:
+            return _json({"success": False, "message": "new_version is required"}, 400)
+        if data.get("abort_all_requests", True):
+            self.scheduler.abort(abort_all=True)
+        self.scheduler.weight_version = new_version
+        return _json(
+            {"success": True, "message": f"Weight version updated to {new_version}.", "new_version": new_version}
+        )
+
+    async def crash(self, request: web.Request) -> web.Response:
+        resp = _json({"status": "crashing", "exit_code": CRASH_EXIT_CODE})
+        await resp.prepare(request)
+        await resp.write_eof()
+        asyncio.get_running_loop().call_soon(self.engine.crash, "POST /rollfleet/crash")
+        return resp
+
+
+def make_app(engine: SimEngine) -> web.Application:
+    """The aiohttp application serving ``engine``.
+
+    Run it with ``web.AppRunner(app, handler_cancellation=True)`` (as :func:`agent.sim.cli.run`
+    does) so a client disconnect cancels its request at once; without it the engine notices
+    disconnects at its next chunk boundary. Set ``engine.port`` to the bound port if
+    ``/server_info`` should report it.
+    """
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app[ENGINE_KEY] = engine
+    h = _Handlers(engine)
+    r = app.router
+    r.add_post("/generate", h.generate)
+    r.add_put("/generate", h.generate)
+    r.add_post("/abort_request", h.abort)
+    for path in ("/health", "/health_generate"):
+        r.add_get(path, h.health)
+    r.add_get("/ready", h.ready)
+    for path in ("/model_info", "/get_model_info"):
+        r.add_get(path, h.model_info)
+    for path in ("/server_info", "/get_server_info"):
+        r.add_get(path, h.server_info)
+    r.add_get("/v1/loads", h.loads)
+    r.add_get("/flush_cache", h.flush_cache)
+    r.add_post("/flush_cache", h.flush_cache)
+    r.add_post("/pause_generation", h.pause)
+    r.add_post("/continue_generation", h.continue_generation)
+    r.add_post("/update_weights_from_disk", h.update_weights_from_disk)
+    r.add_post("/update_weight_version", h.update_weight_version)
+    r.add_post("/rollfleet/crash", h.crash)
+    return app

@@ -1,0 +1,134 @@
+"""Payloads of the info endpoints: ``/model_info``, ``/server_info`` and ``/v1/loads``.
+
+Field names and shapes are SGLang's; the values describe one DP rank with a nominal KV pool
+(``max_total_num_tokens``). ``/v1/loads`` ignores its ``include``/``format`` parameters and
+answers JSON with the core fields. ``/server_info`` adds a ``sim`` section with the sim's own
+output-model settings.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
+
+from agent.sim.config import VERSION
+from common.tokenizer import BYTE_TOKENIZER_NAME
+
+if TYPE_CHECKING:
+    from agent.sim.engine import SimEngine
+
+
+class ThroughputMeter:
+    """Generated tokens per second, re-measured at most once a second (when loads are asked for)."""
+
+    def __init__(self) -> None:
+        self._mark = (time.monotonic(), 0)
+        self.tokens_per_s = 0.0
+
+    def update(self, generated_tokens: int) -> float:
+        now = time.monotonic()
+        t, tokens = self._mark
+        if now - t >= 1.0:
+            self.tokens_per_s = (generated_tokens - tokens) / (now - t)
+            self._mark = (now, generated_tokens)
+        return self.tokens_per_s
+
+
+def loads(engine: SimEngine) -> dict:
+    """The load of the engine's one DP rank (an entry of ``/v1/loads``' ``loads``)."""
+    scheduler = engine.scheduler
+    throughput = engine.throughput.update(scheduler.generated_tokens)
+    used = 0
+    for sample in scheduler.running():
+        used += len(sample.prompt.ids) + sample.position
+    waiting_tokens = sum(len(s.prompt.ids) for s in scheduler.waiting())
+    return {
+        "dp_rank": 0,
+        "num_running_reqs": scheduler.num_running,
+        "num_waiting_reqs": scheduler.num_waiting,
+        "num_waiting_uncached_tokens": waiting_tokens,
+        "num_used_tokens": used,
+        "num_total_tokens": used + waiting_tokens,
+        "max_total_num_tokens": engine.max_total_num_tokens,
+        "max_running_requests": engine.slots,
+        "token_usage": used / engine.max_total_num_tokens,
+        "gen_throughput": throughput,
+        "cache_hit_rate": (scheduler.cached_tokens / scheduler.prompt_tokens) if scheduler.prompt_tokens else 0.0,
+        "utilization": scheduler.num_running / engine.slots,
+    }
+
+
+def loads_response(engine: SimEngine) -> dict:
+    return {"timestamp": datetime.now(UTC).isoformat(), "version": VERSION, "loads": [loads(engine)]}
+
+
+def model_info(engine: SimEngine) -> dict:
+    return {
+        "model_path": engine.model_path,
+        "tokenizer_path": BYTE_TOKENIZER_NAME,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": engine.weight_version,
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": "rollfleet-sim",
+        "architectures": ["RollfleetSim"],
+    }
+
+
+def server_info(engine: SimEngine) -> dict:
+    load = loads(engine)
+    config = engine.config
+    scheduler = engine.scheduler
+    output_model = engine.output_model
+    return {
+        "model_path": engine.model_path,
+        "tokenizer_path": BYTE_TOKENIZER_NAME,
+        "served_model_name": engine.model_path,
+        "tp_size": config["tp_size"],
+        "dp_size": config["dp_size"],
+        "base_gpu_id": config["base_gpu_id"],
+        "mem_fraction_static": config["mem_fraction_static"],
+        "load_format": config["load_format"],
+        "pp_size": 1,
+        "ep_size": 1,
+        "port": engine.port,
+        "host": engine.host,
+        "weight_version": engine.weight_version,
+        "max_running_requests": engine.slots,
+        "max_total_num_tokens": engine.max_total_num_tokens,
+        "max_req_input_len": engine.max_req_input_len,
+        "context_length": engine.context_length,
+        "stream_interval": engine.stream_interval,
+        "random_seed": engine.seed,
+        "skip_server_warmup": config["skip_server_warmup"],
+        "enable_metrics": config["enable_metrics"],
+        "disaggregation_mode": "null",
+        "status": engine.status,
+        "version": VERSION,
+        "kv_events": None,
+        "internal_states": [
+            {
+                "dp_rank": 0,
+                "last_gen_throughput": load["gen_throughput"],
+                "memory_usage": {
+                    "weight": 0.0,
+                    "kvcache": 0.0,
+                    "token_capacity": engine.max_total_num_tokens,
+                    "graph": 0.0,
+                },
+                "paused": scheduler.paused,
+                "pause_mode": scheduler.pause_mode or None,
+            }
+        ],
+        "sim": {
+            "token_latency_ms": scheduler.token_latency_s * 1000.0,
+            "prefill_latency_ms": scheduler.prefill_latency_s * 1000.0,
+            "output_len_dist": output_model.len_dist,
+            "output_len_median": output_model.len_median,
+            "output_len_sigma": output_model.len_sigma,
+            "output_len_max": output_model.len_max,
+            "accuracy": output_model.accuracy,
+        },
+    }
