@@ -1,9 +1,10 @@
-"""Drop accounting shared by the agents (which record filter verdicts) and the coordinator
-(which stores them with each batch and reports them as metrics).
+"""Drop accounting and batch metrics, shared by the agents (which record filter verdicts) and the
+coordinator (which stores them with each batch and reports them as metrics).
 
 ``DropStats`` counts kept and dropped groups, dropped ones per reason. Reasons become metric names
 (``rollout/dynamic_filter/drop_<reason>``), so they are sanitised to ``[A-Za-z0-9_.-]+``. It
-serialises to plain JSON types.
+serialises to plain JSON types. ``batch_metrics`` computes a trainer batch's ``rollout/*`` metrics from
+its groups' statistics.
 """
 
 from __future__ import annotations
@@ -82,3 +83,38 @@ class DropStats:
 
     def __repr__(self) -> str:
         return f"DropStats(kept={self.kept}, dropped={self.dropped})"
+
+
+FILTER_PREFIX = "rollout/dynamic_filter"
+
+
+def batch_metrics(
+    stats: list[dict], data_epochs: list[int], drops: DropStats, prefix: str = FILTER_PREFIX
+) -> dict[str, float]:
+    """The metrics of one trainer batch, from its groups' statistics and the filter drops behind it.
+
+    ``stats`` are the per-group statistics an agent reports with each receipt
+    (``n_samples``, ``prompt_tokens``, ``response_tokens``, ``reward_sum``,
+    ``truncated``, ``aborted``, ``gen_seconds``); ``data_epochs`` are the
+    groups' data epochs. Every value is a float.
+    """
+    n = len(stats)
+    m = {k: float(v) for k, v in drops.metrics(prefix).items()}
+
+    def total(k):
+        return float(sum(s.get(k, 0) for s in stats))
+
+    samples = total("n_samples")
+    m["rollout/groups"] = float(n)
+    m["rollout/samples"] = samples
+    m["rollout/prompt_tokens"] = total("prompt_tokens")
+    m["rollout/response_tokens"] = total("response_tokens")
+    m["rollout/response_len_mean"] = m["rollout/response_tokens"] / samples if samples else 0.0
+    m["rollout/reward_mean"] = total("reward_sum") / samples if samples else 0.0
+    m["rollout/truncated_ratio"] = total("truncated") / samples if samples else 0.0
+    m["rollout/aborted_ratio"] = total("aborted") / samples if samples else 0.0
+    gen = [s.get("gen_seconds", 0.0) for s in stats]
+    m["rollout/gen_seconds_mean"] = sum(gen) / n if n else 0.0
+    m["rollout/gen_seconds_max"] = float(max(gen)) if gen else 0.0
+    m["rollout/data_epoch"] = float(max(data_epochs) if data_epochs else 0)
+    return m

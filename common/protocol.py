@@ -31,7 +31,9 @@ import msgpack
 
 from common.errors import MessageTooLarge, ProtocolError, VersionMismatch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: one message type per trainer request (was ``trainer_control``); ``BatchRefs`` refs in
+``GroupRef`` order."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """Application limit. Larger messages get a clear error reply. The ZeroMQ
@@ -349,25 +351,103 @@ class Generate(Message):
 class BatchRefs(Message):
     """coordinator -> trainer: a batch as references to group payloads on agents.
 
-    ``groups`` entries are ``[index, agent_id, payload_address, key]``.
+    ``groups`` entries are ``[data_epoch, index, agent_id, key, payload_address]``
+    (``coordinator.records.GroupRef`` in wire form).
     """
 
     TYPE = "batch"
     req: int
     rollout_id: int
-    groups: list
+    groups: list[list]
     metrics: dict
 
 
 @message
-class TrainerControl(Message):
-    """trainer -> coordinator: ``pause`` / ``resume`` / ``state_dict`` / ``load_state_dict`` / ``stats`` / ``detach``."""
+class Pause(Message):
+    """trainer -> coordinator: stop admission (durably); ``abort`` in-flight work or let it finish.
 
-    TYPE = "trainer_control"
+    With ``drain`` the ``Ok`` comes once no lease is in flight (results durable).
+    """
+
+    TYPE = "pause"
     session: int
     req: int
-    action: str
-    args: dict = field(default_factory=dict)
+    drain: bool = True
+    abort: bool = False
+
+
+@message
+class Resume(Message):
+    """trainer -> coordinator: admission on again (durably)."""
+
+    TYPE = "resume"
+    session: int
+    req: int
+
+
+@message
+class StateDict(Message):
+    """trainer -> coordinator: checkpoint the stream at ``consumed`` (highest batch trained on).
+
+    Only while paused and drained; trims what is behind the previous checkpoint.
+    """
+
+    TYPE = "state_dict"
+    session: int
+    req: int
+    consumed: int
+
+
+@message
+class LoadStateDict(Message):
+    """trainer -> coordinator: check that a checkpoint taken by ``StateDict`` can be resumed here."""
+
+    TYPE = "load_state_dict"
+    session: int
+    req: int
+    state: dict
+
+
+@message
+class Consumed(Message):
+    """trainer -> coordinator: batch ``rollout_id`` was fetched completely; its prompts count as trained."""
+
+    TYPE = "consumed"
+    session: int
+    req: int
+    rollout_id: int
+
+
+@message
+class Missing(Message):
+    """trainer -> coordinator: an agent that is up no longer holds these groups of a batch; replace them."""
+
+    TYPE = "missing"
+    session: int
+    req: int
+    rollout_id: int
+    keys: list[str]
+
+
+@message
+class Detach(Message):
+    """trainer -> coordinator: leave the fleet to the next trainer (only the current session may)."""
+
+    TYPE = "detach"
+    session: int
+    req: int
+
+
+@message
+class Stats(Message):
+    """trainer (or ``coordinator status``) -> coordinator: the coordinator's statistics; needs no session."""
+
+    TYPE = "stats"
+    req: int
+
+
+TRAINER_REQUESTS = (Pause, Resume, StateDict, LoadStateDict, Consumed, Missing, Detach)
+"""Trainer requests that carry a session and are refused for any but the current trainer's."""
 
 
 # --------------------------------------------------------------------------

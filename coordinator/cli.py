@@ -31,8 +31,12 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--prefetch", type=int, default=d.prefetch, help="ready groups kept beyond demand (-1: one batch)")
     sp.add_argument("--shuffle-seed", type=int, default=None, help="shuffle prompts per data epoch with this seed")
     sp.add_argument("--heartbeat-interval", type=float, default=Liveness.heartbeat_interval)
-    sp.add_argument("--agent-ttl", type=float, default=Liveness.ttl, help="silence after which an agent's leases are reissued")
-    sp.add_argument("--retire-after", type=float, default=Liveness.retire_after, help="silence after which an agent is retired")
+    sp.add_argument(
+        "--agent-ttl", type=float, default=Liveness.ttl, help="silence after which an agent's leases are reissued"
+    )
+    sp.add_argument(
+        "--retire-after", type=float, default=Liveness.retire_after, help="silence after which an agent is retired"
+    )
     sp.add_argument("--max-message-bytes", type=int, default=64 << 20, help="largest control message accepted")
     sp.add_argument("--no-sync", action="store_true", help="skip fsync on ledger commits (faster, not crash-safe)")
     sp.add_argument("--log-level", default="INFO")
@@ -49,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args) -> int:
+    from common.dataset import Dataset
     from common.filters import load_filter
     from common.rewards import load_reward
-    from common.dataset import Dataset
     from coordinator.server import CoordinatorServer
 
     config = RolloutConfig(
@@ -72,8 +76,14 @@ def serve(args) -> int:
     load_filter(config.dynamic_filter)
     dataset = Dataset(args.dataset, input_key=args.input_key, label_key=args.label_key)
     server = CoordinatorServer(
-        dataset=dataset, config=config, liveness=liveness, data_dir=args.data_dir, bind=args.bind,
-        seed=args.shuffle_seed, sync=not args.no_sync, max_message_bytes=args.max_message_bytes,
+        dataset=dataset,
+        config=config,
+        liveness=liveness,
+        data_dir=args.data_dir,
+        bind=args.bind,
+        seed=args.shuffle_seed,
+        sync=not args.no_sync,
+        max_message_bytes=args.max_message_bytes,
     )
     print(f"coordinator listening on {server.endpoint}", flush=True)
     asyncio.run(server.serve())
@@ -90,7 +100,9 @@ def status(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "INFO"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=getattr(args, "log_level", "INFO"), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     try:
         return {"serve": serve, "status": status}[args.command](args)
     except (ConfigError, DatasetError, ValueError) as exc:

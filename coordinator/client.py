@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import random
 import logging
+import random
 import threading
 import time
 import uuid
@@ -39,6 +39,7 @@ from common import protocol as p
 from common.errors import Closed, Fenced, NoCapacity, ProtocolError, RemoteError, RolloutError, StateError
 from common.transport import dealer
 from common.types import Group
+from coordinator.records import GroupRef
 
 log = logging.getLogger("rollfleet.client")
 
@@ -192,7 +193,7 @@ class AsyncRolloutClient:
         self._agents: dict[str, _Endpoint] = {}
         self._closed = False
 
-    async def __aenter__(self) -> "AsyncRolloutClient":
+    async def __aenter__(self) -> AsyncRolloutClient:
         await self.connect()
         return self
 
@@ -210,7 +211,10 @@ class AsyncRolloutClient:
 
     async def _attach(self) -> None:
         msg, _ = await self._coord.request(
-            lambda req: p.Attach(req, self.client_id), retry_interval=self.retry_interval, timeout=self.timeout, what="attach"
+            lambda req: p.Attach(req, self.client_id),
+            retry_interval=self.retry_interval,
+            timeout=self.timeout,
+            what="attach",
         )
         if isinstance(msg, p.Error):
             _raise_remote(msg)
@@ -222,7 +226,9 @@ class AsyncRolloutClient:
         """A coordinator request that re-attaches once if the coordinator restarted."""
         await self.connect()
         for _ in range(3):
-            msg, frames = await self._coord.request(lambda req: make(self.session, req), retry_interval=self.retry_interval, timeout=self.timeout, what=what)
+            msg, frames = await self._coord.request(
+                lambda req: make(self.session, req), retry_interval=self.retry_interval, timeout=self.timeout, what=what
+            )
             if isinstance(msg, p.Error) and msg.code == "unknown_session":
                 log.warning("coordinator no longer knows session %x (restarted); attaching again", self.session)
                 self.session = 0
@@ -233,8 +239,9 @@ class AsyncRolloutClient:
             return msg
         raise RolloutError(f"{what}: could not re-attach to {self.address}")
 
-    async def _control(self, action: str, **args) -> dict:
-        msg = await self._call(lambda s, req: p.TrainerControl(s, req, action, args), action)
+    async def _request(self, make, what: str) -> dict:
+        """A session-bound trainer request (``make(session, req)``); its result."""
+        msg = await self._call(make, what)
         return msg.result
 
     # ---------------------------------------------------------------- API
@@ -247,7 +254,10 @@ class AsyncRolloutClient:
         """
         started = time.monotonic()
         while True:
-            refs = await self._call(lambda s, req: p.Generate(s, req, rollout_id, -1 if prefetch is None else prefetch), f"generate({rollout_id})")
+            refs = await self._call(
+                lambda s, req: p.Generate(s, req, rollout_id, -1 if prefetch is None else prefetch),
+                f"generate({rollout_id})",
+            )
             waited = time.monotonic() - started
             try:
                 groups = await self._fetch(refs.groups)
@@ -259,26 +269,31 @@ class AsyncRolloutClient:
                 if self.timeout is not None and time.monotonic() - started > self.timeout:
                     raise RolloutError(f"generate({rollout_id}): {exc}") from None
                 log.warning("generate(%d): %s; asking the coordinator again", rollout_id, exc)
-                if exc.missing:
+                missing = exc.missing
+                if missing:
                     # The node is up but lost them (wiped disk): the coordinator replaces them.
-                    await self._control("missing", rollout_id=rollout_id, keys=exc.missing)
+                    await self._request(lambda s, req, keys=missing: p.Missing(s, req, rollout_id, keys), "missing")
                 else:
                     await asyncio.sleep(self.retry_interval)
         # Tell the coordinator the batch is in hand before returning it: from now on
         # its prompts are never generated again, even if their node is lost.
-        await self._control("consumed", rollout_id=rollout_id)
+        await self._request(lambda s, req: p.Consumed(s, req, rollout_id), "consumed")
         self.consumed = max(self.consumed, rollout_id)
         metrics = dict(refs.metrics)
         metrics["rollout/wait_seconds"] = waited
         metrics["rollout/fetch_seconds"] = time.monotonic() - started - waited
         return RolloutBatch(rollout_id, groups, metrics)
 
-    async def _fetch(self, refs: list) -> list[Group]:
+    async def _fetch(self, wire_refs: list) -> list[Group]:
+        refs = [GroupRef.from_wire(item) for item in wire_refs]
         by_address: dict[str, list[str]] = {}
-        for index, agent_id, address, key in refs:
-            if not address:
-                raise FetchFailed(f"group {key} (dataset index {index}) is on agent {agent_id}, which the coordinator does not know now")
-            by_address.setdefault(address, []).append(key)
+        for ref in refs:
+            if not ref.payload_address:
+                raise FetchFailed(
+                    f"group {ref.key} (dataset index {ref.index}) is on agent {ref.agent_id}, "
+                    "which the coordinator does not know now"
+                )
+            by_address.setdefault(ref.payload_address, []).append(ref.key)
         jobs = []
         for address, keys in by_address.items():
             for i in range(0, len(keys), FETCH_CHUNK):
@@ -286,14 +301,19 @@ class AsyncRolloutClient:
         payloads: dict[str, bytes] = {}
         for part in await asyncio.gather(*jobs):
             payloads.update(part)
-        return [Group.from_wire(payloads[key]) for _, _, _, key in refs]
+        return [Group.from_wire(payloads[ref.key]) for ref in refs]
 
     async def _fetch_chunk(self, address: str, keys: list[str]) -> dict[str, bytes]:
         ep = self._agents.get(address)
         if ep is None:
             ep = self._agents[address] = _Endpoint(self._ctx, address, address)
         try:
-            msg, frames = await ep.request(lambda req: p.Fetch(req, keys), retry_interval=max(self.retry_interval, 2.0), timeout=self.fetch_timeout, what=f"fetch from {address}")
+            msg, frames = await ep.request(
+                lambda req: p.Fetch(req, keys),
+                retry_interval=max(self.retry_interval, 2.0),
+                timeout=self.fetch_timeout,
+                what=f"fetch from {address}",
+            )
         except RolloutError as exc:
             await ep.close()
             self._agents.pop(address, None)
@@ -301,8 +321,10 @@ class AsyncRolloutClient:
         if isinstance(msg, p.Error):
             raise RemoteError(f"agent {address}: [{msg.code}] {msg.message}", code=msg.code)
         if msg.missing:
-            raise FetchFailed(f"agent {address} no longer holds {len(msg.missing)} group(s), e.g. {msg.missing[:3]}", msg.missing)
-        return dict(zip(msg.found, (bytes(f) for f in frames)))
+            raise FetchFailed(
+                f"agent {address} no longer holds {len(msg.missing)} group(s), e.g. {msg.missing[:3]}", msg.missing
+            )
+        return dict(zip(msg.found, (bytes(f) for f in frames), strict=False))
 
     async def pause(self, drain: bool = True, abort: bool = False) -> dict:
         """Stop admission; with ``drain`` wait until no lease is in flight (results durable).
@@ -310,23 +332,27 @@ class AsyncRolloutClient:
         The pause is durable: it survives a coordinator restart. It lasts until
         ``resume()`` or a ``generate()`` of a batch not generated yet.
         """
-        return await self._control("pause", drain=drain, abort=abort)
+        return await self._request(lambda s, req: p.Pause(s, req, bool(drain), bool(abort)), "pause")
 
     async def resume(self) -> dict:
-        return await self._control("resume")
+        return await self._request(lambda s, req: p.Resume(s, req), "resume")
 
     async def state_dict(self) -> dict:
         """The consumed frontier, as plain JSON data. Only while paused and drained."""
-        return await self._control("state_dict", consumed=self.consumed)
+        return await self._request(lambda s, req: p.StateDict(s, req, self.consumed), "state_dict")
 
     async def load_state_dict(self, state: dict) -> None:
         """Resume at a checkpoint: batches after it are delivered again, identical."""
-        await self._control("load_state_dict", state=state)
+        if not isinstance(state, dict):
+            raise RemoteError("[bad_state] not a rollfleet state_dict (format 1)", code="bad_state")
+        await self._request(lambda s, req: p.LoadStateDict(s, req, state), "load_state_dict")
         self.consumed = state["rollout_id"]
 
     async def stats(self) -> dict:
         await self.connect()
-        msg, _ = await self._coord.request(lambda req: p.TrainerControl(0, req, "stats"), retry_interval=self.retry_interval, timeout=self.timeout or 30, what="stats")
+        msg, _ = await self._coord.request(
+            lambda req: p.Stats(req), retry_interval=self.retry_interval, timeout=self.timeout or 30, what="stats"
+        )
         if isinstance(msg, p.Error):
             _raise_remote(msg)
         return msg.result
@@ -338,7 +364,9 @@ class AsyncRolloutClient:
         if self.session and self._coord is not None:
             # Leave the fleet for the next trainer; best effort, a dead coordinator must not block close().
             try:
-                await self._coord.request(lambda req: p.TrainerControl(self.session, req, "detach"), retry_interval=0.5, timeout=1.0, what="detach")
+                await self._coord.request(
+                    lambda req: p.Detach(self.session, req), retry_interval=0.5, timeout=1.0, what="detach"
+                )
             except RolloutError:
                 pass
         for ep in [*self._agents.values(), *([self._coord] if self._coord else [])]:
@@ -365,7 +393,7 @@ class RolloutClient:
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def __enter__(self) -> "RolloutClient":
+    def __enter__(self) -> RolloutClient:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -22,7 +22,7 @@ Pure: no I/O and no clock; ``now`` is passed in.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 PENDING, LEASED, READY, DELIVERED, FILTERED = range(5)
 STATE_NAMES = ("pending", "leased", "ready", "delivered", "filtered")
@@ -91,8 +91,11 @@ class Frontier:
     def valid(self, data_epoch, index) -> bool:
         """An (epoch, index) pair of the right types and range, in an open epoch."""
         return (
-            isinstance(data_epoch, int) and isinstance(index, int) and not isinstance(index, bool)
-            and 0 <= index < self.size and data_epoch in self.epochs
+            isinstance(data_epoch, int)
+            and isinstance(index, int)
+            and not isinstance(index, bool)
+            and 0 <= index < self.size
+            and data_epoch in self.epochs
         )
 
     @property
@@ -163,7 +166,9 @@ class Frontier:
             closed.append(oldest)
         return closed
 
-    def restore(self, cursors: dict[int, int], records: dict[tuple[int, int], int], now: float, orphan_delay: float) -> None:
+    def restore(
+        self, cursors: dict[int, int], records: dict[tuple[int, int], int], now: float, orphan_delay: float
+    ) -> None:
         """Rebuild after a coordinator restart.
 
         ``records`` are the ledger's durable states (READY/DELIVERED/FILTERED).

@@ -1,17 +1,20 @@
 """The coordinator's durable ledger (LMDB): what was accepted, filtered and delivered.
 
-Layout (one environment, three named databases):
+Layout (one environment, three named databases), every value msgpack:
 - ``meta``: ``generation`` (bumped at every start; fences pre-restart
   sessions and lease ids), ``dataset`` (size + fingerprint), ``cursors``,
-  ``trimmed_upto``, ``consumed_upto`` (highest batch a trainer fetched),
-  ``last_checkpoint``, ``last_rollout_id``, ``paused`` (the trainer's pause
-  outlives a coordinator restart).
-- ``prompts``: ``(data_epoch, index)`` -> ``{s: r|d|f, a: agent, k: key, ...}``
-  for every prompt of an open epoch that is READY, DELIVERED or FILTERED.
-  A closed epoch's records are deleted, so the ledger does not grow with
-  run length.
-- ``batches``: ``rollout_id`` -> the recorded batch (group refs + metrics),
-  kept until a trainer checkpoint moves past it.
+  the marks ``trimmed_upto``, ``consumed_upto`` (highest batch a trainer
+  fetched), ``last_checkpoint`` and ``last_rollout_id``, and ``paused`` (the
+  trainer's pause outlives a coordinator restart).
+- ``prompts``: ``(data_epoch, index)`` -> a ``PromptState`` for every prompt
+  of an open epoch that is READY, DELIVERED or FILTERED. A closed epoch's
+  records are deleted, so the ledger does not grow with run length.
+- ``batches``: ``rollout_id`` -> the ``RecordedBatch`` (group refs +
+  metrics), kept until a trainer checkpoint moves past it.
+
+This module is the only place where ledger records and operations
+(``coordinator/records.py``) are encoded and decoded. ``read_ledger`` gives
+tests and the chaos checker the same typed ``LedgerSnapshot`` a restart uses.
 
 All writes go through one writer thread, in order; a batch of Persist
 effects is applied in one transaction (group commit) with ``sync=True``, and
@@ -24,14 +27,31 @@ import os
 import struct
 from pathlib import Path
 
+import lmdb
 import msgpack
 
 from common.errors import ConfigError
 from common.lmdb_env import lock_dir, open_env
-from coordinator.core import Restored
+from coordinator.records import (
+    MARKS,
+    CloseEpoch,
+    DropBatch,
+    DropPrompt,
+    GroupRef,
+    LedgerOp,
+    LedgerSnapshot,
+    PromptState,
+    PutBatch,
+    PutPrompt,
+    RecordedBatch,
+    SetCursors,
+    SetMark,
+    SetPaused,
+)
 
 _PROMPT = struct.Struct(">QQ")
 _BATCH = struct.Struct(">q")
+_EPOCH = struct.Struct(">Q")
 
 
 def _pack(v) -> bytes:
@@ -40,6 +60,61 @@ def _pack(v) -> bytes:
 
 def _unpack(b: bytes):
     return msgpack.unpackb(b, raw=False, strict_map_key=False)
+
+
+def _encode_prompt(st: PromptState) -> bytes:
+    return _pack([st.status, st.agent_id, st.key, st.stats, st.seq, st.rollout_id, st.reason])
+
+
+def _decode_prompt(raw: bytes) -> PromptState:
+    status, agent_id, key, stats, seq, rollout_id, reason = _unpack(raw)
+    return PromptState(status, agent_id, key, stats, seq, rollout_id, reason)
+
+
+def _encode_batch(batch: RecordedBatch) -> bytes:
+    groups = [[g.data_epoch, g.index, g.agent_id, g.key] for g in batch.groups]
+    return _pack({"groups": groups, "metrics": dict(batch.metrics), "lost": [list(x) for x in batch.lost]})
+
+
+def _decode_batch(raw: bytes) -> RecordedBatch:
+    d = _unpack(raw)
+    return RecordedBatch(tuple(GroupRef(*g) for g in d["groups"]), d["metrics"], tuple(tuple(x) for x in d["lost"]))
+
+
+def _snapshot(txn, meta, prompts, batches) -> LedgerSnapshot:
+    snap = LedgerSnapshot()
+    raw = txn.get(b"generation", db=meta)
+    snap.generation = _unpack(raw) if raw is not None else 0
+    raw = txn.get(b"dataset", db=meta)
+    if raw is not None:
+        known = _unpack(raw)
+        snap.dataset_size, snap.dataset_fingerprint = known["size"], known["fingerprint"]
+    raw = txn.get(b"cursors", db=meta)
+    if raw is not None:
+        snap.cursors = {int(k): v for k, v in _unpack(raw).items()}
+    raw = txn.get(b"paused", db=meta)
+    if raw is not None:
+        snap.paused = bool(_unpack(raw))
+    for name in MARKS:
+        raw = txn.get(name.encode(), db=meta)
+        if raw is not None:
+            setattr(snap, name, _unpack(raw))
+    for k, v in txn.cursor(db=prompts):
+        snap.prompts[_PROMPT.unpack(k)] = _decode_prompt(v)
+    for k, v in txn.cursor(db=batches):
+        snap.batches[_BATCH.unpack(k)[0]] = _decode_batch(v)
+    return snap
+
+
+def read_ledger(data_dir: str | os.PathLike) -> LedgerSnapshot:
+    """A consistent read-only snapshot of a coordinator's ledger (running or stopped)."""
+    env = lmdb.open(str(Path(data_dir) / "ledger"), readonly=True, max_dbs=4, lock=True, create=False)
+    try:
+        with env.begin() as txn:
+            dbs = [env.open_db(name, txn=txn, create=False) for name in (b"meta", b"prompts", b"batches")]
+            return _snapshot(txn, *dbs)
+    finally:
+        env.close()
 
 
 class Ledger:
@@ -55,7 +130,11 @@ class Ledger:
         self.env.close()
         self._lock.close()
 
-    def open_run(self, dataset_size: int, fingerprint: str) -> Restored:
+    def snapshot(self) -> LedgerSnapshot:
+        with self.env.begin() as txn:
+            return _snapshot(txn, self.meta, self.prompts, self.batches)
+
+    def open_run(self, dataset_size: int, fingerprint: str) -> LedgerSnapshot:
         """Bump the generation and load everything a restart needs."""
         with self.env.begin(write=True) as txn:
             raw = txn.get(b"dataset", db=self.meta)
@@ -71,46 +150,32 @@ class Ledger:
             raw = txn.get(b"generation", db=self.meta)
             generation = (_unpack(raw) if raw else 0) + 1
             txn.put(b"generation", _pack(generation), db=self.meta)
-        restored = Restored(generation=generation)
-        with self.env.begin() as txn:
-            for name in ("cursors", "trimmed_upto", "last_rollout_id", "paused", "consumed_upto", "last_checkpoint"):
-                raw = txn.get(name.encode(), db=self.meta)
-                if raw is not None:
-                    value = _unpack(raw)
-                    if name == "cursors":
-                        value = {int(k): v for k, v in value.items()}
-                    setattr(restored, name, value)
-            for k, v in txn.cursor(db=self.prompts):
-                restored.prompts[_PROMPT.unpack(k)] = _unpack(v)
-            for k, v in txn.cursor(db=self.batches):
-                restored.batches[_BATCH.unpack(k)[0]] = _unpack(v)
-        return restored
+        return self.snapshot()
 
-    def apply(self, ops: list) -> None:
+    def apply(self, ops: list[LedgerOp]) -> None:
         """Apply ops in one durable transaction. Runs on the writer thread only."""
         with self.env.begin(write=True) as txn:
             for op in ops:
-                kind = op[0]
-                if kind == "prompt":
-                    key = _PROMPT.pack(op[1], op[2])
-                    if op[3] is None:
-                        txn.delete(key, db=self.prompts)
-                    else:
-                        txn.put(key, _pack(op[3]), db=self.prompts)
-                elif kind == "batch":
-                    key = _BATCH.pack(op[1])
-                    if op[2] is None:
-                        txn.delete(key, db=self.batches)
-                    else:
-                        txn.put(key, _pack(op[2]), db=self.batches)
-                elif kind == "meta":
-                    txn.put(op[1].encode(), _pack(op[2]), db=self.meta)
-                elif kind == "close_epoch":
+                if isinstance(op, PutPrompt):
+                    txn.put(_PROMPT.pack(op.data_epoch, op.index), _encode_prompt(op.state), db=self.prompts)
+                elif isinstance(op, DropPrompt):
+                    txn.delete(_PROMPT.pack(op.data_epoch, op.index), db=self.prompts)
+                elif isinstance(op, PutBatch):
+                    txn.put(_BATCH.pack(op.rollout_id), _encode_batch(op.batch), db=self.batches)
+                elif isinstance(op, DropBatch):
+                    txn.delete(_BATCH.pack(op.rollout_id), db=self.batches)
+                elif isinstance(op, SetCursors):
+                    txn.put(b"cursors", _pack(dict(op.cursors)), db=self.meta)
+                elif isinstance(op, SetPaused):
+                    txn.put(b"paused", _pack(op.paused), db=self.meta)
+                elif isinstance(op, SetMark):
+                    txn.put(op.name.encode(), _pack(op.rollout_id), db=self.meta)
+                elif isinstance(op, CloseEpoch):
                     cur = txn.cursor(db=self.prompts)
-                    prefix = struct.pack(">Q", op[1])
+                    prefix = _EPOCH.pack(op.data_epoch)
                     if cur.set_range(prefix):
                         while cur.key().startswith(prefix):
                             if not cur.delete():
                                 break
                 else:
-                    raise ValueError(f"unknown ledger op {kind!r}")
+                    raise TypeError(f"not a ledger operation: {op!r}")

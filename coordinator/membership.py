@@ -61,7 +61,16 @@ class Membership:
         self._counter += 1
         return (self.generation << 32) | self._counter
 
-    def register(self, agent_id: str, incarnation: int, peer: bytes, capacity: int, payload_address: str, engines: list, now: float) -> AgentRecord:
+    def register(
+        self,
+        agent_id: str,
+        incarnation: int,
+        peer: bytes,
+        capacity: int,
+        payload_address: str,
+        engines: list,
+        now: float,
+    ) -> AgentRecord:
         old = self.agents.get(agent_id)
         if old is not None:
             self._by_session.pop(old.session, None)
@@ -98,7 +107,9 @@ class Membership:
 
     def all_gone(self) -> bool:
         """Agents have joined, and none of them can generate any more."""
-        return bool(self.agents) and all(r.status == RETIRED or (r.status == ALIVE and not r.usable) for r in self.agents.values())
+        return bool(self.agents) and all(
+            r.status == RETIRED or (r.status == ALIVE and not r.usable) for r in self.agents.values()
+        )
 
     def distribute(self, budget: int) -> dict[str, int]:
         """Split ``budget`` new leases over agents by free capacity, round robin.

@@ -8,6 +8,11 @@ Messages to one destination leave in the order the core produced them: a
 ``Send`` to a peer that still has a message waiting on a commit is queued
 behind it (a Control or Grant never overtakes the Welcome or Grant before it).
 
+Nothing blocking runs on the event loop: ledger commits run on the writer
+thread, and the dataset rows a Grant carries (``Send.with_rows``, for agents
+without their own replica) are read on a reader thread after the commit,
+before the Grant leaves in its place in line.
+
 A frame that cannot be decoded (malformed msgpack, unknown type, wrong
 version, oversized) is answered with an ``Error`` naming the problem; the
 loop keeps serving. Messages of a type the coordinator does not accept get
@@ -26,10 +31,10 @@ import zmq.asyncio
 
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
+from common.dataset import Dataset, epoch_permutation
 from common.errors import ProtocolError
 from common.transport import router, send_nowait, stop_on_signals
 from coordinator.core import CoordinatorCore, Persist, Send
-from common.dataset import Dataset, epoch_permutation
 from coordinator.ledger import Ledger
 
 log = logging.getLogger("rollfleet.coordinator")
@@ -52,17 +57,11 @@ class CoordinatorServer:
         self.max_message_bytes = max_message_bytes
         self.ledger = Ledger(data_dir, sync=sync)
         restored = self.ledger.open_run(len(dataset), dataset.fingerprint)
-
-        def row(index: int):
-            r = dataset.row(index)
-            return r.prompt, r.label, r.metadata
-
         self.core = CoordinatorCore(
             config,
             liveness,
             dataset_size=len(dataset),
             dataset_fingerprint=dataset.fingerprint,
-            row=row,
             order_for_epoch=lambda n, e: epoch_permutation(n, e, seed),
             restored=restored,
             now=time.monotonic(),
@@ -70,24 +69,30 @@ class CoordinatorServer:
         self.ctx = zmq.asyncio.Context()
         self.sock, self.endpoint = router(self.ctx, bind, max_bytes=max_message_bytes)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
+        # One thread: the dataset's file handle is used from it alone.
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dataset-reader")
         self._persist_queue: asyncio.Queue[Persist | None] = asyncio.Queue()
         self._held: dict = {}  # destination -> the last queued Persist holding a message to it
+        self._writing = False  # the writer holds a batch it has not finished sending
         self.errors_sent = 0
-        log.info("coordinator generation %d listening on %s (%d prompts)", restored.generation, self.endpoint, len(dataset))
+        log.info(
+            "coordinator generation %d listening on %s (%d prompts)", restored.generation, self.endpoint, len(dataset)
+        )
 
     # ---------------------------------------------------------------- effects
 
     def _send(self, to, msg: p.Message) -> None:
         if isinstance(to, str):
-            rec = self.core.membership.agents.get(to)
-            if rec is None:
+            peer = self.core.peer_of(to)
+            if peer is None:
                 return
-            peer = rec.peer
         else:
             peer = to
         # Peer gone (ROUTER_MANDATORY) or at its HWM: agents repair this by
         # resending (receipts) and heartbeat reconciliation; trainers retry.
-        send_nowait(self.sock, [peer, p.encode(msg)], lambda exc: log.debug("send %s to %r failed: %s", msg.TYPE, peer, exc))
+        send_nowait(
+            self.sock, [peer, p.encode(msg)], lambda exc: log.debug("send %s to %r failed: %s", msg.TYPE, peer, exc)
+        )
 
     def _deliver(self, s: Send) -> None:
         """Send now, unless an earlier message to the same destination still waits on a commit."""
@@ -102,7 +107,7 @@ class CoordinatorServer:
             if isinstance(eff, Send):
                 self._deliver(eff)
             elif isinstance(eff, Persist):
-                if eff.ops:
+                if eff.ops or any(s.with_rows for s in eff.then):
                     self._persist_queue.put_nowait(eff)
                     for s in eff.then:
                         self._held[s.to] = eff
@@ -114,21 +119,46 @@ class CoordinatorServer:
         loop = asyncio.get_running_loop()
         while True:
             first = await self._persist_queue.get()
+            self._writing = True
             batch = [first]
             while not self._persist_queue.empty():
                 batch.append(self._persist_queue.get_nowait())
             ops = [op for eff in batch for op in eff.ops]
             await loop.run_in_executor(self._writer, self.ledger.apply, ops)
+            grants = [s for eff in batch for s in eff.then if s.with_rows]
+            filled = await loop.run_in_executor(self._reader, self._read_rows, grants) if grants else {}
             for eff in batch:
                 for s in eff.then:
-                    self._send(s.to, s.msg)
+                    msg = filled.get(id(s), s.msg) if s.with_rows else s.msg
+                    if msg is not None:
+                        self._send(s.to, msg)
                     if self._held.get(s.to) is eff:
                         del self._held[s.to]
+            self._writing = False
+
+    def _read_rows(self, grants: list[Send]) -> dict[int, p.Grant | None]:
+        """Each Grant with its leases' dataset rows added (reader thread); None if a row is unreadable.
+
+        A Grant that is not sent is repaired like a lost one: the agent's next
+        heartbeat omits its leases, which are then released.
+        """
+        out: dict[int, p.Grant | None] = {}
+        for s in grants:
+            try:
+                leases = []
+                for lease in s.msg.leases:
+                    row = self.dataset.row(lease["index"])
+                    leases.append({**lease, "prompt": row.prompt, "label": row.label, "metadata": row.metadata})
+                out[id(s)] = p.Grant(s.msg.session, leases)
+            except Exception:
+                log.exception("cannot read the dataset rows of a grant to %s; its leases will be released", s.to)
+                out[id(s)] = None
+        return out
 
     async def flush(self, timeout: float = 10.0) -> None:
         """Wait until every queued ledger write has committed (orderly shutdown)."""
         deadline = time.monotonic() + timeout
-        while not self._persist_queue.empty() and time.monotonic() < deadline:
+        while (self._writing or not self._persist_queue.empty()) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         await asyncio.get_running_loop().run_in_executor(self._writer, lambda: None)
 
@@ -142,24 +172,16 @@ class CoordinatorServer:
             self.errors_sent += 1
             log.warning("rejected message from %r: %s", peer[:40], exc)
             code = type(exc).__name__
-            self._send(peer, p.Error({"VersionMismatch": "version_mismatch", "MessageTooLarge": "too_large"}.get(code, "malformed"), str(exc), p.peek_req(frame)))
+            self._send(
+                peer,
+                p.Error(
+                    {"VersionMismatch": "version_mismatch", "MessageTooLarge": "too_large"}.get(code, "malformed"),
+                    str(exc),
+                    p.peek_req(frame),
+                ),
+            )
             return
-        core = self.core
-        handler = {
-            p.Register: core.on_register,
-            p.Heartbeat: core.on_heartbeat,
-            p.Receipt: core.on_receipt,
-            p.Filtered: core.on_filtered,
-            p.Release: core.on_release,
-            p.Capacity: core.on_capacity,
-            p.Attach: core.on_attach,
-            p.Generate: core.on_generate,
-            p.TrainerControl: core.on_trainer_control,
-        }.get(type(msg))
-        if handler is None:
-            self._send(peer, p.Error("unexpected", f"the coordinator does not accept {msg.TYPE!r} messages", getattr(msg, "req", 0)))
-            return
-        self._run(handler(peer, msg, now))
+        self._run(self.core.handle(peer, msg, now))
 
     async def _recv_loop(self) -> None:
         while True:
@@ -173,7 +195,9 @@ class CoordinatorServer:
             except Exception:
                 # A bug handling one message must not take the fleet down; it is logged loudly.
                 log.exception("internal error handling a message from %r", frames[0][:40])
-                self._send(frames[0], p.Error("internal", "internal coordinator error; see its log", p.peek_req(frames[1])))
+                self._send(
+                    frames[0], p.Error("internal", "internal coordinator error; see its log", p.peek_req(frames[1]))
+                )
 
     async def _clock(self) -> None:
         interval = self.core.liveness.heartbeat_interval
@@ -189,7 +213,12 @@ class CoordinatorServer:
                 s = self.core.statistics()
                 log.info(
                     "agents alive %d/%d, leased %d, ready %d, last rollout %d, prompts %s",
-                    sum(a["status"] == "alive" for a in s["agents"].values()), len(s["agents"]), s["leased"], s["ready"], s["last_rollout_id"], s["prompts"],
+                    sum(a.status == "alive" for a in s.agents.values()),
+                    len(s.agents),
+                    s.leased,
+                    s.ready,
+                    s.last_rollout_id,
+                    s.prompts,
                 )
 
     async def serve(self, stop: asyncio.Event | None = None) -> None:
@@ -214,6 +243,7 @@ class CoordinatorServer:
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
         self.sock.close(linger=0)
         self.ctx.term()
         self.ledger.close()

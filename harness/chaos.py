@@ -22,7 +22,6 @@ import json
 import os
 import random
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -30,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import lmdb
-import msgpack
 
+from coordinator.ledger import read_ledger
 from harness.cluster import ROOT, Cluster
 
 
@@ -51,20 +50,6 @@ def _read_consumed(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _read_ledger(data_dir: Path) -> tuple[dict, dict]:
-    env = lmdb.open(str(data_dir / "ledger"), readonly=True, lock=False, max_dbs=4)
-    try:
-        prompts, batches = {}, {}
-        with env.begin() as txn:
-            for k, v in txn.cursor(db=env.open_db(b"prompts", txn=txn, create=False)):
-                prompts[struct.unpack(">QQ", k)] = msgpack.unpackb(v, raw=False)
-            for k, v in txn.cursor(db=env.open_db(b"batches", txn=txn, create=False)):
-                batches[struct.unpack(">q", k)[0]] = msgpack.unpackb(v, raw=False)
-        return prompts, batches
-    finally:
-        env.close()
 
 
 def _read_store(data_dir: Path) -> tuple[set[str], set[str]]:
@@ -186,13 +171,11 @@ def check(report: ChaosReport, cluster: Cluster, consumed_path: Path, names: lis
                 report.problems.append(f"prompt {(epoch, index)} consumed in rollouts {seen[(epoch, index)]} and {rid}")
             seen[(epoch, index)] = rid
 
-    prompts, recorded = _read_ledger(cluster.tmp / "coordinator")
-    consumed_keys = set()
-    for rid, batch in recorded.items():
-        for index, epoch, agent, key in batch["groups"]:
-            consumed_keys.add(key)
-    ready_keys = {rec["k"] for rec in prompts.values() if rec["s"] == "r"}
-    delivered_keys = {rec["k"] for rec in prompts.values() if rec["s"] == "d"}
+    ledger = read_ledger(cluster.tmp / "coordinator")
+    prompts = ledger.prompts
+    consumed_keys = {g.key for batch in ledger.batches.values() for g in batch.groups}
+    ready_keys = {st.key for st in prompts.values() if st.ready}
+    delivered_keys = {st.key for st in prompts.values() if st.delivered}
     for name in names:
         groups, outbox = _read_store(cluster.tmp / name)
         for key in groups:
@@ -201,16 +184,18 @@ def check(report: ChaosReport, cluster: Cluster, consumed_path: Path, names: lis
             # Groups of closed epochs or behind the checkpoint may remain until trimmed.
             if not accounted and (int(epoch), int(index)) not in seen:
                 report.lost += 1
-                report.problems.append(f"{name} holds committed group {key} that is neither consumed, ready nor awaiting its receipt")
-    for (epoch, index), rec in prompts.items():
-        if rec["s"] == "f" and not rec.get("why"):
+                report.problems.append(
+                    f"{name} holds committed group {key} that is neither consumed, ready nor awaiting its receipt"
+                )
+    for prompt, st in prompts.items():
+        if st.filtered and not st.reason:
             report.unaccounted_prompts += 1
-            report.problems.append(f"prompt {(epoch, index)} filtered without a reason")
-        if rec["s"] == "d" and (epoch, index) not in seen and rec["k"] not in consumed_keys:
+            report.problems.append(f"prompt {prompt} filtered without a reason")
+        if st.delivered and prompt not in seen and st.key not in consumed_keys:
             report.unaccounted_prompts += 1
-            report.problems.append(f"prompt {(epoch, index)} marked delivered but in no batch")
-    for (epoch, index) in seen:
-        rec = prompts.get((epoch, index))
-        if rec is not None and rec["s"] != "d":
+            report.problems.append(f"prompt {prompt} marked delivered but in no batch")
+    for prompt in seen:
+        st = prompts.get(prompt)
+        if st is not None and not st.delivered:
             report.unaccounted_prompts += 1
-            report.problems.append(f"consumed prompt {(epoch, index)} is {rec['s']!r} in the ledger")
+            report.problems.append(f"consumed prompt {prompt} is {st.status_name!r} in the ledger")

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
-from coordinator.core import CoordinatorCore, Persist, Restored
+from coordinator.core import CoordinatorCore, Persist
 from coordinator.frontier import DELIVERED, FILTERED, LEASED, PENDING, READY
+from coordinator.records import LedgerSnapshot, PromptState, PutPrompt, SetCursors, SetPaused
 
 N = 4  # samples per prompt
 
 
 def make_core(size=20, batch=2, prefetch=-1, restored=None, now=0.0, ttl=3.0, retire=10.0):
     cfg = RolloutConfig(rollout_batch_size=batch, n_samples_per_prompt=N, prefetch=prefetch)
-    return CoordinatorCore(cfg, Liveness(0.25, ttl, retire), dataset_size=size, dataset_fingerprint="fp",
-                           row=lambda i: (f"q{i}", i, {}), restored=restored, now=now)
+    return CoordinatorCore(
+        cfg, Liveness(0.25, ttl, retire), dataset_size=size, dataset_fingerprint="fp", restored=restored, now=now
+    )
 
 
 def sends(effects, kind=None):
@@ -27,7 +31,9 @@ def sends(effects, kind=None):
 
 
 def register(core, agent="a", slots=4 * N, now=0.0, unacked=(), in_flight=()):
-    eff = core.on_register(agent.encode(), p.Register(agent, 1, slots, f"tcp://{agent}:1", [], list(unacked), list(in_flight)), now)
+    eff = core.handle(
+        agent.encode(), p.Register(agent, 1, slots, f"tcp://{agent}:1", [], list(unacked), list(in_flight)), now
+    )
     welcome = sends(eff, p.Welcome)[0].msg
     return welcome, eff
 
@@ -35,7 +41,7 @@ def register(core, agent="a", slots=4 * N, now=0.0, unacked=(), in_flight=()):
 def tick(core, now):
     """Advance the clock to ``now`` the way the server does: many small ticks."""
     out = []
-    t = core._last_tick
+    t = core.admission._last_tick
     while t < now:
         t = min(now, t + 0.25)
         out += core.tick(t)
@@ -47,13 +53,17 @@ def grants(effects):
 
 
 def attach(core):
-    eff = core.on_attach(b"trainer", p.Attach(1, "t"), 0.0)
+    eff = core.handle(b"trainer", p.Attach(1, "t"), 0.0)
     return sends(eff, p.Ok)[0].msg.result["session"]
 
 
 def receipt(core, session, g, key=None, now=0.0, agent=b"a"):
     key = key or f"{g['data_epoch']}:{g['index']}:{g['lease']:x}"
-    eff = core.on_receipt(agent, p.Receipt(session, g["lease"], g["data_epoch"], g["index"], key, N, {"n_samples": N, "reward_sum": 2.0}), now)
+    eff = core.handle(
+        agent,
+        p.Receipt(session, g["lease"], g["data_epoch"], g["index"], key, N, {"n_samples": N, "reward_sum": 2.0}),
+        now,
+    )
     return eff, sends(eff, p.ReceiptAck)[0].msg
 
 
@@ -63,7 +73,7 @@ def test_welcome_precedes_grants_and_admission_is_bounded_by_prefetch():
     out = sends(eff)
     assert isinstance(out[0].msg, p.Welcome)
     assert len(grants(eff)) == 3  # no trainer demand yet: prefetch only, though capacity is 4
-    assert core.statistics()["leased"] == 3
+    assert core.statistics().leased == 3
 
 
 def test_capacity_is_slots_divided_by_group_size():
@@ -79,12 +89,12 @@ def test_receipt_is_acknowledged_after_persist_and_counted_once():
     eff, ack = receipt(core, welcome.session, g)
     assert ack.accepted
     persist = [e for e in eff if isinstance(e, Persist)][0]
-    assert any(op[0] == "prompt" and op[3]["s"] == "r" for op in persist.ops)
+    assert any(isinstance(op, PutPrompt) and op.state.ready for op in persist.ops)
     assert any(isinstance(s.msg, p.ReceiptAck) for s in persist.then), "ack must wait for the ledger commit"
     # The same receipt again (retransmit): acknowledged, not counted twice.
     _, ack2 = receipt(core, welcome.session, g)
     assert ack2.accepted
-    assert core.statistics()["ready"] == 1
+    assert core.statistics().ready == 1
     # Another group for the same prompt (e.g. from a reissued lease): refused.
     _, ack3 = receipt(core, welcome.session, g, key="0:0:other")
     assert not ack3.accepted and "duplicate" in ack3.reason
@@ -94,17 +104,17 @@ def test_batches_assemble_exactly_and_replay_identically():
     core = make_core(batch=2, prefetch=0)
     welcome, _ = register(core)
     session = attach(core)
-    eff = core.on_generate(b"trainer", p.Generate(session, 10, 0), 0.0)
+    eff = core.handle(b"trainer", p.Generate(session, 10, 0), 0.0)
     gs = grants(eff)
     assert len(gs) == 2
     for g in gs:
         eff, _ = receipt(core, welcome.session, g)
     batch = sends(eff, p.BatchRefs)[0].msg
-    assert sorted(r[0] for r in batch.groups) == sorted(g["index"] for g in gs)
+    assert sorted(r[1] for r in batch.groups) == sorted(g["index"] for g in gs)
     assert core.frontier.state_of(0, gs[0]["index"]) == DELIVERED
-    replay = sends(core.on_generate(b"trainer", p.Generate(session, 11, 0), 0.0), p.BatchRefs)[0].msg
+    replay = sends(core.handle(b"trainer", p.Generate(session, 11, 0), 0.0), p.BatchRefs)[0].msg
     assert replay.groups == batch.groups and replay.metrics == batch.metrics
-    err = sends(core.on_generate(b"trainer", p.Generate(session, 12, -5), 0.0), p.Error)
+    err = sends(core.handle(b"trainer", p.Generate(session, 12, -5), 0.0), p.Error)
     assert err, "an id older than the last batch that was never generated is an error"
 
 
@@ -112,8 +122,8 @@ def test_filtered_groups_are_replaced_and_reported_in_the_next_batch():
     core = make_core(batch=1, prefetch=0)
     welcome, _ = register(core)
     session = attach(core)
-    g = grants(core.on_generate(b"trainer", p.Generate(session, 1, 0), 0.0))[0]
-    eff = core.on_filtered(b"a", p.Filtered(welcome.session, g["lease"], 0, g["index"], "zero_std_1"), 0.0)
+    g = grants(core.handle(b"trainer", p.Generate(session, 1, 0), 0.0))[0]
+    eff = core.handle(b"a", p.Filtered(welcome.session, g["lease"], 0, g["index"], "zero_std_1"), 0.0)
     assert core.frontier.state_of(0, g["index"]) == FILTERED
     replacement = grants(eff)
     assert len(replacement) == 1 and replacement[0]["index"] != g["index"]
@@ -129,13 +139,13 @@ def test_silent_agent_loses_its_leases_and_is_fenced_when_it_returns():
     w1, eff = register(core, "a", now=0.0)
     leased = grants(eff)
     w2, _ = register(core, "b", now=0.0)
-    core.on_heartbeat(b"b", p.Heartbeat(w2.session), 2.9)
+    core.handle(b"b", p.Heartbeat(w2.session), 2.9)
     eff = tick(core, 3.5)  # a is silent past the TTL; b is not
     reissued = grants(eff)
     assert sorted(g["index"] for g in reissued) == sorted(g["index"] for g in leased)
     assert all(s.to == "b" for s in sends(eff, p.Grant))
     # a's late receipt is fenced: it must register again.
-    late = core.on_receipt(b"a", p.Receipt(w1.session, leased[0]["lease"], 0, leased[0]["index"], "k", N, {}), 4.0)
+    late = core.handle(b"a", p.Receipt(w1.session, leased[0]["lease"], 0, leased[0]["index"], "k", N, {}), 4.0)
     assert isinstance(sends(late)[0].msg, p.Fence)
     # Re-registering with the committed group recovers it (first committer wins).
     unacked = [{"lease": leased[0]["lease"], "data_epoch": 0, "index": leased[0]["index"], "key": "k", "stats": {}}]
@@ -154,7 +164,7 @@ def test_reregistering_agent_keeps_its_in_flight_leases():
     in_flight = [[g["lease"], 0, g["index"]] for g in leased]
     w2, eff = register(core, in_flight=in_flight)
     assert w2.cancel == []
-    assert core.statistics()["leased"] == 2
+    assert core.statistics().leased == 2
     assert grants(eff) == []  # nothing reissued
 
 
@@ -163,9 +173,9 @@ def test_heartbeat_reconciles_leases_the_agent_no_longer_has():
     w, eff = register(core)
     leased = grants(eff)
     # The agent's Filtered for the first lease was lost: its heartbeat no longer lists it.
-    eff = core.on_heartbeat(b"a", p.Heartbeat(w.session, {}, [leased[1]["lease"]], max(g["lease"] for g in leased)), 0.5)
+    eff = core.handle(b"a", p.Heartbeat(w.session, {}, [leased[1]["lease"]], max(g["lease"] for g in leased)), 0.5)
     assert core.frontier.state_of(0, leased[0]["index"]) in (PENDING, LEASED)
-    assert len(core.leases) == 2  # released, then granted again (to the same agent)
+    assert len(core.admission.leases) == 2  # released, then granted again (to the same agent)
     assert [g["index"] for g in grants(eff)] == [leased[0]["index"]]
 
 
@@ -174,18 +184,18 @@ def test_retired_agent_ready_groups_are_generated_again():
     w, eff = register(core, "a")
     for g in grants(eff):
         receipt(core, w.session, g)
-    assert core.statistics()["ready"] == 2
+    assert core.statistics().ready == 2
     tick(core, 2.0)  # dead: no leases to release
     eff = tick(core, 6.0)  # retired: its payloads are gone for good
-    assert core.statistics()["ready"] == 0
-    assert core.statistics()["prompts"]["pending"] == 20
+    assert core.statistics().ready == 0
+    assert core.statistics().prompts["pending"] == 20
 
 
 def test_all_agents_retired_fails_generate_clearly():
     core = make_core(ttl=1.0, retire=2.0)
     register(core, "a")
     session = attach(core)
-    core.on_generate(b"trainer", p.Generate(session, 1, 0), 0.0)
+    core.handle(b"trainer", p.Generate(session, 1, 0), 0.0)
     tick(core, 1.5)
     eff = tick(core, 3.0)
     err = sends(eff, p.Error)[0].msg
@@ -195,13 +205,13 @@ def test_all_agents_retired_fails_generate_clearly():
 def test_trainer_fencing_and_unknown_session():
     core = make_core()
     s1 = attach(core)
-    eff = core.on_attach(b"trainer2", p.Attach(2, "t2"), 0.0)
+    eff = core.handle(b"trainer2", p.Attach(2, "t2"), 0.0)
     s2 = sends(eff, p.Ok)[0].msg.result["session"]
     assert s2 != s1
-    err = sends(core.on_generate(b"trainer", p.Generate(s1, 3, 0), 0.0), p.Error)[0].msg
+    err = sends(core.handle(b"trainer", p.Generate(s1, 3, 0), 0.0), p.Error)[0].msg
     assert err.code == "fenced"
     fresh = make_core()
-    err = sends(fresh.on_generate(b"trainer", p.Generate(s1, 3, 0), 0.0), p.Error)[0].msg
+    err = sends(fresh.handle(b"trainer", p.Generate(s1, 3, 0), 0.0), p.Error)[0].msg
     assert err.code == "unknown_session"
 
 
@@ -210,33 +220,37 @@ def test_state_dict_trims_consumed_batches_and_refuses_older_checkpoints():
     w, _ = register(core)
     session = attach(core)
     for rid in range(3):
-        g = grants(core.on_generate(b"trainer", p.Generate(session, rid, rid), 0.0))[0]
+        g = grants(core.handle(b"trainer", p.Generate(session, rid, rid), 0.0))[0]
         receipt(core, w.session, g)
-    ctl = lambda action, **args: core.on_trainer_control(b"trainer", p.TrainerControl(session, 99, action, args), 0.0)
-    assert sends(ctl("state_dict", consumed=2), p.Error)[0].msg.code == "not_drained"
-    ctl("pause", drain=True)
-    eff = ctl("state_dict", consumed=0)
+    ctl = lambda msg: core.handle(b"trainer", msg, 0.0)
+    assert sends(ctl(p.StateDict(session, 99, 2)), p.Error)[0].msg.code == "not_drained"
+    ctl(p.Pause(session, 99, drain=True))
+    eff = ctl(p.StateDict(session, 99, 0))
     first = sends(eff, p.Ok)[0].msg.result
     assert first["rollout_id"] == 0 and sends(eff, p.Trim) == []  # nothing trimmed before a second checkpoint
-    eff = ctl("state_dict", consumed=1)
+    eff = ctl(p.StateDict(session, 99, 1))
     state = sends(eff, p.Ok)[0].msg.result
     trims = sends(eff, p.Trim)
     # Only what is behind the previous checkpoint goes: a trainer that dies while
     # saving checkpoint 1 can still resume from checkpoint 0.
     assert state["rollout_id"] == 1 and len(trims[0].msg.keys) == 1
-    assert sorted(core.batches) == [1, 2]
-    assert sends(ctl("load_state_dict", state=first), p.Ok)
-    assert sends(ctl("load_state_dict", state={**state, "rollout_id": -1}), p.Error)[0].msg.code == "bad_state"
-    assert sends(ctl("load_state_dict", state={**state, "rollout_id": 7}), p.Error)[0].msg.code == "bad_state"
-    assert sends(ctl("load_state_dict", state=state), p.Ok)
-    assert sends(core.on_generate(b"trainer", p.Generate(session, 1, 0), 0.0), p.Error)[0].msg.code == "trimmed"
+    assert sorted(core.batches.recorded) == [1, 2]
+    assert sends(ctl(p.LoadStateDict(session, 99, first)), p.Ok)
+    assert sends(ctl(p.LoadStateDict(session, 99, {**state, "rollout_id": -1})), p.Error)[0].msg.code == "bad_state"
+    assert sends(ctl(p.LoadStateDict(session, 99, {**state, "rollout_id": 7})), p.Error)[0].msg.code == "bad_state"
+    assert sends(ctl(p.LoadStateDict(session, 99, state)), p.Ok)
+    assert sends(core.handle(b"trainer", p.Generate(session, 1, 0), 0.0), p.Error)[0].msg.code == "trimmed"
 
 
 def test_restore_keeps_accounted_prompts_and_delays_orphans():
-    restored = Restored(
+    restored = LedgerSnapshot(
         generation=2,
         cursors={0: 5},
-        prompts={(0, 0): {"s": "d", "a": "a", "k": "k0"}, (0, 1): {"s": "f", "a": "a", "why": "x"}, (0, 2): {"s": "r", "a": "a", "k": "k2", "seq": 1}},
+        prompts={
+            (0, 0): PromptState(DELIVERED, "a", "k0"),
+            (0, 1): PromptState(FILTERED, "a", reason="x"),
+            (0, 2): PromptState(READY, "a", "k2", seq=1),
+        },
     )
     core = make_core(prefetch=10, restored=restored, now=100.0, ttl=3.0)
     assert core.frontier.state_of(0, 0) == DELIVERED
@@ -248,12 +262,12 @@ def test_restore_keeps_accounted_prompts_and_delays_orphans():
     assert 3 not in indices and 4 not in indices, "orphans wait a TTL for their agents to come back"
     assert 5 in indices
     # After the grace period, released work is reissued with the orphans first.
-    eff = core.on_release(b"a", p.Release(w.session, [g["lease"] for g in first[:2]], "test"), 104.0)
+    eff = core.handle(b"a", p.Release(w.session, [g["lease"] for g in first[:2]], "test"), 104.0)
     assert sorted(g["index"] for g in grants(eff)) == [3, 4]
 
 
 def test_agent_reporting_an_orphan_adopts_it_after_restart():
-    restored = Restored(generation=2, cursors={0: 3})
+    restored = LedgerSnapshot(generation=2, cursors={0: 3})
     core = make_core(prefetch=0, restored=restored)
     w, _ = register(core, in_flight=[[77, 0, 1]])
     assert w.cancel == []
@@ -262,7 +276,7 @@ def test_agent_reporting_an_orphan_adopts_it_after_restart():
 
 def test_dataset_mismatch_is_refused():
     core = make_core()
-    eff = core.on_register(b"a", p.Register("a", 1, 8, "tcp://a:1", [], [], [], "other", 20), 0.0)
+    eff = core.handle(b"a", p.Register("a", 1, 8, "tcp://a:1", [], [], [], "other", 20), 0.0)
     assert sends(eff, p.Error)[0].msg.code == "dataset_mismatch"
 
 
@@ -273,7 +287,7 @@ def test_epochs_roll_over_and_every_prompt_is_accounted(size):
     session = attach(core)
     seen = []
     for rid in range(3 * size):
-        eff = core.on_generate(b"trainer", p.Generate(session, rid, rid, 0), 0.0)
+        eff = core.handle(b"trainer", p.Generate(session, rid, rid, 0), 0.0)
         g = grants(eff)[0]
         eff, _ = receipt(core, w.session, g)
         seen.append((g["data_epoch"], g["index"]))
@@ -286,65 +300,46 @@ def test_batch_on_a_retired_node_is_completed_with_replacements():
     core = make_core(batch=2, prefetch=0, ttl=1.0, retire=5.0)
     wa, _ = register(core, "a", slots=N)
     session = attach(core)
-    ga = grants(core.on_generate(b"trainer", p.Generate(session, 1, 0), 0.0))
+    ga = grants(core.handle(b"trainer", p.Generate(session, 1, 0), 0.0))
     wb, eff = register(core, "b", slots=N)
     gb = grants(eff)
     receipt(core, wa.session, ga[0])
     eff, _ = receipt(core, wb.session, gb[0], agent=b"b")
     first = sends(eff, p.BatchRefs)[0].msg
-    assert {g[1] for g in first.groups} == {"a", "b"}
-    core.on_heartbeat(b"b", p.Heartbeat(wb.session), 1.9)
+    assert {g[2] for g in first.groups} == {"a", "b"}
+    core.handle(b"b", p.Heartbeat(wb.session), 1.9)
     tick(core, 2.0)  # a is presumed dead; b is alive
-    core.on_heartbeat(b"b", p.Heartbeat(wb.session), 5.9)
+    core.handle(b"b", p.Heartbeat(wb.session), 5.9)
     tick(core, 6.0)  # a is retired with its payloads
     # Nothing changes until a trainer asks for batch 0 again (it could not fetch a's group).
     assert core.frontier.state_of(0, ga[0]["index"]) == DELIVERED
-    eff = core.on_generate(b"trainer", p.Generate(session, 2, 0), 6.0)
+    eff = core.handle(b"trainer", p.Generate(session, 2, 0), 6.0)
     assert sends(eff, p.BatchRefs) == []
     # Batch 0 was never fetched, so a's prompt was never trained: it is generated again.
     replacement = grants(eff)
-    assert core.statistics()["batches_in_repair"] == [0]
+    assert core.statistics().batches_in_repair == (0,)
     assert [g["index"] for g in replacement] == [ga[0]["index"]]
     assert all(s.to == "b" for s in sends(eff, p.Grant))
     eff, _ = receipt(core, wb.session, replacement[0], agent=b"b", now=6.1)
     repaired = sends(eff, p.BatchRefs)[0].msg
-    assert len(repaired.groups) == 2 and {g[1] for g in repaired.groups} == {"b"}
+    assert len(repaired.groups) == 2 and {g[2] for g in repaired.groups} == {"b"}
     assert repaired.metrics["rollout/replaced_groups"] == 1
 
 
 class MemLedger:
-    """The ledger's ops folded in memory, as ``Ledger.apply`` / ``open_run`` would."""
+    """The ledger's operations folded in memory, with the meaning ``Ledger.apply`` gives them."""
 
     def __init__(self):
-        self.meta: dict = {}
-        self.prompts: dict = {}
-        self.batches: dict = {}
+        self.snapshot = LedgerSnapshot()
 
     def apply(self, effects) -> None:
         for e in effects:
-            if not isinstance(e, Persist):
-                continue
-            for op in e.ops:
-                if op[0] == "prompt":
-                    if op[3] is None:
-                        self.prompts.pop((op[1], op[2]), None)
-                    else:
-                        self.prompts[(op[1], op[2])] = op[3]
-                elif op[0] == "batch":
-                    if op[2] is None:
-                        self.batches.pop(op[1], None)
-                    else:
-                        self.batches[op[1]] = op[2]
-                elif op[0] == "meta":
-                    self.meta[op[1]] = op[2]
+            if isinstance(e, Persist):
+                self.snapshot.apply(e.ops)
 
-    def restored(self, generation: int) -> Restored:
-        r = Restored(generation=generation, prompts=dict(self.prompts), batches=dict(self.batches))
-        r.cursors = {int(k): v for k, v in self.meta.get("cursors", {}).items()}
-        for name in ("trimmed_upto", "last_rollout_id", "paused"):
-            if name in self.meta:
-                setattr(r, name, self.meta[name])
-        return r
+    def restored(self, generation: int) -> LedgerSnapshot:
+        snap = self.snapshot
+        return dataclasses.replace(snap, generation=generation, prompts=dict(snap.prompts), batches=dict(snap.batches))
 
 
 def test_grants_leave_only_behind_the_cursor_that_covers_them():
@@ -354,17 +349,17 @@ def test_grants_leave_only_behind_the_cursor_that_covers_them():
     _, eff = register(core, "a")
     ledger.apply(eff)
     session = attach(core)
-    eff = core.on_generate(b"trainer", p.Generate(session, 1, 0), 0.0)
+    eff = core.handle(b"trainer", p.Generate(session, 1, 0), 0.0)
     ledger.apply(eff)
     leased = grants(eff)
     assert len(leased) == 2
     # The grants ride in a Persist's ``then``, after the cursor that covers them.
     carrier = [e for e in eff if isinstance(e, Persist) and any(isinstance(s.msg, p.Grant) for s in e.then)]
-    assert carrier and carrier[0].ops[-1] == ("meta", "cursors", {"0": 2})
+    assert carrier and carrier[0].ops[-1] == SetCursors({0: 2})
     # The coordinator dies here. After the restart, b registers first and the trainer asks again:
     core2 = make_core(batch=2, prefetch=0, ttl=3.0, restored=ledger.restored(2), now=100.0)
     session = attach(core2)
-    core2.on_generate(b"trainer", p.Generate(session, 1, 0), 100.0)
+    core2.handle(b"trainer", p.Generate(session, 1, 0), 100.0)
     _, eff = register(core2, "b", now=100.0)
     assert not {g["index"] for g in grants(eff)} & {g["index"] for g in leased}, "a's in-flight prompts were given to b"
     # a comes back within the TTL and adopts its own work.
@@ -379,19 +374,18 @@ def test_pause_survives_a_coordinator_restart():
     w, eff = register(core)
     ledger.apply(eff)
     session = attach(core)
-    ctl = lambda c, action, s=session: c.on_trainer_control(b"trainer", p.TrainerControl(s, 7, action, {"drain": False}), 0.0)
-    eff = ctl(core, "pause")
+    eff = core.handle(b"trainer", p.Pause(session, 7, drain=False), 0.0)
     ledger.apply(eff)
     persist = [e for e in eff if isinstance(e, Persist)][0]
-    assert ("meta", "paused", True) in persist.ops
+    assert SetPaused(True) in persist.ops
     assert any(isinstance(s.msg, p.Ok) for s in persist.then), "pause is acknowledged only once durable"
     core2 = make_core(prefetch=2, restored=ledger.restored(2))
     w2, eff = register(core2, in_flight=[[g["lease"], 0, g["index"]] for g in grants(eff)])
     assert w2.paused and grants(eff) == []
-    assert core2.statistics()["paused"]
+    assert core2.statistics().paused
     # Resuming is durable too.
     s2 = attach(core2)
-    eff = ctl(core2, "resume", s2)
+    eff = core2.handle(b"trainer", p.Resume(s2, 7), 0.0)
     ledger.apply(eff)
     assert ledger.restored(3).paused is False
 
@@ -400,18 +394,18 @@ def test_generate_resumes_a_rollout_its_killed_predecessor_left_paused():
     core = make_core(batch=1, prefetch=0)
     w, _ = register(core)
     s1 = attach(core)
-    waiting = core.on_trainer_control(b"trainer", p.TrainerControl(s1, 5, "pause", {"drain": True}), 0.0)
-    assert core.paused
+    waiting = core.handle(b"trainer", p.Pause(s1, 5, drain=True), 0.0)
+    assert core.trainer.paused
     # The trainer dies; its successor attaches and asks for the next batch.
-    s2 = sends(core.on_attach(b"t2", p.Attach(1, "t2"), 0.0), p.Ok)[0].msg.result["session"]
-    eff = core.on_generate(b"t2", p.Generate(s2, 2, 0), 0.0)
-    assert not core.paused
+    s2 = sends(core.handle(b"t2", p.Attach(1, "t2"), 0.0), p.Ok)[0].msg.result["session"]
+    eff = core.handle(b"t2", p.Generate(s2, 2, 0), 0.0)
+    assert not core.trainer.paused
     assert [s.to for s in sends(eff, p.Control)] == ["a"] and sends(eff, p.Control)[0].msg.action == "resume"
     assert len(grants(eff)) == 1, "admission resumed for the waiting generate"
     # Replaying a recorded batch does not resume; a pause still draining is told it was overtaken.
     del waiting
-    core.on_trainer_control(b"t2", p.TrainerControl(s2, 6, "pause", {"drain": True}), 0.0)
-    eff = core.on_trainer_control(b"t2", p.TrainerControl(s2, 7, "resume", {}), 0.0)
+    core.handle(b"t2", p.Pause(s2, 6, drain=True), 0.0)
+    eff = core.handle(b"t2", p.Resume(s2, 7), 0.0)
     errs = sends(eff, p.Error)
     assert errs and errs[0].msg.req == 6 and errs[0].msg.code == "resumed"
 
@@ -420,32 +414,32 @@ def test_a_fetched_batch_that_loses_its_node_never_regenerates_its_prompts():
     core = make_core(batch=1, prefetch=0, ttl=1.0, retire=5.0)
     wa, _ = register(core, "a", slots=N)
     session = attach(core)
-    ga = grants(core.on_generate(b"trainer", p.Generate(session, 1, 0), 0.0))
+    ga = grants(core.handle(b"trainer", p.Generate(session, 1, 0), 0.0))
     receipt(core, wa.session, ga[0])
-    ok = sends(core.on_trainer_control(b"trainer", p.TrainerControl(session, 2, "consumed", {"rollout_id": 0}), 0.0), p.Ok)
-    assert ok and core.consumed_upto == 0
+    ok = sends(core.handle(b"trainer", p.Consumed(session, 2, 0), 0.0), p.Ok)
+    assert ok and core.batches.consumed_upto == 0
     wb, _ = register(core, "b", slots=N)
-    core.on_heartbeat(b"b", p.Heartbeat(wb.session), 1.9)
+    core.handle(b"b", p.Heartbeat(wb.session), 1.9)
     tick(core, 2.0)
-    core.on_heartbeat(b"b", p.Heartbeat(wb.session), 5.9)
+    core.handle(b"b", p.Heartbeat(wb.session), 5.9)
     tick(core, 6.0)  # a retired: batch 0 was trained on, so its prompt stays delivered
     assert core.frontier.state_of(0, ga[0]["index"]) == DELIVERED
-    assert core.statistics()["batches_in_repair"] == []
+    assert core.statistics().batches_in_repair == ()
     # A resumed trainer asking for batch 0 again gets it completed with a fresh prompt.
-    eff = core.on_generate(b"trainer", p.Generate(session, 3, 0), 6.0)
+    eff = core.handle(b"trainer", p.Generate(session, 3, 0), 6.0)
     fresh = grants(eff)
     assert len(fresh) == 1 and fresh[0]["index"] != ga[0]["index"]
     eff, _ = receipt(core, wb.session, fresh[0], agent=b"b", now=6.1)
     refs = sends(eff, p.BatchRefs)[0].msg
-    assert [g[0] for g in refs.groups] == [fresh[0]["index"]] and refs.metrics["rollout/replaced_groups"] == 1
+    assert [g[1] for g in refs.groups] == [fresh[0]["index"]] and refs.metrics["rollout/replaced_groups"] == 1
 
 
 def _run_epoch(core, w, session, size, start_rid):
     """Deliver every prompt of one epoch as batches of one, and have the trainer fetch them."""
     for rid in range(start_rid, start_rid + size):
-        g = grants(core.on_generate(b"trainer", p.Generate(session, rid, rid, 0), 0.0))[0]
+        g = grants(core.handle(b"trainer", p.Generate(session, rid, rid, 0), 0.0))[0]
         receipt(core, w.session, g)
-        core.on_trainer_control(b"trainer", p.TrainerControl(session, rid, "consumed", {"rollout_id": rid}), 0.0)
+        core.handle(b"trainer", p.Consumed(session, rid, rid), 0.0)
 
 
 def test_a_closed_epoch_is_never_opened_again_by_a_late_agent():
@@ -453,14 +447,19 @@ def test_a_closed_epoch_is_never_opened_again_by_a_late_agent():
     w, _ = register(core, slots=10 * N)
     session = attach(core)
     _run_epoch(core, w, session, 3, 0)
-    g = grants(core.on_generate(b"trainer", p.Generate(session, 3, 3, 0), 0.0))[0]
+    g = grants(core.handle(b"trainer", p.Generate(session, 3, 3, 0), 0.0))[0]
     assert g["data_epoch"] == 1
     receipt(core, w.session, g)
-    core.on_trainer_control(b"trainer", p.TrainerControl(session, 9, "consumed", {"rollout_id": 3}), 0.0)
+    core.handle(b"trainer", p.Consumed(session, 9, 3), 0.0)
     _run_epoch(core, w, session, 2, 4)  # epoch 1 complete: epoch 0 closes once a newer one is open
     assert core.frontier.is_closed(0)
     # A zombie agent comes back claiming a lease of epoch 0 and a committed group for it.
-    w2, eff = register(core, "z", in_flight=[[12345, 0, 1]], unacked=[{"lease": 12345, "data_epoch": 0, "index": 1, "key": "late", "stats": {}}])
+    w2, eff = register(
+        core,
+        "z",
+        in_flight=[[12345, 0, 1]],
+        unacked=[{"lease": 12345, "data_epoch": 0, "index": 1, "key": "late", "stats": {}}],
+    )
     assert w2.cancel == [12345] and w2.acks == [["late", False]]
     assert not core.frontier.is_open(0)
     assert all(g["data_epoch"] >= 1 for g in grants(eff))
@@ -471,10 +470,10 @@ def test_epoch_stays_open_until_its_batches_are_fetched():
     w, _ = register(core, slots=10 * N)
     session = attach(core)
     for rid in range(3):
-        g = grants(core.on_generate(b"trainer", p.Generate(session, rid, rid, 0), 0.0))[0]
+        g = grants(core.handle(b"trainer", p.Generate(session, rid, rid, 0), 0.0))[0]
         receipt(core, w.session, g)
     assert core.frontier.is_open(0), "batches 0 and 1 hold epoch 0 and were not fetched yet"
-    core.on_trainer_control(b"trainer", p.TrainerControl(session, 7, "consumed", {"rollout_id": 1}), 0.0)
+    core.handle(b"trainer", p.Consumed(session, 7, 1), 0.0)
     assert core.frontier.is_closed(0)
 
 
@@ -483,29 +482,41 @@ def test_a_prompt_that_keeps_failing_is_filtered_not_retried_forever():
     w, eff = register(core)
     g = grants(eff)[0]
     for attempt in range(3):
-        eff = core.on_release(b"a", p.Release(w.session, [g["lease"]], "failed: reward raised ValueError"), 0.0)
+        eff = core.handle(b"a", p.Release(w.session, [g["lease"]], "failed: reward raised ValueError"), 0.0)
         again = [x for x in grants(eff) if x["index"] == g["index"]]
         if attempt < 2:
             assert again, "a failed prompt is retried"
             g = again[0]
     assert core.frontier.state_of(0, g["index"]) == FILTERED
     # The next batch reports it with the other filter drops.
-    assert core.drops.metrics()["rollout/dynamic_filter/drop_generation_failed"] == 1
+    assert core.batches.drops.metrics()["rollout/dynamic_filter/drop_generation_failed"] == 1
 
 
 def test_filtered_report_counts_for_the_leased_prompt_only():
     core = make_core(prefetch=1)
     w, eff = register(core)
     g = grants(eff)[0]
-    core.on_filtered(b"a", p.Filtered(w.session, g["lease"], 0, -1, "zero_std_0"), 0.0)
+    core.handle(b"a", p.Filtered(w.session, g["lease"], 0, -1, "zero_std_0"), 0.0)
     assert core.frontier.state_of(0, g["index"]) == FILTERED
 
 
 def test_malformed_register_fields_are_ignored_not_fatal():
     core = make_core(prefetch=2)
-    eff = core.on_register(b"a", p.Register("a", 1, 4 * N, "tcp://a:1", ["not a dict", {"state": "healthy"}], [{"lease": "x"}, 5], [["l", "e", 1], [1, 0, 10_000]]), 0.0)
+    eff = core.handle(
+        b"a",
+        p.Register(
+            "a",
+            1,
+            4 * N,
+            "tcp://a:1",
+            ["not a dict", {"state": "healthy"}],
+            [{"lease": "x"}, 5],
+            [["l", "e", 1], [1, 0, 10_000]],
+        ),
+        0.0,
+    )
     assert sends(eff, p.Welcome)
-    assert core.statistics()["agents"]["a"]["engines"] == [{"state": "healthy"}]
+    assert core.statistics().agents["a"].engines == ({"state": "healthy"},)
     assert len(grants(eff)) == 2
 
 
@@ -513,15 +524,15 @@ def test_coordinator_stall_does_not_retire_the_fleet():
     core = make_core(prefetch=2, ttl=1.0, retire=5.0)
     w, _ = register(core)
     core.tick(100.0)  # the coordinator itself was stopped for 100 s
-    assert core.statistics()["agents"]["a"]["status"] == "alive"
+    assert core.statistics().agents["a"].status == "alive"
 
 
 def test_agents_named_in_the_ledger_are_retired_if_they_never_come_back():
-    restored = Restored(generation=2, cursors={0: 2}, prompts={(0, 0): {"s": "r", "a": "gone", "k": "k0", "seq": 1}})
+    restored = LedgerSnapshot(generation=2, cursors={0: 2}, prompts={(0, 0): PromptState(READY, "gone", "k0", seq=1)})
     core = make_core(prefetch=0, restored=restored, ttl=1.0, retire=5.0)
-    assert core.statistics()["agents"]["gone"]["status"] == "dead"
+    assert core.statistics().agents["gone"].status == "dead"
     tick(core, 6.0)
-    assert core.statistics()["agents"]["gone"]["status"] == "retired"
+    assert core.statistics().agents["gone"].status == "retired"
     assert core.frontier.state_of(0, 0) == PENDING, "its ready group is generated again"
 
 
@@ -538,10 +549,23 @@ def test_registration_trims_stored_groups_nothing_refers_to():
     core = make_core(batch=1, prefetch=0)
     w, _ = register(core, "a")
     session = attach(core)
-    g = grants(core.on_generate(b"trainer", p.Generate(session, 1, 0), 0.0))[0]
+    g = grants(core.handle(b"trainer", p.Generate(session, 1, 0), 0.0))[0]
     receipt(core, w.session, g, key="kept")
-    g2 = grants(core.on_generate(b"trainer", p.Generate(session, 2, 1), 0.0))[0]
+    g2 = grants(core.handle(b"trainer", p.Generate(session, 2, 1), 0.0))[0]
     unacked = [{"lease": g2["lease"], "data_epoch": 0, "index": g2["index"], "key": "pending-receipt", "stats": {}}]
-    eff = core.on_register(b"a", p.Register("a", 2, 4 * N, "tcp://a:1", [], unacked, [], stored=["kept", "pending-receipt", "consumed-long-ago", "refused-dup"]), 1.0)
+    eff = core.handle(
+        b"a",
+        p.Register(
+            "a",
+            2,
+            4 * N,
+            "tcp://a:1",
+            [],
+            unacked,
+            [],
+            stored=["kept", "pending-receipt", "consumed-long-ago", "refused-dup"],
+        ),
+        1.0,
+    )
     trims = [s.msg.keys for s in sends(eff, p.Trim)]
     assert trims == [["consumed-long-ago", "refused-dup"]]

@@ -6,6 +6,9 @@ import pytest
 from common import protocol as p
 from common.errors import MessageTooLarge, ProtocolError, VersionMismatch
 from common.types import Group, Sample
+from coordinator.records import GroupRef
+
+V = p.PROTOCOL_VERSION
 
 
 def test_round_trip_every_field():
@@ -23,19 +26,64 @@ def test_defaults_may_be_omitted_on_the_wire():
     [
         (b"\xc1", ProtocolError, "not valid msgpack"),
         (msgpack.packb({"a": 1}), ProtocolError, "expected a msgpack array"),
-        (msgpack.packb([2, "heartbeat", {"session": 1}]), VersionMismatch, "protocol version 2"),
-        (msgpack.packb([1, "nope", {}]), ProtocolError, "unknown message type 'nope'"),
-        (msgpack.packb([1, "heartbeat", {}]), ProtocolError, "missing field 'session'"),
-        (msgpack.packb([1, "heartbeat", {"session": "x"}]), ProtocolError, "field 'session' has type str"),
-        (msgpack.packb([1, "heartbeat", {"session": True}]), ProtocolError, "field 'session'"),
-        (msgpack.packb([1, "heartbeat", {"session": 1, "extra": 2}]), ProtocolError, "unknown field(s) ['extra']"),
-        (msgpack.packb([1, "release", {"session": 1, "leases": [1, "a"], "reason": ""}]), ProtocolError, "field 'leases'"),
+        (msgpack.packb([99, "heartbeat", {"session": 1}]), VersionMismatch, "protocol version 99"),
+        (
+            msgpack.packb([V, "trainer_control", {"session": 1, "req": 2, "action": "pause"}]),
+            ProtocolError,
+            "unknown message type",
+        ),
+        (msgpack.packb([V, "pause", {"session": 1, "req": 2, "drain": "yes"}]), ProtocolError, "field 'drain'"),
+        (msgpack.packb([V, "consumed", {"session": 1, "req": 2}]), ProtocolError, "missing field 'rollout_id'"),
+        (
+            msgpack.packb([V, "missing", {"session": 1, "req": 2, "rollout_id": 0, "keys": [3]}]),
+            ProtocolError,
+            "field 'keys'",
+        ),
+        (
+            msgpack.packb([V, "detach", {"session": 1, "req": 2, "force": True}]),
+            ProtocolError,
+            "unknown field(s) ['force']",
+        ),
+        (msgpack.packb([V, "nope", {}]), ProtocolError, "unknown message type 'nope'"),
+        (msgpack.packb([V, "heartbeat", {}]), ProtocolError, "missing field 'session'"),
+        (msgpack.packb([V, "heartbeat", {"session": "x"}]), ProtocolError, "field 'session' has type str"),
+        (msgpack.packb([V, "heartbeat", {"session": True}]), ProtocolError, "field 'session'"),
+        (msgpack.packb([V, "heartbeat", {"session": 1, "extra": 2}]), ProtocolError, "unknown field(s) ['extra']"),
+        (
+            msgpack.packb([V, "release", {"session": 1, "leases": [1, "a"], "reason": ""}]),
+            ProtocolError,
+            "field 'leases'",
+        ),
     ],
 )
 def test_bad_frames_raise_clear_errors(frame, error, text):
     with pytest.raises(error) as info:
         p.decode(frame)
     assert text in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        p.Pause(1, 2, drain=False, abort=True),
+        p.Resume(1, 2),
+        p.StateDict(1, 2, consumed=5),
+        p.LoadStateDict(1, 2, {"format": 1, "rollout_id": 3}),
+        p.Consumed(1, 2, rollout_id=4),
+        p.Missing(1, 2, rollout_id=4, keys=["0:1:a"]),
+        p.Detach(1, 2),
+        p.Stats(2),
+    ],
+)
+def test_each_trainer_request_is_its_own_typed_message(msg):
+    assert p.decode(p.encode(msg)) == msg
+    assert type(msg) in p.TRAINER_REQUESTS or isinstance(msg, p.Stats)
+
+
+def test_batch_refs_carry_group_refs_in_their_one_field_order():
+    ref = GroupRef(data_epoch=1, index=42, agent_id="n1", key="1:42:7", payload_address="tcp://n1:7000")
+    back = p.decode(p.encode(p.BatchRefs(3, 0, [ref.to_wire()], {})))
+    assert [GroupRef.from_wire(g) for g in back.groups] == [ref]
 
 
 def test_oversized_frame_is_refused_before_decoding():
@@ -51,8 +99,19 @@ def test_every_message_type_is_declared_once_with_its_direction():
 
 
 def test_group_payload_round_trip_keeps_exact_logprobs():
-    s = Sample([1, 2], [3, 4, 5], [-0.1, -1e-9, -12.123456789], [1, 1, 0], 1.0, "truncated", "v3",
-               label=7, metadata={"k": "v"}, response_text="abc", weight_versions=[["v2", 0, 1], ["v3", 1, 3]])
+    s = Sample(
+        [1, 2],
+        [3, 4, 5],
+        [-0.1, -1e-9, -12.123456789],
+        [1, 1, 0],
+        1.0,
+        "truncated",
+        "v3",
+        label=7,
+        metadata={"k": "v"},
+        response_text="abc",
+        weight_versions=[["v2", 0, 1], ["v3", 1, 3]],
+    )
     g = Group(index=9, samples=[s, s], data_epoch=2, rollout_id=4, label=7, agent_id="n1", gen_seconds=0.5)
     back = Group.from_wire(g.to_wire())
     assert back == g

@@ -1,0 +1,329 @@
+"""Admission: the agents' side of the core — registration, leases, receipts and liveness.
+
+Handlers for every agent message (``Register``, ``Heartbeat``, ``Receipt``,
+``Filtered``, ``Release``, ``Capacity``), the clock (``tick``: TTL and
+retirement) and lease issuing (``grant``), all pure: events in, effects out.
+
+Invariants kept here:
+- Exactly once: a prompt ``(data_epoch, index)`` is accepted at most once.
+  A receipt for a prompt already READY/DELIVERED under another group key is
+  refused and the agent deletes that group; a retransmitted receipt (same
+  key) is acknowledged again.
+- Commit before acknowledgement: ``ReceiptAck`` and ``Welcome`` (with its
+  acks) travel in ``Persist.then``, after the ledger commit.
+- Fencing: every agent message carries its session; a superseded or unknown
+  session gets ``Fence`` and changes nothing. A lease is ended only by the
+  agent that holds it.
+- A lease lost in transit (a dropped Grant, Filtered or Release) is released
+  by heartbeat reconciliation, never leaked.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from common import protocol as p
+from coordinator.effects import Send
+from coordinator.frontier import DELIVERED, FILTERED, LEASED, PENDING, READY
+from coordinator.membership import AgentRecord
+from coordinator.records import Lease, Prompt, PromptState, PutPrompt
+
+if TYPE_CHECKING:
+    from coordinator.core import CoordinatorCore
+
+MAX_FAILURES = 3
+"""Failed attempts after which a prompt is filtered with reason ``generation_failed``."""
+
+
+class Admission:
+    """Leases in flight and the agents' messages that start and end them."""
+
+    def __init__(self, core: CoordinatorCore, now: float):
+        self.core = core
+        self.leases: dict[int, Lease] = {}
+        self.leased_by: dict[Prompt, int] = {}
+        self._lease_counter = 0
+        self.failures: dict[Prompt, int] = {}  # prompts whose generation failed, by count
+        self.filtered_total = 0
+        self._last_tick = now
+
+    # ------------------------------------------------------------------ leases
+
+    def _hold(self, lease: Lease, rec: AgentRecord) -> None:
+        self.leases[lease.lease_id] = lease
+        self.leased_by[lease.prompt] = lease.lease_id
+        rec.leases.add(lease.lease_id)
+
+    def end_lease(self, lease_id: int) -> Lease | None:
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return None
+        if self.leased_by.get(lease.prompt) == lease_id:
+            del self.leased_by[lease.prompt]
+        rec = self.core.membership.agents.get(lease.agent_id)
+        if rec is not None:
+            rec.leases.discard(lease_id)
+        return lease
+
+    def release_agent_leases(self, rec: AgentRecord, keep: set[int] = frozenset()) -> None:
+        for lease_id in list(rec.leases):
+            if lease_id in keep:
+                continue
+            lease = self.end_lease(lease_id)
+            if lease is not None:
+                self.core.frontier.release(lease.data_epoch, lease.index)
+
+    def grant(self, budget: int, rollout_id: int, now: float) -> list[Send]:
+        """Lease up to ``budget`` pending prompts to agents with free capacity: one Grant per agent."""
+        membership, frontier = self.core.membership, self.core.frontier
+        granted: list[Send] = []
+        for agent_id, n in membership.distribute(budget).items():
+            rec = membership.agents[agent_id]
+            leases = []
+            for _ in range(n):
+                taken = frontier.take(now)
+                if taken is None:
+                    break
+                self._lease_counter += 1
+                lease = Lease((membership.generation << 32) | self._lease_counter, agent_id, *taken, rollout_id)
+                self._hold(lease, rec)
+                rec.max_granted = lease.lease_id
+                leases.append(
+                    {
+                        "lease": lease.lease_id,
+                        "data_epoch": lease.data_epoch,
+                        "index": lease.index,
+                        "rollout_id": rollout_id,
+                    }
+                )
+            if leases:
+                granted.append(Send(agent_id, p.Grant(rec.session, leases), with_rows=not rec.local_dataset))
+        return granted
+
+    # ------------------------------------------------------------------ agent messages
+
+    def on_register(self, peer: bytes, msg: p.Register, now: float) -> list:
+        core = self.core
+        if msg.dataset_fingerprint and (
+            msg.dataset_fingerprint != core.dataset_fingerprint or msg.dataset_size != core.dataset_size
+        ):
+            why = (
+                f"agent {msg.agent_id}'s dataset ({msg.dataset_size} rows, fingerprint {msg.dataset_fingerprint[:12]}) "
+                f"does not match the coordinator's ({core.dataset_size} rows, "
+                f"fingerprint {core.dataset_fingerprint[:12]})"
+            )
+            return [Send(peer, p.Error("dataset_mismatch", why))]
+        if msg.capacity < 0:
+            return [Send(peer, p.Error("bad_register", f"capacity must be >= 0, got {msg.capacity}"))]
+        n = core.config.n_samples_per_prompt
+        if 0 < msg.capacity < n:
+            why = (
+                f"agent {msg.agent_id}'s total engine concurrency ({msg.capacity}) is smaller than one group "
+                f"({n} samples per prompt); raise --concurrency or add engines"
+            )
+            return [Send(peer, p.Error("too_small", why))]
+        old = core.membership.agents.get(msg.agent_id)
+        reported: dict[int, Prompt] = {}
+        stale = []  # leases for prompts of closed (or never opened) epochs: drop them
+        for item in msg.in_flight:
+            if isinstance(item, list) and len(item) == 3 and isinstance(item[0], int):
+                if core.frontier.valid(item[1], item[2]):
+                    reported[item[0]] = (item[1], item[2])
+                else:
+                    stale.append(item[0])
+        if old is not None:
+            self.release_agent_leases(old, keep=set(reported))
+        engines = [e for e in msg.engines if isinstance(e, dict)]
+        rec = core.membership.register(
+            msg.agent_id, msg.incarnation, peer, msg.capacity // n, msg.payload_address, engines, now
+        )
+        rec.local_dataset = bool(msg.dataset_fingerprint)
+        cancel = stale
+        for lease_id, (epoch, index) in reported.items():
+            owner = self.leases.get(lease_id)
+            if owner is not None and owner.agent_id == msg.agent_id:
+                rec.leases.add(lease_id)
+            elif owner is None and core.frontier.adopt(epoch, index):
+                self._hold(Lease(lease_id, msg.agent_id, epoch, index, core.batches.current_rollout_id), rec)
+            else:
+                cancel.append(lease_id)
+        ops: list = []
+        acks = []
+        for receipt in msg.unacked:
+            try:
+                lease_id, epoch, index, key = receipt["lease"], receipt["data_epoch"], receipt["index"], receipt["key"]
+                stats = receipt.get("stats", {})
+            except (TypeError, KeyError):
+                continue
+            if not (isinstance(lease_id, int) and isinstance(key, str) and isinstance(stats, dict)):
+                continue
+            accepted, _ = self._accept(rec, lease_id, epoch, index, key, stats, ops)
+            acks.append([key, accepted])
+        welcome = p.Welcome(
+            session=rec.session,
+            config=core.config.to_dict(),
+            heartbeat_interval=core.liveness.heartbeat_interval,
+            ttl=core.liveness.ttl,
+            acks=acks,
+            cancel=cancel,
+            paused=core.trainer.paused,
+        )
+        then: list = [Send(msg.agent_id, welcome)]
+        # Storage reconciliation: whatever the agent stores that no batch, ready group
+        # or pending receipt refers to was consumed behind a checkpoint, refused, or
+        # belongs to a closed epoch, and a Trim for it was lost (agent down, restart).
+        live = core.batches.keys_on(msg.agent_id)
+        live |= {r["key"] for r in msg.unacked if isinstance(r, dict) and isinstance(r.get("key"), str)}
+        garbage = [k for k in msg.stored if isinstance(k, str) and k not in live]
+        if garbage:
+            then.append(Send(msg.agent_id, p.Trim(garbage)))
+        # Nothing may reach the agent before its Welcome: grants ride behind it.
+        pumped = core.pump(now)
+        then += [e for e in pumped if isinstance(e, Send)]
+        return [core.persist(ops, then)] + [e for e in pumped if not isinstance(e, Send)]
+
+    def _agent(self, peer: bytes, session: int, now: float) -> AgentRecord | None:
+        rec = self.core.membership.by_session(session)
+        if rec is not None:
+            rec.last_seen = now
+            rec.peer = peer
+        return rec
+
+    @staticmethod
+    def _fence(peer: bytes, session: int) -> list:
+        return [Send(peer, p.Fence(f"session {session} is not current; register again"))]
+
+    def on_heartbeat(self, peer: bytes, msg: p.Heartbeat, now: float) -> list:
+        rec = self._agent(peer, msg.session, now)
+        if rec is None:
+            return self._fence(peer, msg.session)
+        held = set(msg.leases)
+        lost = [lease_id for lease_id in rec.leases if lease_id <= msg.max_lease and lease_id not in held]
+        for lease_id in lost:
+            lease = self.end_lease(lease_id)
+            if lease is not None:
+                self.core.frontier.release(lease.data_epoch, lease.index)
+        return self.core.pump(now) if lost else []
+
+    def _accept(
+        self, rec: AgentRecord, lease_id: int, epoch, index, key: str, stats: dict, ops: list
+    ) -> tuple[bool, str]:
+        """Record an agent's committed group unless the prompt is already accounted for."""
+        frontier, batches = self.core.frontier, self.core.batches
+        lease = self.leases.get(lease_id)
+        if lease is not None and lease.agent_id == rec.agent_id:
+            self.end_lease(lease_id)
+        if isinstance(epoch, int) and frontier.is_closed(epoch):
+            return False, "duplicate: its data epoch is complete"
+        if not frontier.valid(epoch, index):
+            return False, f"index {index!r} / data epoch {epoch!r} is not a prompt of an open epoch"
+        state = frontier.state_of(epoch, index)
+        if state in (READY, DELIVERED):
+            existing = batches.ready_info.get((epoch, index))
+            if existing is not None and existing.key == key:
+                return True, ""
+            if state == DELIVERED and batches.delivered_key(epoch, index) == key:
+                return True, ""
+            return False, "duplicate: prompt already accepted from another group"
+        if state == FILTERED:
+            return False, "duplicate: prompt already filtered"
+        other = self.leased_by.get((epoch, index))
+        if other is not None:
+            self.end_lease(other)
+        frontier.set(epoch, index, READY)
+        batches.add_ready(epoch, index, rec.agent_id, key, stats, ops)
+        return True, ""
+
+    def on_receipt(self, peer: bytes, msg: p.Receipt, now: float) -> list:
+        rec = self._agent(peer, msg.session, now)
+        if rec is None:
+            return self._fence(peer, msg.session)
+        ops: list = []
+        accepted, reason = self._accept(rec, msg.lease, msg.data_epoch, msg.index, msg.key, msg.stats, ops)
+        ack = Send(rec.agent_id, p.ReceiptAck(msg.lease, msg.key, accepted, reason))
+        return [self.core.persist(ops, [ack])] + self.core.pump(now)
+
+    def on_filtered(self, peer: bytes, msg: p.Filtered, now: float) -> list:
+        rec = self._agent(peer, msg.session, now)
+        if rec is None:
+            return self._fence(peer, msg.session)
+        lease = self.leases.get(msg.lease)
+        if lease is None or lease.agent_id != rec.agent_id:
+            return self.core.pump(now)  # lease was reissued; the successor accounts for the prompt
+        self.end_lease(msg.lease)
+        # The lease's prompt, whatever the message claims.
+        return self._filter(lease.prompt, rec.agent_id, msg.reason, now)
+
+    def _filter(self, prompt: Prompt, agent_id: str, reason: str, now: float) -> list:
+        core = self.core
+        if core.frontier.state_of(*prompt) not in (PENDING, LEASED):
+            return core.pump(now)
+        core.frontier.set(*prompt, FILTERED)
+        core.batches.drops.record_dropped(reason)
+        self.filtered_total += 1
+        self.failures.pop(prompt, None)
+        ops = [PutPrompt(*prompt, PromptState(FILTERED, agent_id, reason=reason))]
+        return [core.persist(ops, [])] + core.pump(now)
+
+    def on_release(self, peer: bytes, msg: p.Release, now: float) -> list:
+        rec = self._agent(peer, msg.session, now)
+        if rec is None:
+            return self._fence(peer, msg.session)
+        out: list = []
+        for lease_id in msg.leases:
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease.agent_id == rec.agent_id:
+                self.end_lease(lease_id)
+                prompt = lease.prompt
+                if msg.reason.startswith("failed"):
+                    # A prompt that keeps failing (a reward that raises on its label, a
+                    # prompt too long for the engine) is filtered, not retried forever.
+                    self.failures[prompt] = self.failures.get(prompt, 0) + 1
+                    if self.failures[prompt] >= MAX_FAILURES:
+                        out += self._filter(prompt, rec.agent_id, "generation_failed", now)
+                        continue
+                self.core.frontier.release(*prompt)
+        return out + self.core.pump(now)
+
+    def on_capacity(self, peer: bytes, msg: p.Capacity, now: float) -> list:
+        rec = self._agent(peer, msg.session, now)
+        if rec is None:
+            return self._fence(peer, msg.session)
+        rec.capacity = max(0, msg.capacity) // self.core.config.n_samples_per_prompt
+        rec.engines = [e for e in msg.engines if isinstance(e, dict)]
+        return self.core.pump(now)
+
+    # ------------------------------------------------------------------ time
+
+    def tick(self, now: float) -> list:
+        core = self.core
+        stalled = now - self._last_tick
+        if stalled > core.liveness.ttl:
+            # We, not the agents, were silent (stopped process, overloaded host):
+            # nobody's silence counts for that long.
+            for rec in core.membership.agents.values():
+                rec.last_seen += stalled
+        self._last_tick = now
+        dead, retired = core.membership.expire(now, core.liveness.ttl, core.liveness.retire_after)
+        out: list = []
+        for rec in dead:
+            self.release_agent_leases(rec)
+        ops: list = []
+        for rec in retired:
+            core.batches.retire_agent(rec.agent_id, ops)
+        if ops:
+            out.append(core.persist(ops, []))
+        return out + core.pump(now)
+
+    def heartbeats(self) -> list[Send]:
+        """One heartbeat per live agent, carrying what repairs a lost Grant or Control.
+
+        ``paused`` lets an agent that missed a pause/resume catch up;
+        ``max_lease`` (the highest lease granted to it) lets it list, in its
+        next heartbeat, the grants it never received, which are then released.
+        """
+        paused = self.core.trainer.paused
+        return [
+            Send(r.agent_id, p.Heartbeat(r.session, {"paused": paused, "max_lease": r.max_granted}))
+            for r in self.core.membership.alive()
+        ]

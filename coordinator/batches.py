@@ -1,0 +1,313 @@
+"""Batches: ready groups, trainer batches, their repair and their trimming.
+
+Ready groups (committed on an agent, recorded READY in the ledger) wait in
+acceptance order; a waiting ``generate`` takes exactly
+``rollout_batch_size`` of them into a ``RecordedBatch`` with its metrics
+(``common.metrics.batch_metrics``). Pure: events in, effects out.
+
+Invariants kept here:
+- Idempotent: a recorded batch is replayed verbatim for the same rollout id.
+- Batch replies travel in ``Persist.then``, after the batch is durable.
+- A retired node's groups leave the batches that hold them (``lost``); when
+  a trainer asks for such a batch again it is completed with replacements:
+  its lost prompts are generated again if no trainer fetched the batch
+  (``consumed_upto``), else they stay delivered and fresh prompts fill it.
+- An epoch closes only once every batch holding its prompts was fetched, so
+  a lost node can still send its prompts back to pending until then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from common import protocol as p
+from common.metrics import DropStats, batch_metrics
+from coordinator.effects import Persist, Send
+from coordinator.frontier import DELIVERED, READY
+from coordinator.records import (
+    CloseEpoch,
+    DropBatch,
+    DropPrompt,
+    GroupRef,
+    LedgerSnapshot,
+    Prompt,
+    PromptState,
+    PutBatch,
+    PutPrompt,
+    RecordedBatch,
+    SetMark,
+)
+
+if TYPE_CHECKING:
+    from coordinator.core import CoordinatorCore
+
+
+@dataclass(slots=True)
+class PendingGenerate:
+    """A trainer's ``generate`` waiting for enough ready groups."""
+
+    peer: bytes
+    req: int
+    rollout_id: int
+
+
+class Batches:
+    def __init__(self, core: CoordinatorCore, restored: LedgerSnapshot):
+        self.core = core
+        self.ready: deque[Prompt] = deque()  # acceptance order; may hold prompts no longer ready
+        self.ready_info: dict[Prompt, PromptState] = {}
+        self._seq = 0
+        self.recorded: dict[int, RecordedBatch] = dict(restored.batches)
+        self.trimmed_upto = restored.trimmed_upto
+        # Highest rollout id a trainer has fetched completely (ever): its prompts were trained on.
+        self.consumed_upto = max(restored.consumed_upto, restored.trimmed_upto)
+        self.last_rollout_id = (
+            max(restored.last_rollout_id, *self.recorded) if self.recorded else restored.last_rollout_id
+        )
+        self.last_checkpoint = restored.last_checkpoint
+        self.pending: list[PendingGenerate] = []
+        self.repairs: dict[int, list[tuple[bytes, int]]] = {}  # batch -> trainers waiting for it
+        self.drops = DropStats()  # filter verdicts since the last batch was assembled
+        self.epoch_last_rollout: dict[int, int] = {}  # epoch -> last batch holding its prompts
+        for rollout_id, batch in self.recorded.items():
+            for g in batch.groups:
+                self._note_epoch(g.data_epoch, rollout_id)
+
+    # ------------------------------------------------------------------ ready groups
+
+    def restore_ready(self, prompts: dict[Prompt, PromptState]) -> None:
+        for prompt, st in sorted((kv for kv in prompts.items() if kv[1].ready), key=lambda kv: (kv[1].seq, kv[0])):
+            self.ready.append(prompt)
+            self.ready_info[prompt] = st
+            self._seq = max(self._seq, st.seq)
+
+    def add_ready(self, epoch: int, index: int, agent_id: str, key: str, stats: dict, ops: list) -> None:
+        self._seq += 1
+        st = PromptState(READY, agent_id, key, stats, self._seq)
+        self.ready.append((epoch, index))
+        self.ready_info[(epoch, index)] = st
+        self.drops.record_kept()
+        ops.append(PutPrompt(epoch, index, st))
+
+    def retire_agent(self, agent_id: str, ops: list) -> None:
+        """A retired node's payloads are gone: its ready groups are generated again, its batches lose them."""
+        for prompt, st in list(self.ready_info.items()):
+            if st.agent_id == agent_id:
+                del self.ready_info[prompt]
+                self.core.frontier.reopen(*prompt)
+                ops.append(DropPrompt(*prompt))
+        # What happens to a batch's lost prompts is decided when a trainer asks for
+        # it again (``start_repair``): only then is it known whether it was fetched.
+        for rollout_id, batch in list(self.recorded.items()):
+            lost = [g for g in batch.groups if g.agent_id == agent_id]
+            if lost:
+                self.lose_groups(rollout_id, lost, ops)
+
+    def delivered_key(self, epoch: int, index: int) -> str | None:
+        for batch in self.recorded.values():
+            for g in batch.groups:
+                if g.index == index and g.data_epoch == epoch:
+                    return g.key
+        return None
+
+    def keys_on(self, agent_id: str) -> set[str]:
+        """Keys of the groups on ``agent_id`` that a ready group or recorded batch refers to."""
+        live = {st.key for st in self.ready_info.values() if st.agent_id == agent_id}
+        live |= {g.key for batch in self.recorded.values() for g in batch.groups if g.agent_id == agent_id}
+        return live
+
+    def referenced_agents(self) -> set[str]:
+        agents = {st.agent_id for st in self.ready_info.values()}
+        agents |= {g.agent_id for batch in self.recorded.values() for g in batch.groups}
+        return agents
+
+    # ------------------------------------------------------------------ recorded batches
+
+    def reply(self, req: int, rollout_id: int) -> p.BatchRefs:
+        batch = self.recorded[rollout_id]
+        address = self.core.payload_address
+        groups = [dataclasses.replace(g, payload_address=address(g.agent_id)).to_wire() for g in batch.groups]
+        return p.BatchRefs(req, rollout_id, groups, dict(batch.metrics))
+
+    def _deliver(self, prompt: Prompt, st: PromptState, rollout_id: int, ops: list) -> GroupRef:
+        epoch, index = prompt
+        self.core.frontier.set(epoch, index, DELIVERED)
+        self._note_epoch(epoch, rollout_id)
+        ops.append(PutPrompt(epoch, index, PromptState(DELIVERED, st.agent_id, st.key, rollout_id=rollout_id)))
+        return GroupRef(epoch, index, st.agent_id, st.key)
+
+    def _pop_ready(self) -> tuple[Prompt, PromptState | None]:
+        prompt = self.ready.popleft()
+        return prompt, self.ready_info.pop(prompt, None)  # None: reopened after its node was retired
+
+    def assemble(self, g: PendingGenerate) -> Persist:
+        size = self.core.config.rollout_batch_size
+        chosen = []
+        while len(chosen) < size:
+            prompt, st = self._pop_ready()
+            if st is not None:
+                chosen.append((prompt, st))
+        ops: list = []
+        groups = tuple(self._deliver(prompt, st, g.rollout_id, ops) for prompt, st in chosen)
+        metrics = batch_metrics([st.stats for _, st in chosen], [prompt[0] for prompt, _ in chosen], self.drops)
+        batch = RecordedBatch(groups, metrics)
+        self.recorded[g.rollout_id] = batch
+        self.last_rollout_id = max(self.last_rollout_id, g.rollout_id)
+        ops.append(PutBatch(g.rollout_id, batch))
+        ops.append(SetMark("last_rollout_id", self.last_rollout_id))
+        self.drops = DropStats()
+        self.close_epochs(ops)
+        return self.core.persist(ops, [Send(g.peer, self.reply(g.req, g.rollout_id))])
+
+    def _note_epoch(self, epoch: int, rollout_id: int) -> None:
+        self.epoch_last_rollout[epoch] = max(self.epoch_last_rollout.get(epoch, -1), rollout_id)
+
+    def close_epochs(self, ops: list) -> None:
+        """Close complete epochs once every batch holding their prompts was fetched."""
+        fetched = lambda e: self.epoch_last_rollout.get(e, -1) <= self.consumed_upto  # noqa: E731
+        for closed in self.core.frontier.close_finished(fetched):
+            self.epoch_last_rollout.pop(closed, None)
+            ops.append(CloseEpoch(closed))
+
+    def consume(self, rollout_id: int, ops: list) -> None:
+        """A trainer fetched batch ``rollout_id`` completely; its prompts count as trained from now on."""
+        self.consumed_upto = rollout_id
+        ops.append(SetMark("consumed_upto", rollout_id))
+        self.close_epochs(ops)
+
+    def checkpoint(self, consumed: int, ops: list) -> dict[str, list[str]]:
+        """Record a trainer checkpoint at ``consumed``; returns the group keys now trimmable, by agent.
+
+        Trims only behind the *previous* checkpoint: the trainer may die before
+        it has saved this one, and must then be able to resume from the last.
+        """
+        by_agent: dict[str, list[str]] = {}
+        previous = self.last_checkpoint
+        for rollout_id in sorted(r for r in self.recorded if r <= previous):
+            for g in self.recorded.pop(rollout_id).groups:
+                by_agent.setdefault(g.agent_id, []).append(g.key)
+            ops.append(DropBatch(rollout_id))
+        if previous > self.trimmed_upto:
+            self.trimmed_upto = previous
+            ops.append(SetMark("trimmed_upto", previous))
+        if consumed > self.last_checkpoint:
+            self.last_checkpoint = consumed
+            ops.append(SetMark("last_checkpoint", consumed))
+        return by_agent
+
+    # ------------------------------------------------------------------ repair
+
+    def lose_groups(self, rollout_id: int, lost: list[GroupRef], ops: list) -> None:
+        """Groups of a recorded batch whose payloads are gone for good (node retired, disk wiped)."""
+        batch = self.recorded[rollout_id]
+        metrics = dict(batch.metrics)
+        metrics["rollout/replaced_groups"] = metrics.get("rollout/replaced_groups", 0.0) + len(lost)
+        kept = tuple(g for g in batch.groups if g not in lost)
+        batch = RecordedBatch(kept, metrics, batch.lost + tuple(g.prompt for g in lost))
+        self.recorded[rollout_id] = batch
+        ops.append(PutBatch(rollout_id, batch))
+
+    def start_repair(self, rollout_id: int, ops: list) -> None:
+        """A trainer asks for a batch that lost groups: refill it.
+
+        If no trainer ever fetched it, its lost prompts were never trained:
+        they are generated again. If one did (``consumed_upto``), they stay
+        delivered — never trained twice — and fresh prompts fill the batch.
+        """
+        frontier = self.core.frontier
+        batch = self.recorded[rollout_id]
+        if rollout_id > self.consumed_upto:
+            for epoch, index in batch.lost:
+                if frontier.is_open(epoch):
+                    frontier.reopen(epoch, index)
+                    ops.append(DropPrompt(epoch, index))
+        batch = dataclasses.replace(batch, lost=())
+        self.recorded[rollout_id] = batch
+        ops.append(PutBatch(rollout_id, batch))
+        self.repairs[rollout_id] = []
+
+    def _fill_repairs(self) -> list:
+        out = []
+        size = self.core.config.rollout_batch_size
+        for rollout_id in sorted(self.repairs):
+            batch = self.recorded.get(rollout_id)
+            if batch is None:  # trimmed meanwhile
+                self.repairs.pop(rollout_id)
+                continue
+            ops: list = []
+            added: list[GroupRef] = []
+            while len(batch.groups) + len(added) < size and self.ready:
+                prompt, st = self._pop_ready()
+                if st is not None:
+                    added.append(self._deliver(prompt, st, rollout_id, ops))
+            if added:
+                batch = dataclasses.replace(batch, groups=batch.groups + tuple(added))
+                self.recorded[rollout_id] = batch
+            if len(batch.groups) < size:
+                if ops:
+                    out.append(self.core.persist(ops + [PutBatch(rollout_id, batch)], []))
+                break
+            waiters = self.repairs.pop(rollout_id)
+            ops.append(PutBatch(rollout_id, batch))
+            out.append(self.core.persist(ops, [Send(peer, self.reply(req, rollout_id)) for peer, req in waiters]))
+        return out
+
+    # ------------------------------------------------------------------ demand
+
+    def enqueue(self, peer: bytes, req: int, rollout_id: int) -> p.Error | None:
+        """Wait for batch ``rollout_id`` (or its repair); the error if it can never come."""
+        if rollout_id in self.repairs:
+            self.repairs[rollout_id].append((peer, req))
+            return None
+        if rollout_id <= self.trimmed_upto:
+            why = (
+                f"rollout {rollout_id} is behind the checkpointed frontier ({self.trimmed_upto}); "
+                "its groups were consumed"
+            )
+            return p.Error("trimmed", why, req)
+        if rollout_id <= self.last_rollout_id:
+            why = (
+                f"rollout id {rollout_id} was never generated and is older than the last batch ({self.last_rollout_id})"
+            )
+            return p.Error("bad_rollout_id", why, req)
+        for g in self.pending:
+            if g.rollout_id == rollout_id:
+                g.peer, g.req = peer, req
+                return None
+        self.pending.append(PendingGenerate(peer, req, rollout_id))
+        self.pending.sort(key=lambda g: g.rollout_id)
+        return None
+
+    @property
+    def current_rollout_id(self) -> int:
+        if self.pending:
+            return self.pending[0].rollout_id
+        return self.last_rollout_id + 1
+
+    def demand(self, prefetch: int) -> int:
+        """Groups wanted in flight or ready: waiting batches, repairs and the prefetch."""
+        size = self.core.config.rollout_batch_size
+        missing = sum(size - len(self.recorded[r].groups) for r in self.repairs if r in self.recorded)
+        return size * len(self.pending) + missing + prefetch
+
+    def pump(self) -> list:
+        """Complete repairs, then assemble waiting batches; fail them if no agent can ever help."""
+        out: list = self._fill_repairs() if self.repairs else []
+        size = self.core.config.rollout_batch_size
+        while self.pending and not self.repairs and len(self.ready_info) >= size:
+            out.append(self.assemble(self.pending.pop(0)))
+        if (self.pending or self.repairs) and self.core.membership.all_gone() and len(self.ready_info) < size:
+            why = "no agent with a live engine is left to generate on (all retired)"
+            out += [Send(g.peer, p.Error("no_capacity", why, g.req)) for g in self.pending]
+            out += [
+                Send(peer, p.Error("no_capacity", why, req))
+                for waiters in self.repairs.values()
+                for peer, req in waiters
+            ]
+            self.pending.clear()
+            for waiters in self.repairs.values():
+                waiters.clear()
+        return out

@@ -1,0 +1,274 @@
+"""The coordinator's typed records and ledger operations (pure: no I/O).
+
+Records:
+    GroupRef        one committed group: ``(data_epoch, index, agent_id, key)``,
+                    plus the payload address a trainer fetches it from. This
+                    is the one field order used in memory, in the ledger and
+                    on the wire (``BatchRefs``).
+    Lease           one prompt leased to one agent while it generates it.
+    PromptState     the ledger's record of a prompt that is READY, DELIVERED
+                    or FILTERED (the frontier's durable states).
+    RecordedBatch   a trainer batch as recorded: group refs, metrics, and the
+                    prompts of groups lost with a retired node.
+
+Ledger operations (``PutPrompt``, ``DropPrompt``, ``PutBatch``, ``DropBatch``,
+``SetCursors``, ``SetPaused``, ``SetMark``, ``CloseEpoch``) are what a
+``Persist`` effect carries. ``coordinator/ledger.py`` alone encodes them for
+LMDB; ``LedgerSnapshot.apply`` folds them in memory with the same meaning, so
+the ledger's reader, the core's restore and the tests share one definition.
+
+Records are frozen: a recorded batch changes by replacement, so a batch
+handed to a ``Persist`` can never change before the ledger writes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from coordinator.frontier import DELIVERED, FILTERED, READY, STATE_NAMES
+
+Prompt = tuple[int, int]
+"""A prompt: ``(data_epoch, index)``."""
+
+MARKS = ("trimmed_upto", "last_rollout_id", "consumed_upto", "last_checkpoint")
+"""Rollout-id marks the ledger keeps (see ``LedgerSnapshot``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRef:
+    data_epoch: int
+    index: int
+    agent_id: str
+    key: str
+    payload_address: str = ""
+    """Where a trainer fetches the payload; filled in when a batch is sent, never recorded."""
+
+    @property
+    def prompt(self) -> Prompt:
+        return (self.data_epoch, self.index)
+
+    def to_wire(self) -> list:
+        return [self.data_epoch, self.index, self.agent_id, self.key, self.payload_address]
+
+    @classmethod
+    def from_wire(cls, item: list) -> GroupRef:
+        data_epoch, index, agent_id, key, address = item
+        return cls(data_epoch, index, agent_id, key, address)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    lease_id: int
+    agent_id: str
+    data_epoch: int
+    index: int
+    rollout_id: int
+    """The rollout being collected when the prompt was leased."""
+
+    @property
+    def prompt(self) -> Prompt:
+        return (self.data_epoch, self.index)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptState:
+    """A prompt the ledger accounts for. ``status`` is READY, DELIVERED or FILTERED (frontier states)."""
+
+    status: int
+    agent_id: str
+    key: str = ""
+    """The accepted group (READY, DELIVERED)."""
+    stats: dict = field(default_factory=dict)
+    """The group's statistics, for the metrics of the batch it joins (READY)."""
+    seq: int = 0
+    """Acceptance order, so ready groups are batched first come first served after a restart (READY)."""
+    rollout_id: int = -1
+    """The batch it was delivered in (DELIVERED)."""
+    reason: str = ""
+    """Why the filter rejected it (FILTERED)."""
+
+    def __post_init__(self):
+        if self.status not in (READY, DELIVERED, FILTERED):
+            raise ValueError(f"a ledger prompt is ready, delivered or filtered, not {self.status!r}")
+
+    @property
+    def ready(self) -> bool:
+        return self.status == READY
+
+    @property
+    def delivered(self) -> bool:
+        return self.status == DELIVERED
+
+    @property
+    def filtered(self) -> bool:
+        return self.status == FILTERED
+
+    @property
+    def status_name(self) -> str:
+        return STATE_NAMES[self.status]
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedBatch:
+    groups: tuple[GroupRef, ...]
+    metrics: MappingProxyType
+    lost: tuple[Prompt, ...] = ()
+    """Prompts of groups lost with a retired node, decided on when a trainer asks again."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "groups", tuple(self.groups))
+        object.__setattr__(self, "metrics", MappingProxyType(dict(self.metrics)))
+        object.__setattr__(self, "lost", tuple(tuple(p) for p in self.lost))
+
+
+# ---------------------------------------------------------------------- ledger operations
+
+
+@dataclass(frozen=True, slots=True)
+class PutPrompt:
+    data_epoch: int
+    index: int
+    state: PromptState
+
+
+@dataclass(frozen=True, slots=True)
+class DropPrompt:
+    data_epoch: int
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class PutBatch:
+    rollout_id: int
+    batch: RecordedBatch
+
+
+@dataclass(frozen=True, slots=True)
+class DropBatch:
+    rollout_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class SetCursors:
+    cursors: MappingProxyType
+    """``data_epoch -> cursor`` of every open epoch."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "cursors", MappingProxyType(dict(self.cursors)))
+
+
+@dataclass(frozen=True, slots=True)
+class SetPaused:
+    paused: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SetMark:
+    name: str
+    rollout_id: int
+
+    def __post_init__(self):
+        if self.name not in MARKS:
+            raise ValueError(f"unknown ledger mark {self.name!r}; one of {MARKS}")
+
+
+@dataclass(frozen=True, slots=True)
+class CloseEpoch:
+    """Delete every prompt record of a closed data epoch."""
+
+    data_epoch: int
+
+
+LedgerOp = PutPrompt | DropPrompt | PutBatch | DropBatch | SetCursors | SetPaused | SetMark | CloseEpoch
+
+
+@dataclass(slots=True)
+class LedgerSnapshot:
+    """Everything the ledger holds; what a restarted coordinator starts from.
+
+    ``generation`` is bumped at every coordinator start; ``prompts`` holds the
+    prompts of open epochs that are READY, DELIVERED or FILTERED; ``batches``
+    the recorded batches a trainer may still ask for. Marks: ``trimmed_upto``
+    (batches up to it were trimmed behind a checkpoint), ``last_rollout_id``,
+    ``consumed_upto`` (highest batch a trainer fetched) and
+    ``last_checkpoint``. ``paused`` is the trainer's pause.
+    """
+
+    generation: int = 1
+    dataset_size: int = -1
+    dataset_fingerprint: str = ""
+    cursors: dict[int, int] = field(default_factory=dict)
+    prompts: dict[Prompt, PromptState] = field(default_factory=dict)
+    batches: dict[int, RecordedBatch] = field(default_factory=dict)
+    trimmed_upto: int = -1
+    last_rollout_id: int = -1
+    consumed_upto: int = -1
+    last_checkpoint: int = -1
+    paused: bool = False
+
+    def apply(self, ops: list[LedgerOp]) -> None:
+        """Fold ``ops`` in, with the meaning ``Ledger.apply`` gives them on disk."""
+        for op in ops:
+            if isinstance(op, PutPrompt):
+                self.prompts[(op.data_epoch, op.index)] = op.state
+            elif isinstance(op, DropPrompt):
+                self.prompts.pop((op.data_epoch, op.index), None)
+            elif isinstance(op, PutBatch):
+                self.batches[op.rollout_id] = op.batch
+            elif isinstance(op, DropBatch):
+                self.batches.pop(op.rollout_id, None)
+            elif isinstance(op, SetCursors):
+                self.cursors = dict(op.cursors)
+            elif isinstance(op, SetPaused):
+                self.paused = op.paused
+            elif isinstance(op, SetMark):
+                setattr(self, op.name, op.rollout_id)
+            elif isinstance(op, CloseEpoch):
+                for prompt in [p for p in self.prompts if p[0] == op.data_epoch]:
+                    del self.prompts[prompt]
+            else:
+                raise TypeError(f"not a ledger operation: {op!r}")
+
+
+# ---------------------------------------------------------------------- statistics
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStats:
+    status: str
+    """``alive``, ``dead`` (its leases were reissued) or ``retired`` (its payloads are gone)."""
+    capacity: int
+    """Groups it may generate at once."""
+    leases: int
+    """Leases it holds now."""
+    engines: tuple[dict, ...]
+    """Its engines as it last reported them."""
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorStats:
+    """A read-only view of the coordinator at one moment (``coordinator status``, ``client.stats()``).
+
+    Serialised with ``dataclasses.asdict``; its keys are the JSON keys.
+    """
+
+    agents: dict[str, AgentStats]
+    leased: int
+    """Leases in flight."""
+    ready: int
+    """Groups committed on agents and waiting for a batch."""
+    pending_generates: int
+    batches_in_repair: tuple[int, ...]
+    prefetch: int
+    paused: bool
+    trainer: str | None
+    """The attached trainer's client id."""
+    prompts: dict[str, int]
+    """Prompts of the open epochs by state (pending, leased, ready, delivered, filtered)."""
+    data_epochs: tuple[int, ...]
+    """The open data epochs."""
+    last_rollout_id: int
+    trimmed_upto: int
+    consumed_upto: int
+    filtered_total: int

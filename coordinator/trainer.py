@@ -1,0 +1,235 @@
+"""Trainer sessions: attach, generate, pause/resume, checkpoints, consumed/missing, detach.
+
+One trainer session at a time. Pure: events in, effects out.
+
+Invariants kept here:
+- Fencing: ``Attach`` opens a new session and fences the previous one (its
+  waiting calls are answered with ``fenced``, never dropped); every other
+  trainer request names its session, and a superseded or unknown session
+  gets an error and changes nothing.
+- Idempotent: a resent ``Attach`` (same client id and request id) gets the
+  same session; ``generate`` is idempotent by rollout id; ``pause``,
+  ``resume`` and ``consumed`` by the state they set.
+- Pause is durable: it is acknowledged only once the ledger holds it, so a
+  restarted coordinator stays paused (and a drain waits for it).
+- A checkpoint (``state_dict``) is taken only while paused and drained.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from common import protocol as p
+from coordinator.effects import Send
+from coordinator.membership import ALIVE
+from coordinator.records import LedgerSnapshot, SetPaused
+
+if TYPE_CHECKING:
+    from coordinator.core import CoordinatorCore
+
+
+class TrainerSessions:
+    def __init__(self, core: CoordinatorCore, restored: LedgerSnapshot):
+        self.core = core
+        self.session = 0
+        self.client = ""
+        self._last_attach: tuple[str, int] = ("", 0)
+        self.paused = restored.paused
+        self.drain_waiters: list[tuple[bytes, int]] = []
+        self.prefetch = core.config.effective_prefetch
+        self._requests = {
+            p.Pause: self.on_pause,
+            p.Resume: self.on_resume,
+            p.StateDict: self.on_state_dict,
+            p.LoadStateDict: self.on_load_state_dict,
+            p.Consumed: self.on_consumed,
+            p.Missing: self.on_missing,
+            p.Detach: self.on_detach,
+        }
+
+    # ------------------------------------------------------------------ sessions
+
+    def on_attach(self, peer: bytes, msg: p.Attach, now: float) -> list:
+        if (msg.client_id, msg.req) == self._last_attach and self.session:
+            return [Send(peer, p.Ok(msg.req, self._attach_result()))]  # a resent Attach: same session
+        config = self.core.config.to_dict()
+        mismatch = [k for k, v in msg.config_check.items() if config.get(k, v) != v]
+        if mismatch:
+            why = f"rollout config differs from the running fleet's in {mismatch}"
+            return [Send(peer, p.Error("config_mismatch", why, msg.req))]
+        self._last_attach = (msg.client_id, msg.req)
+        self.session = self.core.membership.new_session()
+        self.client = msg.client_id
+        # A replaced trainer's waiting calls are answered with an error, never silently dropped.
+        pending = self.core.batches.pending
+        out = [Send(g.peer, p.Error("fenced", "a newer trainer session attached", g.req)) for g in pending]
+        pending.clear()
+        return out + [Send(peer, p.Ok(msg.req, self._attach_result()))]
+
+    def _attach_result(self) -> dict:
+        core = self.core
+        return {
+            "session": self.session,
+            "config": core.config.to_dict(),
+            "dataset_size": core.dataset_size,
+            "dataset_fingerprint": core.dataset_fingerprint,
+            "last_rollout_id": core.batches.last_rollout_id,
+            "trimmed_upto": core.batches.trimmed_upto,
+        }
+
+    def _session_error(self, peer: bytes, session: int, req: int) -> list | None:
+        """None if ``session`` is the current trainer's; else the error to send."""
+        if session == self.session and session != 0:
+            return None
+        if self.session == 0:
+            why = f"no trainer session {session:x} here (coordinator restarted or trainer detached); attach again"
+            return [Send(peer, p.Error("unknown_session", why, req))]
+        return [Send(peer, p.Error("fenced", f"trainer session {session:x} was replaced by a newer trainer", req))]
+
+    def on_request(self, peer: bytes, msg: p.Message, now: float) -> list:
+        """A session-bound trainer request (one of ``protocol.TRAINER_REQUESTS``)."""
+        return self._session_error(peer, msg.session, msg.req) or self._requests[type(msg)](peer, msg, now)
+
+    def on_detach(self, peer: bytes, msg: p.Detach, now: float) -> list:
+        self.session = 0
+        return [Send(peer, p.Ok(msg.req, {}))]
+
+    # ------------------------------------------------------------------ generate
+
+    def on_generate(self, peer: bytes, msg: p.Generate, now: float) -> list:
+        err = self._session_error(peer, msg.session, msg.req)
+        if err:
+            return err
+        core, batches = self.core, self.core.batches
+        if msg.prefetch >= 0:
+            self.prefetch = msg.prefetch
+        batch = batches.recorded.get(msg.rollout_id)
+        repair: list = []
+        if batch is not None and msg.rollout_id not in batches.repairs:
+            if len(batch.groups) >= core.config.rollout_batch_size:
+                return [Send(peer, batches.reply(msg.req, msg.rollout_id))]
+            ops: list = []
+            batches.start_repair(msg.rollout_id, ops)
+            repair = [core.persist(ops, [])]
+        # Asking for a batch that still needs generating resumes admission, as
+        # in the seed: a trainer killed while paused (e.g. saving a checkpoint)
+        # must not leave its successor's generate() waiting forever.
+        waits = msg.rollout_id in batches.repairs or msg.rollout_id > batches.last_rollout_id
+        resumed = self.resume() if self.paused and waits else []
+        error = batches.enqueue(peer, msg.req, msg.rollout_id)
+        return repair + resumed + ([Send(peer, error)] if error else core.pump(now))
+
+    # ------------------------------------------------------------------ pause
+
+    def on_pause(self, peer: bytes, msg: p.Pause, now: float) -> list:
+        core = self.core
+        self.paused = True
+        then: list = [Send(r.agent_id, p.Control("pause", msg.abort)) for r in core.membership.alive()]
+        if msg.drain and core.admission.leases:
+            self.drain_waiters.append((peer, msg.req))
+        else:
+            then.append(Send(peer, p.Ok(msg.req, {"leased": len(core.admission.leases)})))
+        # Durable before acknowledged: a restarted coordinator stays paused.
+        return [core.persist([SetPaused(True)], then)]
+
+    def resume(self) -> list:
+        """Admission on again (durably); a pause still waiting for its drain is told why it never will."""
+        self.paused = False
+        then: list = [Send(r.agent_id, p.Control("resume")) for r in self.core.membership.alive()]
+        why = "generation was resumed before the drain completed"
+        then += [Send(peer, p.Error("resumed", why, req)) for peer, req in self.drain_waiters]
+        self.drain_waiters.clear()
+        return [self.core.persist([SetPaused(False)], then)]
+
+    def on_resume(self, peer: bytes, msg: p.Resume, now: float) -> list:
+        out = self.resume()
+        out[0].then.append(Send(peer, p.Ok(msg.req, {})))
+        return out + self.core.pump(now)
+
+    def answer_drained(self) -> list:
+        """Answer the pauses waiting for their drain once no lease is in flight."""
+        if not self.drain_waiters or self.core.admission.leases:
+            return []
+        out = [Send(peer, p.Ok(req, {"leased": 0})) for peer, req in self.drain_waiters]
+        self.drain_waiters.clear()
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def on_state_dict(self, peer: bytes, msg: p.StateDict, now: float) -> list:
+        core, batches = self.core, self.core.batches
+        leased = len(core.admission.leases)
+        if not self.paused or leased:
+            why = (
+                f"state_dict needs a paused and drained rollout (paused={self.paused}, leases in flight={leased}); "
+                "call pause(drain=True) first"
+            )
+            return [Send(peer, p.Error("not_drained", why, msg.req))]
+        if msg.consumed > batches.last_rollout_id:
+            why = f"consumed rollout id {msg.consumed!r} was never generated (last is {batches.last_rollout_id})"
+            return [Send(peer, p.Error("bad_request", why, msg.req))]
+        ops: list = []
+        out: list = []
+        for agent_id, keys in batches.checkpoint(msg.consumed, ops).items():
+            rec = core.membership.agents.get(agent_id)
+            if rec is not None and rec.status == ALIVE:
+                out.append(Send(agent_id, p.Trim(keys)))
+            # An agent that is down gets its trims at registration (storage reconciliation).
+        state = {
+            "format": 1,
+            "rollout_id": msg.consumed,
+            "dataset_fingerprint": core.dataset_fingerprint,
+            "dataset_size": core.dataset_size,
+            "config": core.config.to_dict(),
+        }
+        return [core.persist(ops, out + [Send(peer, p.Ok(msg.req, state))])]
+
+    def on_load_state_dict(self, peer: bytes, msg: p.LoadStateDict, now: float) -> list:
+        core, batches = self.core, self.core.batches
+        state = msg.state
+
+        def bad(why: str) -> list:
+            return [Send(peer, p.Error("bad_state", why, msg.req))]
+
+        if state.get("format") != 1:
+            return bad("not a rollfleet state_dict (format 1)")
+        if state.get("dataset_fingerprint") != core.dataset_fingerprint:
+            return bad("checkpoint was taken on a different dataset (fingerprint differs)")
+        rollout_id = state.get("rollout_id")
+        if not isinstance(rollout_id, int) or rollout_id < batches.trimmed_upto:
+            return bad(
+                f"checkpoint at rollout {rollout_id} is older than the last two checkpoints "
+                f"(batches up to {batches.trimmed_upto} were trimmed)"
+            )
+        if rollout_id > batches.last_rollout_id:
+            return bad(
+                f"checkpoint at rollout {rollout_id} is newer than anything this coordinator delivered "
+                f"(last {batches.last_rollout_id}); is this the right --data-dir?"
+            )
+        return [Send(peer, p.Ok(msg.req, {"rollout_id": rollout_id, "last_rollout_id": batches.last_rollout_id}))]
+
+    def on_consumed(self, peer: bytes, msg: p.Consumed, now: float) -> list:
+        """The trainer fetched a batch completely; its prompts count as trained from now on."""
+        batches, rollout_id = self.core.batches, msg.rollout_id
+        if rollout_id not in batches.recorded and rollout_id > batches.trimmed_upto:
+            return [Send(peer, p.Error("bad_request", f"rollout {rollout_id!r} was never delivered", msg.req))]
+        if rollout_id <= batches.consumed_upto:
+            return [Send(peer, p.Ok(msg.req, {"consumed_upto": batches.consumed_upto}))]
+        ops: list = []
+        batches.consume(rollout_id, ops)
+        return [self.core.persist(ops, [Send(peer, p.Ok(msg.req, {"consumed_upto": rollout_id}))])]
+
+    def on_missing(self, peer: bytes, msg: p.Missing, now: float) -> list:
+        """An agent that is up answered that it no longer holds some groups of a batch
+        (e.g. its disk was wiped): they are treated like groups of a lost node."""
+        batches = self.core.batches
+        batch = batches.recorded.get(msg.rollout_id)
+        if batch is None:
+            why = f"no recorded batch {msg.rollout_id!r} with missing keys"
+            return [Send(peer, p.Error("bad_request", why, msg.req))]
+        keys = set(msg.keys)
+        lost = [g for g in batch.groups if g.key in keys]
+        ops: list = []
+        if lost:
+            batches.lose_groups(msg.rollout_id, lost, ops)
+        return [self.core.persist(ops, [Send(peer, p.Ok(msg.req, {"lost": len(lost)}))])]
