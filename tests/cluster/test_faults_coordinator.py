@@ -22,8 +22,9 @@ import textwrap
 import threading
 
 import lmdb
-import msgpack
 
+from coordinator.ledger import read_ledger as read_coordinator_ledger
+from coordinator.records import LedgerSnapshot
 from harness.polling import wait_for
 from harness.proxy import TcpProxy
 
@@ -72,16 +73,9 @@ def read_store(cluster, agent: str) -> tuple[set[str], set[str]]:
     return {k.decode() for k in snap[b"groups"]}, {k.decode() for k in snap[b"outbox"]}
 
 
-def read_ledger(cluster) -> tuple[dict, dict, dict]:
-    """The coordinator ledger: prompts {(epoch, index): rec}, batches {rid: batch}, meta."""
-    snap = _read_env(cluster.tmp / "coordinator" / "ledger", [b"prompts", b"batches", b"meta"])
-    prompts = {}
-    for k, v in snap[b"prompts"].items():
-        epoch, index = int.from_bytes(k[:8], "big"), int.from_bytes(k[8:], "big")
-        prompts[(epoch, index)] = msgpack.unpackb(v, raw=False)
-    batches = {int.from_bytes(k, "big", signed=True): msgpack.unpackb(v, raw=False) for k, v in snap[b"batches"].items()}
-    meta = {k.decode(): msgpack.unpackb(v, raw=False, strict_map_key=False) for k, v in snap[b"meta"].items()}
-    return prompts, batches, meta
+def read_ledger(cluster) -> LedgerSnapshot:
+    """The coordinator's ledger, typed (readable while the coordinator runs)."""
+    return read_coordinator_ledger(cluster.tmp / "coordinator")
 
 
 def assert_ledger_matches_stores(cluster, agents, *, trimmed_indices=frozenset()):
@@ -93,7 +87,7 @@ def assert_ledger_matches_stores(cluster, agents, *, trimmed_indices=frozenset()
       checkpoint trimmed it);
     - no prompt is held acknowledged by two agents.
     """
-    prompts, _, _ = read_ledger(cluster)
+    prompts = read_ledger(cluster).prompts
     holders: dict[tuple[int, int], str] = {}
     held_keys: dict[str, set[str]] = {}
     for agent in agents:
@@ -104,12 +98,17 @@ def assert_ledger_matches_stores(cluster, agents, *, trimmed_indices=frozenset()
             pk = (int(epoch), int(index))
             assert pk not in holders, f"prompt {pk} is held acknowledged by {holders[pk]} and {agent}"
             holders[pk] = agent
-            rec = prompts.get(pk)
-            assert rec is not None and rec["s"] in ("r", "d"), f"{agent} holds acknowledged group {key} the ledger does not record ({rec})"
-            assert rec["k"] == key and rec["a"] == agent, f"{agent} holds {key} but the ledger accepted {rec['k']} from {rec['a']}"
-    for pk, rec in prompts.items():
-        if rec["s"] in ("r", "d") and pk[1] not in trimmed_indices:
-            assert rec["k"] in held_keys.get(rec["a"], set()), f"ledger records {rec['k']} on {rec['a']} but the agent lost it"
+            st = prompts.get(pk)
+            assert st is not None and (st.ready or st.delivered), (
+                f"{agent} holds acknowledged group {key} the ledger does not record ({st})"
+            )
+            assert st.key == key and st.agent_id == agent, (
+                f"{agent} holds {key} but the ledger accepted {st.key} from {st.agent_id}"
+            )
+    for pk, st in prompts.items():
+        if (st.ready or st.delivered) and pk[1] not in trimmed_indices:
+            held = held_keys.get(st.agent_id, set())
+            assert st.key in held, f"ledger records {st.key} on {st.agent_id} but the agent lost it"
 
 
 def stop(proc, sig=signal.SIGTERM, timeout: float = 30) -> int:
@@ -345,9 +344,9 @@ def test_killed_trainer_resumes_from_checkpoint_and_consumed_payloads_are_trimme
         held.update({(int(k.split(":")[0]), int(k.split(":")[1])): k for k in groups})
     assert not consumed & set(held), f"consumed groups still stored: {sorted(consumed & set(held))[:5]}"
     assert set(later) <= set(held)
-    _, ledger_batches, meta = read_ledger(cluster)
-    assert meta["trimmed_upto"] == 3
-    assert sorted(ledger_batches) == [4, 5, 6, 7]
+    ledger = read_ledger(cluster)
+    assert ledger.trimmed_upto == 3
+    assert sorted(ledger.batches) == [4, 5, 6, 7]
     assert_ledger_matches_stores(cluster, list(cluster.agents), trimmed_indices={i for _, i in consumed})
 
 
@@ -415,15 +414,17 @@ def test_sigterm_flushes_the_ledger_and_restart_resumes_with_everything(make_clu
     assert "flushing the ledger" in coordinator.text()
     # With the coordinator gone, everything it acknowledged to an agent is in its ledger.
     assert_ledger_matches_stores(cluster, ["a1", "a2"])
-    at_exit, recorded, _ = read_ledger(cluster)
+    at_exit = read_ledger(cluster)
+    recorded = at_exit.batches
     assert recorded, "batches recorded before the shutdown must be durable"
 
     cluster.start_coordinator(*RESTART_TTL)
     batches = trainer.finish()  # calls in progress retried against the new process
     delivered = assert_no_index_twice(batches)
-    final, _, _ = read_ledger(cluster)  # LMDB readers do not block the running writer
-    for pk, rec in at_exit.items():
-        assert pk in final and final[pk].get("k") == rec.get("k"), f"prompt {pk} accepted before SIGTERM was lost: {rec} -> {final.get(pk)}"
+    final = read_ledger(cluster).prompts  # LMDB readers do not block the running writer
+    for pk, st in at_exit.prompts.items():
+        lost = f"prompt {pk} accepted before SIGTERM was lost: {st} -> {final.get(pk)}"
+        assert pk in final and final[pk].key == st.key, lost
     with cluster.client() as other:
         for rid in sorted(recorded):
             assert batch_ids(other.generate(rid)) == batch_ids(batches[rid])
