@@ -1,0 +1,192 @@
+"""One lease, start to end: n ``/generate`` calls on one engine, reward, filter, commit, report.
+
+A ``LeaseRunner`` is the I/O half of a lease; its decisions belong to the
+agent's core (agent/session.py), which it talks to through ``dispatch``:
+
+    EngineWanted ........ the core answers with ``assign()`` (or cancels the task)
+    GenerationEnded ..... aborted samples: the core assigns again or gives the lease back
+    EngineFailed ........ the engine died mid-group: retried on another engine shortly
+    LeaseScored ......... past generation: from here the lease commits even during shutdown
+    LeaseFiltered / LeaseCommitted / LeaseFailed: the lease's one outcome
+
+Invariants:
+- Commit, then receipt: ``LeaseCommitted`` is dispatched only after the store
+  commit returned; the core sends the receipt.
+- All samples of a group run on one engine; a failed or cancelled group takes
+  its sibling requests down with it (closing a connection aborts it on SGLang).
+- No await between ``LeaseScored`` and queueing the commit: a shutdown either
+  cancels the lease before it (and releases it) or lets it commit and report.
+- Cancellation (the core forgot the lease, or the agent stops) is re-raised.
+- The per-token work is two C-level ``map(itemgetter)`` passes per sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from operator import itemgetter
+from typing import Any, Callable
+
+from agent.engine_client import EngineClient, sample_status
+from agent.events import (AssignEngine, EngineFailed, EngineWanted, GenerationEnded, LeaseCommitted, LeaseFailed,
+                          LeaseFiltered, LeaseScored, PendingReceipt)
+from agent.store import GroupStore
+from common.config import RolloutConfig
+from common.errors import EngineError, EngineUnavailable, RolloutError, StateError
+from common.types import Group, Sample
+
+log = logging.getLogger("rollfleet.agent")
+
+RETRY_DELAY = 0.1
+"""Seconds between an engine failing under a group and the group asking for another engine."""
+
+_first, _second = itemgetter(0), itemgetter(1)  # per-token hot path: C-level, no Python frames
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseContext:
+    """What every lease of one rollout configuration shares."""
+
+    config: RolloutConfig
+    reward: Any
+    filter: Any
+    tokenizer: Any
+    dataset: Any
+    client: EngineClient
+    store: GroupStore
+    agent_id: str
+
+
+class LeaseRunner:
+    def __init__(self, grant: dict, ctx: LeaseContext, dispatch: Callable[[object], None]):
+        self.grant = grant
+        self.lease: int = grant["lease"]
+        self.ctx = ctx
+        self._dispatch = dispatch
+        self._assignment: asyncio.Future[AssignEngine] | None = None
+        self.task: asyncio.Task | None = None
+
+    def assign(self, assignment: AssignEngine) -> None:
+        """The core's answer to this lease's ``EngineWanted`` (or to an aborted generation)."""
+        fut = self._assignment
+        if fut is not None and fut.cancelled():
+            return  # the runner is being cancelled (the agent stops): nothing to run
+        if fut is None or fut.done():
+            raise StateError(f"lease {self.lease:x} was assigned an engine it did not ask for")
+        fut.set_result(assignment)
+
+    def _ask(self, event) -> asyncio.Future[AssignEngine]:
+        # The future exists before the event is dispatched: the core may answer at once.
+        fut = self._assignment = asyncio.get_running_loop().create_future()
+        self._dispatch(event)
+        return fut
+
+    async def run(self) -> None:
+        grant = self.grant
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            raise
+        except RolloutError as exc:
+            # Bad reward/filter code or a rejected request: give the prompt back and
+            # say why (the coordinator filters a prompt that keeps failing); the agent
+            # keeps serving.
+            log.error("lease %x (index %d) failed: %s", self.lease, grant["index"], exc)
+            self._dispatch(LeaseFailed(self.lease, str(exc)))
+        except Exception as exc:
+            # Anything else (a chat template that rejects a row, a store error) is a
+            # failure of this one prompt, not of the agent.
+            log.exception("lease %x (index %d) failed unexpectedly", self.lease, grant["index"])
+            self._dispatch(LeaseFailed(self.lease, f"{type(exc).__name__}: {exc}"))
+
+    async def _run(self) -> None:
+        ctx, grant, lease = self.ctx, self.grant, self.lease
+        epoch, index = grant["data_epoch"], grant["index"]
+        if "prompt" in grant:
+            prompt, label, metadata = grant["prompt"], grant["label"], dict(grant.get("metadata") or {})
+        else:  # replicated dataset: the grant carries the index only
+            row = ctx.dataset.row(index)
+            prompt, label, metadata = row.prompt, row.label, dict(row.metadata)
+        metadata["prompt"] = prompt
+        input_ids = ctx.tokenizer.encode(prompt)
+        started = time.monotonic()
+        results = await self._generate(input_ids)
+        gen_seconds = time.monotonic() - started
+        samples = [self._sample(out, input_ids, label, metadata) for out in results]
+        for sample, reward in zip(samples, await ctx.reward.score(samples)):
+            sample.reward = float(reward)
+        verdict = await ctx.filter.check(samples)
+        self._dispatch(LeaseScored(lease, len(samples)))
+        stats = {
+            "n_samples": len(samples),
+            "prompt_tokens": len(input_ids) * len(samples),
+            "response_tokens": sum(len(s.response_tokens) for s in samples),
+            "reward_sum": sum(s.reward for s in samples),
+            "truncated": sum(s.status == "truncated" for s in samples),
+            "aborted": sum(s.status == "aborted" for s in samples),
+            "gen_seconds": gen_seconds,
+        }
+        if not verdict.keep:
+            self._dispatch(LeaseFiltered(lease, verdict.reason, stats))
+            return
+        group = Group(index=index, samples=samples, data_epoch=epoch, rollout_id=grant["rollout_id"], label=label,
+                      metadata=metadata, agent_id=ctx.agent_id, gen_seconds=gen_seconds)
+        receipt = PendingReceipt(lease, epoch, index, f"{epoch}:{index}:{lease:x}", len(samples), stats)
+        await ctx.store.commit(receipt.key, group.to_wire(), receipt.to_dict())
+        self._dispatch(LeaseCommitted(lease, receipt))
+
+    def _sample(self, out: dict, input_ids: list[int], label, metadata: dict) -> Sample:
+        meta = out["meta_info"]
+        logprobs = meta.get("output_token_logprobs") or []
+        tokens = out.get("output_ids")
+        if tokens is None:
+            tokens = list(map(_second, logprobs))
+        response_logprobs = list(map(_first, logprobs))
+        if len(response_logprobs) != len(tokens):
+            raise EngineError(f"engine returned {len(tokens)} tokens but {len(response_logprobs)} logprobs "
+                              f"for lease {self.lease:x}")
+        spans = meta.get("weight_versions") or []
+        return Sample(
+            prompt_tokens=input_ids,
+            response_tokens=tokens,
+            response_logprobs=response_logprobs,
+            loss_mask=[1] * len(tokens),
+            reward=0.0,
+            status=sample_status(meta.get("finish_reason")),
+            weight_version=str(meta.get("weight_version", "")),
+            label=label,
+            metadata=metadata,
+            response_text=out.get("text", ""),
+            weight_versions=[[s.get("version"), s.get("start"), s.get("end")] for s in spans if isinstance(s, dict)],
+        )
+
+    async def _generate(self, input_ids: list[int]) -> list[dict]:
+        """All samples of the group on one engine; on another one if that engine dies."""
+        client, params = self.ctx.client, self.ctx.config.sampling_params()
+        assignment = await self._ask(EngineWanted(self.lease))
+        while True:
+            calls = [asyncio.ensure_future(client.generate(assignment.url, input_ids, params, request_id))
+                     for request_id in assignment.request_ids]
+            try:
+                results = await asyncio.gather(*calls)
+            except EngineUnavailable as exc:
+                failure = exc
+            else:
+                failure = None
+            finally:
+                for c in calls:
+                    c.cancel()
+                await asyncio.gather(*calls, return_exceptions=True)
+            if failure is not None:
+                self._dispatch(EngineFailed(self.lease, str(failure)))
+                await asyncio.sleep(RETRY_DELAY)
+                assignment = await self._ask(EngineWanted(self.lease))
+                continue
+            if any(sample_status(r["meta_info"].get("finish_reason")) == "aborted" for r in results):
+                # Ours (a pause with abort: the core gives the lease back) or the engine's own.
+                assignment = await self._ask(GenerationEnded(self.lease, aborted=True))
+                continue
+            self._dispatch(GenerationEnded(self.lease))
+            return results

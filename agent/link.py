@@ -1,0 +1,125 @@
+"""The agent's connection to the coordinator: one DEALER socket, reopened at every reconnect.
+
+The link is mechanics only; what to say and when is the core's
+(agent/session.py). Its loop:
+
+1. open a fresh socket, read the store's stored keys and unacknowledged
+   receipts (one transaction, off the event loop) and dispatch ``Connected``:
+   the core answers with the Register to send;
+2. deliver every frame as ``MessageReceived`` (undecodable ones too: any
+   frame is a sign of life) and a ``Tick`` whenever the core's
+   ``next_tick_at`` is reached (Register resend, heartbeat, receipt resend,
+   the silence TTL), whatever the message rate;
+3. when the core ends the session (``Reconnect``: fenced or silence past the
+   TTL), wait a randomised backoff and go to 1; ``CloseLink`` (the agent is
+   stopping) ends the loop, ``Exit`` (refused for good) raises ``AgentExit``.
+
+Sends never block: a full queue drops the message and says so; the protocol
+repairs it (receipt resend, heartbeat lease lists, lease expiry).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import random
+import time
+from typing import Callable
+
+import zmq
+import zmq.asyncio
+
+from agent.events import CloseLink, Connected, Exit, MessageReceived, Reconnect, Tick
+from agent.session import AgentSession
+from agent.store import GroupStore
+from common import protocol as p
+from common.errors import ProtocolError, RolloutError
+from common.transport import dealer, send_nowait
+
+log = logging.getLogger("rollfleet.agent")
+
+FIRST_BACKOFF = 0.2
+MAX_BACKOFF = 10.0
+
+
+class AgentExit(RolloutError):
+    """The agent cannot continue (e.g. the coordinator refused it)."""
+
+
+class CoordinatorLink:
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, *, agent_id: str, store: GroupStore,
+                 session: AgentSession, dispatch: Callable[[object], None]):
+        self.address = address
+        self._ctx = ctx
+        self._agent_id = agent_id
+        self._store = store
+        self._session = session
+        self._dispatch = dispatch
+        self.sock: zmq.asyncio.Socket | None = None
+        self._ending: Reconnect | CloseLink | Exit | None = None
+
+    def send(self, msg: p.Message) -> None:
+        if self.sock is not None:
+            send_nowait(self.sock, [p.encode(msg)], functools.partial(_send_failed, msg.TYPE))
+
+    def end(self, why: Reconnect | CloseLink | Exit) -> None:
+        """The core ended the session: the loop acts on it once the current event is handled."""
+        self._ending = why
+
+    async def run(self) -> None:
+        backoff = FIRST_BACKOFF
+        while True:
+            self._open()
+            stored, unacked = await asyncio.to_thread(self._store.snapshot)
+            self._dispatch(Connected(tuple(stored), tuple(unacked)))
+            registered = await self._serve()
+            ending, self._ending = self._ending, None
+            if isinstance(ending, Exit):
+                raise AgentExit(ending.reason)
+            if isinstance(ending, CloseLink):
+                log.info("agent %s: coordinator link lost while shutting down: %s", self._agent_id, ending.reason)
+                return
+            log.warning("agent %s: reconnecting to the coordinator: %s", self._agent_id, ending.reason)
+            if registered:
+                backoff = FIRST_BACKOFF
+            await asyncio.sleep(backoff * (1 + random.random()))
+            backoff = min(backoff * 2, MAX_BACKOFF)
+
+    def close(self, linger_ms: int) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=linger_ms)
+            self.sock = None
+
+    def _open(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        self.sock = dealer(self._ctx, self.address, identity=f"agent:{self._agent_id}".encode())
+
+    async def _serve(self) -> bool:
+        """Until the core ends the session; True if it was registered meanwhile."""
+        session, sock = self._session, self.sock
+        welcomes = session.welcomes
+        while self._ending is None:
+            if time.monotonic() >= session.next_tick_at:
+                self._dispatch(Tick(self._store.count()))
+                if self._ending is not None:
+                    break
+            wait_ms = max(1.0, (session.next_tick_at - time.monotonic()) * 1000)
+            if await sock.poll(wait_ms):
+                self._dispatch(MessageReceived(self._decode(await sock.recv())))
+        return session.welcomes > welcomes
+
+    def _decode(self, frame: bytes) -> p.Message | None:
+        try:
+            return p.decode(frame)
+        except ProtocolError as exc:
+            log.error("bad message from the coordinator: %s", exc)
+            return None
+
+
+def _send_failed(kind: str, exc: BaseException) -> None:
+    if isinstance(exc, zmq.Again):
+        log.warning("send queue to the coordinator is full; %s dropped (repaired by resend/lease expiry)", kind)
+    else:
+        log.warning("sending %s to the coordinator failed: %s", kind, exc)

@@ -1,0 +1,495 @@
+"""The agent's pure core: its session with the coordinator and its leases.
+
+``AgentSession.handle(event, now) -> list[Instruction]``: no sockets, no event
+loop, no clock (``now`` is passed in, ``time.monotonic()`` in production). The
+shell feeds it the events of agent/events.py and carries out the instructions
+it returns, in order; it keeps one record per lease (``LeaseRecord``), the
+generation pool, and the receipts the coordinator has not answered yet.
+
+Link phases::
+
+    DISCONNECTED --Connected--> REGISTERING --Welcome--> ACTIVE
+         ^                          |  Error (refused): Exit     |
+         +------ Reconnect ---------+----------------------------+  Fence, or silence past the TTL
+
+Lease states (``LeaseState``)::
+
+    STARTING --EngineWanted--> GENERATING --GenerationEnded--> SCORING --LeaseScored--> COMMITTING --> (gone)
+                  |   ^              |  aborted by the engine: GENERATING again
+                  v   |              |  EngineFailed
+                WAITING              v
+           (no healthy engine)    RETRYING --EngineWanted--> GENERATING / WAITING
+
+Invariants:
+- Commit, then receipt: a Receipt is sent only for ``LeaseCommitted`` (the
+  store commit returned). It stays in the outbox until a ReceiptAck or the
+  Welcome answers it, and is sent again every TTL while unanswered (a lost ack).
+- Session-bound messages (Receipt, Filtered, Release, Capacity, Heartbeat)
+  leave only under a current session. Without one they are not sent: the
+  next Register (unacknowledged receipts, leases in flight), the Welcome's
+  resend of every unanswered receipt and the heartbeat's lease list repair
+  what they would have said.
+- Every lease ends exactly one way: a receipt, a Filtered, a Release (pause,
+  no engine left, failure, shutdown), or silently when the coordinator cancels
+  it (Welcome). Its pool slot is held from ``AssignEngine`` until its group
+  comes back, fails or is cancelled, and given back exactly once.
+- Pause gives back at once every lease not on an engine (a drain must not wait
+  for them); leases on an engine finish, unless the pause aborts them.
+- Shutdown: capacity 0; every lease not yet past scoring is cancelled and
+  released in one message; leases committing finish and report.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from dataclasses import dataclass
+
+from agent.events import (AbortRequests, AckReceipt, AssignEngine, CancelLease, CloseLink, Configure, Connected,
+                          EngineChanged, EngineFailed, EnginesStarted, EngineWanted, Exit, GenerationEnded,
+                          Instruction, LeaseCommitted, LeaseFailed, LeaseFiltered, LeaseScored, Log, MessageReceived,
+                          PendingReceipt, Reconnect, ReportEngineFailure, Send, ShutdownRequested, StartLease, Tick,
+                          TrimGroups)
+from agent.pool import GenerationPool
+from common import protocol as p
+from common.config import RolloutConfig
+
+REFUSALS = ("dataset_mismatch", "too_small", "bad_register")
+"""Error codes that answer a Register for good: the agent exits instead of retrying."""
+
+FIRST_REGISTER_WAIT = 1.0
+MAX_REGISTER_WAIT = 8.0
+"""A Register without an answer is sent again after 1, 2, 4, 8, 8, ... seconds."""
+
+
+class Phase(enum.Enum):
+    DISCONNECTED = "disconnected"
+    REGISTERING = "registering"
+    ACTIVE = "active"
+
+
+class LeaseState(enum.Enum):
+    STARTING = "starting"  # runner started, no engine asked for yet
+    WAITING = "waiting"  # no healthy engine: assigned when one comes back
+    GENERATING = "generating"  # requests on an engine; holds pool slots
+    RETRYING = "retrying"  # its engine failed; the runner asks again shortly
+    SCORING = "scoring"  # generated; reward and filter running
+    COMMITTING = "committing"  # past generation: committing and reporting; shutdown lets it finish
+
+
+NOT_ON_ENGINE = (LeaseState.STARTING, LeaseState.WAITING, LeaseState.RETRYING)
+
+
+@dataclass(slots=True)
+class LeaseRecord:
+    """Everything the agent knows about one lease it holds."""
+
+    lease: int
+    data_epoch: int
+    index: int
+    state: LeaseState = LeaseState.STARTING
+    engine: str | None = None
+    url: str = ""
+    request_ids: tuple[str, ...] = ()
+    samples: int = 0  # pool slots held on ``engine``
+    attempts: int = 0  # engine assignments so far (names the request ids)
+    aborting: bool = False  # a pause-with-abort aborted its requests
+
+
+@dataclass(slots=True)
+class OutboxEntry:
+    receipt: PendingReceipt
+    sent_at: float | None = None  # under the current session; None: not sent yet
+
+
+@dataclass(slots=True)
+class Counters:
+    groups_committed: int = 0
+    groups_filtered: int = 0
+    groups_released: int = 0
+    samples: int = 0
+    engine_retries: int = 0
+
+
+class AgentSession:
+    def __init__(self, *, agent_id: str, incarnation: int, payload_address: str, concurrency_per_engine: int,
+                 coordinator: str = "", dataset_fingerprint: str = "", dataset_size: int = -1):
+        self.agent_id = agent_id
+        self.incarnation = incarnation
+        self.payload_address = payload_address
+        self.coordinator = coordinator
+        self.dataset_fingerprint = dataset_fingerprint
+        self.dataset_size = dataset_size
+        self.pool = GenerationPool(concurrency_per_engine)
+        self.engine_states: dict[str, str] = {}
+        self.all_retired = False
+        self.phase = Phase.DISCONNECTED
+        self.session = 0
+        self.config: RolloutConfig | None = None
+        self.heartbeat_interval = 1.0
+        self.ttl = 5.0
+        self.last_heard = 0.0
+        self.next_beat = 0.0
+        self.leases: dict[int, LeaseRecord] = {}
+        self.outbox: dict[str, OutboxEntry] = {}
+        self.max_lease = 0
+        self.paused = False
+        self.stopping = False
+        self.counters = Counters()
+        self.welcomes = 0  # sessions begun so far
+        self._register: p.Register | None = None
+        self._register_wait = FIRST_REGISTER_WAIT
+        self._register_deadline = math.inf
+        self._events = {
+            Connected: self._on_connected, MessageReceived: self._on_message, Tick: self._on_tick,
+            EnginesStarted: self._on_engines_started, EngineChanged: self._on_engine_changed,
+            EngineWanted: self._on_engine_wanted, GenerationEnded: self._on_generation_ended,
+            EngineFailed: self._on_engine_failed, LeaseScored: self._on_scored, LeaseFiltered: self._on_filtered,
+            LeaseCommitted: self._on_committed, LeaseFailed: self._on_failed, ShutdownRequested: self._on_shutdown,
+        }
+        self._messages = {
+            p.Grant: self._on_grant, p.ReceiptAck: self._on_ack, p.Control: self._on_control, p.Trim: self._on_trim,
+            p.Heartbeat: self._on_heartbeat, p.Fence: self._on_fence, p.Error: self._on_error,
+        }
+
+    def handle(self, event, now: float) -> list[Instruction]:
+        out: list[Instruction] = []
+        self._events[type(event)](event, now, out)
+        return out
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def next_tick_at(self) -> float:
+        """When the link must send the next ``Tick`` (register resend, heartbeat, TTL check)."""
+        if self.phase is Phase.REGISTERING:
+            return self._register_deadline
+        if self.phase is Phase.ACTIVE:
+            return min(self.next_beat, self.last_heard + self.ttl)
+        return math.inf
+
+    def capacity(self) -> int:
+        """Samples this node can generate at once (what the coordinator leases against)."""
+        return 0 if self.stopping else self.pool.capacity()
+
+    def engines(self) -> list[dict]:
+        return self.pool.describe({name: self.engine_states.get(name, "healthy") for name in self.pool.engines})
+
+    def awaiting_acks(self, now: float) -> bool:
+        """Receipts are unanswered and the coordinator still talks to us (shutdown waits for this)."""
+        return bool(self.outbox) and self.phase is Phase.ACTIVE and now - self.last_heard < 2 * self.heartbeat_interval
+
+    def stats(self, stored_groups: int) -> dict:
+        return {"groups_committed": self.counters.groups_committed, "groups_filtered": self.counters.groups_filtered,
+                "groups_released": self.counters.groups_released, "samples": self.counters.samples,
+                "engine_retries": self.counters.engine_retries, "in_flight": len(self.leases),
+                "capacity": self.pool.capacity(), "stored_groups": stored_groups}
+
+    # ------------------------------------------------------------------ link
+
+    def _send(self, msg: p.Message, out: list) -> None:
+        if self.phase is Phase.ACTIVE:
+            out.append(Send(msg))
+
+    def _on_connected(self, ev: Connected, now: float, out: list) -> None:
+        self.phase = Phase.REGISTERING
+        self.session = 0
+        for raw in ev.unacked:
+            try:
+                receipt = PendingReceipt.from_dict(raw)
+            except (KeyError, TypeError):
+                out.append(Log(logging.WARNING, f"agent {self.agent_id}: malformed receipt in the outbox: {raw!r}"))
+                continue
+            self.outbox.setdefault(receipt.key, OutboxEntry(receipt))
+        self._register = p.Register(
+            agent_id=self.agent_id,
+            incarnation=self.incarnation,
+            capacity=self.capacity(),
+            payload_address=self.payload_address,
+            engines=self.engines(),
+            unacked=list(ev.unacked),
+            in_flight=[[r.lease, r.data_epoch, r.index] for r in self.leases.values()],
+            dataset_fingerprint=self.dataset_fingerprint,
+            dataset_size=self.dataset_size,
+            stored=list(ev.stored),
+        )
+        self._register_wait = FIRST_REGISTER_WAIT
+        self._register_deadline = now + self._register_wait
+        out.append(Send(self._register))
+
+    def _on_tick(self, ev: Tick, now: float, out: list) -> None:
+        if self.phase is Phase.REGISTERING:
+            if now >= self._register_deadline:
+                out.append(Log(logging.INFO, f"agent {self.agent_id}: no answer from coordinator {self.coordinator} "
+                                             "yet; retrying"))
+                self._register_wait = min(self._register_wait * 2, MAX_REGISTER_WAIT)
+                self._register_deadline = now + self._register_wait
+                out.append(Send(self._register))  # the same Register: its lists match what was read with it
+            return
+        if self.phase is not Phase.ACTIVE:
+            return
+        if now >= self.next_beat:
+            out.append(Send(p.Heartbeat(self.session, self.stats(ev.stored_groups), list(self.leases),
+                                        self.max_lease)))
+            self.next_beat = now + self.heartbeat_interval
+            for entry in self.outbox.values():
+                # A lost ReceiptAck: the coordinator dedupes a resent receipt by its key.
+                if entry.sent_at is not None and now - entry.sent_at > self.ttl:
+                    out.append(Send(entry.receipt.to_message(self.session)))
+                    entry.sent_at = now
+        if now - self.last_heard > self.ttl:
+            self._end_session(f"coordinator silent for {now - self.last_heard:.1f}s (TTL {self.ttl}s)", out)
+
+    def _end_session(self, reason: str, out: list) -> None:
+        self.phase = Phase.DISCONNECTED
+        self.session = 0
+        out.append(CloseLink(reason) if self.stopping else Reconnect(reason))
+
+    def _on_message(self, ev: MessageReceived, now: float, out: list) -> None:
+        msg = ev.msg
+        if self.phase is Phase.REGISTERING:
+            if isinstance(msg, p.Welcome):
+                self._on_welcome(msg, now, out)
+            elif isinstance(msg, p.Error):
+                if msg.code in REFUSALS:
+                    out.append(Exit(f"coordinator refused agent {self.agent_id}: {msg.message}"))
+                else:
+                    out.append(Log(logging.ERROR, f"coordinator error during registration: {msg.message}"))
+            # Anything else belongs to a session we no longer have: dropped.
+            return
+        if self.phase is not Phase.ACTIVE:
+            return
+        self.last_heard = now
+        handler = self._messages.get(type(msg))
+        if handler is not None:
+            handler(msg, now, out)
+        # A second Welcome (an answer to a resent Register) is ignored: our session is the first one's.
+
+    def _on_welcome(self, msg: p.Welcome, now: float, out: list) -> None:
+        config = RolloutConfig.from_dict(msg.config)
+        if config != self.config:
+            out.append(Configure(config))
+            self.config = config
+        self.phase = Phase.ACTIVE
+        self.welcomes += 1
+        self.session = msg.session
+        self.heartbeat_interval = msg.heartbeat_interval
+        self.ttl = msg.ttl
+        self.last_heard = now
+        self.next_beat = now
+        for key, accepted in msg.acks:
+            out.append(AckReceipt(key, accepted))
+            self.outbox.pop(key, None)
+        # Receipts committed while we registered (or sent under the old session)
+        # were not answered by this Welcome: send every one again.
+        for entry in self.outbox.values():
+            out.append(Send(entry.receipt.to_message(self.session)))
+            entry.sent_at = now
+        for lease in msg.cancel:
+            self._forget(lease, out)
+        self._set_paused(msg.paused, False, out)
+        out.append(Log(logging.INFO, f"agent {self.agent_id}: registered (session {self.session:x}, capacity "
+                                     f"{self.pool.capacity()} samples, {len(msg.acks)} receipts recovered)"))
+
+    def _on_ack(self, msg: p.ReceiptAck, now: float, out: list) -> None:
+        self.outbox.pop(msg.key, None)
+        if not msg.accepted:
+            out.append(Log(logging.INFO, f"coordinator refused group {msg.key} ({msg.reason}); deleting it"))
+        # Unknown keys are acknowledged too: the store may hold a receipt we never sent (a cancelled commit).
+        out.append(AckReceipt(msg.key, msg.accepted))
+
+    def _on_control(self, msg: p.Control, now: float, out: list) -> None:
+        if msg.action == "pause":
+            self._set_paused(True, msg.abort, out)
+        elif msg.action == "resume":
+            self._set_paused(False, False, out)
+
+    def _on_trim(self, msg: p.Trim, now: float, out: list) -> None:
+        out.append(TrimGroups(tuple(msg.keys)))
+
+    def _on_heartbeat(self, msg: p.Heartbeat, now: float, out: list) -> None:
+        if msg.session != self.session:
+            return
+        # Repairs a lost Grant (our next heartbeat lists what we hold, so grants
+        # we never saw are released) and a lost pause/resume.
+        self.max_lease = max(self.max_lease, int(msg.stats.get("max_lease", 0) or 0))
+        paused = bool(msg.stats.get("paused", self.paused))
+        if paused != self.paused:
+            self._set_paused(paused, False, out)
+
+    def _on_fence(self, msg: p.Fence, now: float, out: list) -> None:
+        self._end_session(f"fenced: {msg.reason}", out)
+
+    def _on_error(self, msg: p.Error, now: float, out: list) -> None:
+        out.append(Log(logging.ERROR, f"coordinator error: [{msg.code}] {msg.message}"))
+
+    # ------------------------------------------------------------------ pause, engines, shutdown
+
+    def _set_paused(self, paused: bool, abort: bool, out: list) -> None:
+        self.paused = paused
+        if not paused:
+            return
+        for rec in list(self.leases.values()):
+            if rec.state in NOT_ON_ENGINE:
+                self._release(rec, "aborted by pause", out)
+            elif abort and rec.state is LeaseState.GENERATING:
+                rec.aborting = True
+                out.append(AbortRequests(rec.url, rec.request_ids))
+
+    def _on_engines_started(self, ev: EnginesStarted, now: float, out: list) -> None:
+        for name, url in ev.engines:
+            self.engine_states[name] = "healthy"
+            self.pool.set_engine(name, url, True)
+
+    def _on_engine_changed(self, ev: EngineChanged, now: float, out: list) -> None:
+        self.engine_states[ev.name] = ev.state
+        self.all_retired = ev.all_retired
+        changed = self.pool.set_engine(ev.name, ev.url, ev.state == "healthy")
+        out.append(Log(logging.INFO if ev.state == "healthy" else logging.WARNING,
+                       f"agent {self.agent_id}: engine {ev.name} is {ev.state} "
+                       f"(capacity now {self.pool.capacity()} samples)"))
+        if changed or ev.state == "retired":
+            self._send(p.Capacity(self.session, self.capacity(), self.engines()), out)
+        for rec in [r for r in self.leases.values() if r.state is LeaseState.WAITING]:
+            self._next_engine(rec, out)
+
+    def _on_shutdown(self, ev: ShutdownRequested, now: float, out: list) -> None:
+        self.stopping = True
+        self._send(p.Capacity(self.session, 0, self.engines()), out)
+        generating = [lease for lease, rec in self.leases.items() if rec.state is not LeaseState.COMMITTING]
+        for lease in generating:
+            self._forget(lease, out)
+        if generating:
+            self._send(p.Release(self.session, generating, "agent shutting down"), out)
+
+    # ------------------------------------------------------------------ leases
+
+    def _on_grant(self, msg: p.Grant, now: float, out: list) -> None:
+        if msg.session != self.session:
+            return
+        grants = []
+        for grant in msg.leases:
+            try:
+                lease, epoch, index = grant["lease"], grant["data_epoch"], grant["index"]
+            except (KeyError, TypeError):
+                out.append(Log(logging.ERROR, f"malformed grant from the coordinator: {grant!r}"))
+                continue
+            self.max_lease = max(self.max_lease, lease)
+            grants.append((lease, epoch, index, grant))
+        if self.stopping:
+            if grants:
+                self._send(p.Release(self.session, [g[0] for g in grants], "agent shutting down"), out)
+            return
+        for lease, epoch, index, grant in grants:
+            if lease in self.leases:
+                continue  # a duplicate grant: the lease already runs
+            if self.paused:
+                # Generating now would stall a pause(drain=True); the coordinator reissues it on resume.
+                self.counters.groups_released += 1
+                self._send(p.Release(self.session, [lease], "aborted by pause"), out)
+                continue
+            self.leases[lease] = LeaseRecord(lease, epoch, index)
+            out.append(StartLease(lease, grant))
+
+    def _on_engine_wanted(self, ev: EngineWanted, now: float, out: list) -> None:
+        rec = self.leases.get(ev.lease)
+        if rec is not None and rec.state in NOT_ON_ENGINE:
+            self._next_engine(rec, out)
+
+    def _next_engine(self, rec: LeaseRecord, out: list) -> None:
+        if rec.aborting or self.paused:
+            # Not on an engine while paused: give it back, a pause(drain=True) must not wait for it.
+            self._release(rec, "aborted by pause", out)
+        else:
+            self._assign(rec, out)
+
+    def _assign(self, rec: LeaseRecord, out: list) -> None:
+        slot = self.pool.pick()
+        if slot is None:
+            if self.all_retired:
+                self._release(rec, f"no engine left on agent {self.agent_id}", out)
+            else:
+                rec.state = LeaseState.WAITING
+            return
+        n = self.config.n_samples_per_prompt
+        rec.request_ids = tuple(f"rf-{rec.lease:016x}-{rec.attempts:03d}-{i:04d}" for i in range(n))
+        rec.attempts += 1
+        rec.engine, rec.url, rec.samples = slot.name, slot.url, n
+        rec.state = LeaseState.GENERATING
+        self.pool.start(slot, n)
+        out.append(AssignEngine(rec.lease, slot.name, slot.url, rec.request_ids))
+
+    def _free(self, rec: LeaseRecord) -> None:
+        """Give back the lease's pool slots, if it holds any."""
+        if rec.engine is not None:
+            slot = self.pool.engines.get(rec.engine)
+            if slot is not None:
+                self.pool.finish(slot, rec.samples)
+            rec.engine, rec.url, rec.request_ids, rec.samples = None, "", (), 0
+
+    def _on_generation_ended(self, ev: GenerationEnded, now: float, out: list) -> None:
+        rec = self.leases.get(ev.lease)
+        if rec is None or rec.state is not LeaseState.GENERATING:
+            return
+        self._free(rec)
+        if ev.aborted:
+            self._next_engine(rec, out)  # aborted by the engine itself (e.g. its own pause): generate again
+        else:
+            rec.state = LeaseState.SCORING
+
+    def _on_engine_failed(self, ev: EngineFailed, now: float, out: list) -> None:
+        rec = self.leases.get(ev.lease)
+        if rec is None or rec.state is not LeaseState.GENERATING:
+            return
+        engine = rec.engine
+        self._free(rec)
+        rec.state = LeaseState.RETRYING
+        self.counters.engine_retries += 1
+        out.append(Log(logging.WARNING,
+                       f"lease {rec.lease:x}: engine {engine} failed ({ev.reason}); retrying on another engine"))
+        out.append(ReportEngineFailure(engine, ev.reason))
+        if self.pool.set_engine(engine, None, False):
+            self._send(p.Capacity(self.session, self.capacity(), self.engines()), out)
+
+    def _on_scored(self, ev: LeaseScored, now: float, out: list) -> None:
+        rec = self.leases.get(ev.lease)
+        if rec is not None:
+            rec.state = LeaseState.COMMITTING
+            self.counters.samples += ev.n_samples
+
+    def _on_filtered(self, ev: LeaseFiltered, now: float, out: list) -> None:
+        rec = self.leases.pop(ev.lease, None)
+        if rec is None:
+            return
+        self.counters.groups_filtered += 1
+        self._send(p.Filtered(self.session, rec.lease, rec.data_epoch, rec.index, ev.reason, ev.stats), out)
+
+    def _on_committed(self, ev: LeaseCommitted, now: float, out: list) -> None:
+        # Reported even if the lease was forgotten meanwhile: the group is durable, the coordinator decides.
+        self.leases.pop(ev.lease, None)
+        self.counters.groups_committed += 1
+        entry = self.outbox[ev.receipt.key] = OutboxEntry(ev.receipt)
+        if self.phase is Phase.ACTIVE:
+            out.append(Send(ev.receipt.to_message(self.session)))
+            entry.sent_at = now
+
+    def _on_failed(self, ev: LeaseFailed, now: float, out: list) -> None:
+        rec = self.leases.pop(ev.lease, None)
+        if rec is None:
+            return
+        self._free(rec)
+        # "failed" tells the coordinator to count it: a prompt that keeps failing is filtered.
+        self._send(p.Release(self.session, [rec.lease], f"failed: {ev.error}"), out)
+
+    def _release(self, rec: LeaseRecord, reason: str, out: list) -> None:
+        """Give an unfinished lease back to the coordinator and stop its runner."""
+        self._forget(rec.lease, out)
+        self.counters.groups_released += 1
+        self._send(p.Release(self.session, [rec.lease], reason), out)
+
+    def _forget(self, lease: int, out: list) -> None:
+        rec = self.leases.pop(lease, None)
+        if rec is not None:
+            self._free(rec)
+            out.append(CancelLease(lease))
