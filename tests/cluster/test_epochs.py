@@ -68,7 +68,9 @@ def test_epochs_close_with_every_prompt_delivered_or_filtered_once(make_cluster,
     """
     (tmp_path / "rollfleet_epoch_filter.py").write_text(FILTER)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the coordinator and agent import the filter
-    cluster = make_cluster(dataset=write_marked_dataset(tmp_path), dynamic_filter="rollfleet_epoch_filter:keep_unmarked")
+    cluster = make_cluster(
+        dataset=write_marked_dataset(tmp_path), dynamic_filter="rollfleet_epoch_filter:keep_unmarked"
+    )
     cluster.start_coordinator("--shuffle-seed", "3")
     cluster.start_agent("a1", sim_args=FAST)
     kept = {i for i in range(ROWS) if not marked(i)}
@@ -85,7 +87,9 @@ def test_epochs_close_with_every_prompt_delivered_or_filtered_once(make_cluster,
     s = cluster.status()
     for epoch in range(3):
         delivered = {i for e, i in seen if e == epoch}
-        assert delivered == kept, f"epoch {epoch}: missing {sorted(kept - delivered)}, filtered yet delivered {sorted(delivered - kept)}"
+        assert delivered == kept, (
+            f"epoch {epoch}: missing {sorted(kept - delivered)}, filtered yet delivered {sorted(delivered - kept)}"
+        )
     assert {i for e, i in seen if e >= 3} <= kept
     assert all(e >= 3 for e in s["data_epochs"]), s["data_epochs"]
     assert sum(s["prompts"].values()) == ROWS * len(s["data_epochs"]), "closed epochs are still held"

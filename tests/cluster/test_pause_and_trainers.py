@@ -105,8 +105,11 @@ def test_pause_drain_commits_groups_in_flight_and_abort_gives_them_back(make_clu
     seen: dict = {}
     with cluster.client(timeout=30) as client:
         # The prefetch (one batch) puts prompts 0..7 on the engine before any generate().
-        wait_for(lambda: engine_running(cluster, "a1") == 32 and cluster.status()["leased"] == 8, 30,
-                 "prompts 0..7 to be generating on the engine")
+        wait_for(
+            lambda: engine_running(cluster, "a1") == 32 and cluster.status()["leased"] == 8,
+            30,
+            "prompts 0..7 to be generating on the engine",
+        )
         client.pause(drain=True)
         s = cluster.status()
         assert s["paused"] and s["leased"] == 0
@@ -116,8 +119,11 @@ def test_pause_drain_commits_groups_in_flight_and_abort_gives_them_back(make_clu
         assert check_batch(cluster, client.generate(0), seen) == set(range(8))
 
         # generate(0) took the prefetched groups, so prompts 8..15 are on the engine now.
-        wait_for(lambda: engine_running(cluster, "a1") == 32 and cluster.status()["leased"] == 8, 30,
-                 "prompts 8..15 to be generating on the engine")
+        wait_for(
+            lambda: engine_running(cluster, "a1") == 32 and cluster.status()["leased"] == 8,
+            30,
+            "prompts 8..15 to be generating on the engine",
+        )
         assert cluster.status()["ready"] == 0
         client.pause(drain=True, abort=True)
         s = cluster.status()
@@ -192,8 +198,9 @@ def test_payload_missing_on_a_live_node_is_replaced_and_regenerated_once(make_cl
         first = client.generate(0)
         batch0 = check_batch(cluster, first, seen)
         # Settled at the prefetch bound: the 8 ready groups are exactly the next batch.
-        wait_for(lambda: (lambda s: s["ready"] == 8 and s["leased"] == 0)(cluster.status()), 30,
-                 "the prefetch to be ready")
+        wait_for(
+            lambda: (lambda s: s["ready"] == 8 and s["leased"] == 0)(cluster.status()), 30, "the prefetch to be ready"
+        )
         ready = sorted(k for k in stored_keys(cluster, "a1") if prompt_of(k)[1] not in batch0)
         assert len(ready) == 8, ready
         lost = ready[0]
