@@ -144,8 +144,8 @@ def test_pause_drain_commits_groups_in_flight_and_abort_gives_them_back(make_clu
 
 
 def test_second_trainer_fences_the_first_whose_generate_was_waiting(make_cluster):
-    """A trainer's generate() waits (no agent yet); a second trainer attaches. The first gets
-    ``Fenced`` at once, stays fenced (later calls too, and its close() does not detach the
+    """A trainer's generate() waits (no agent yet); a second trainer attaches. The first's waiting
+    call raises ``Fenced``; it stays fenced (later calls too, and its close() does not detach the
     second), and the second gets every batch; no batch reaches the first.
 
     Red if: the waiting call is dropped (it hangs: ``result`` times out) or served; the fenced
