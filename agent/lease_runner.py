@@ -25,13 +25,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any, Callable
+from typing import Any
 
 from agent.engine_client import EngineClient, sample_status
-from agent.events import (AssignEngine, EngineFailed, EngineWanted, GenerationEnded, LeaseCommitted, LeaseFailed,
-                          LeaseFiltered, LeaseScored, PendingReceipt)
+from agent.events import (
+    AssignEngine,
+    EngineFailed,
+    EngineWanted,
+    GenerationEnded,
+    LeaseCommitted,
+    LeaseFailed,
+    LeaseFiltered,
+    LeaseScored,
+    PendingReceipt,
+)
 from agent.store import GroupStore
 from common.config import RolloutConfig
 from common.errors import EngineError, EngineUnavailable, RolloutError, StateError
@@ -115,7 +125,7 @@ class LeaseRunner:
         results = await self._generate(input_ids)
         gen_seconds = time.monotonic() - started
         samples = [self._sample(out, input_ids, label, metadata) for out in results]
-        for sample, reward in zip(samples, await ctx.reward.score(samples)):
+        for sample, reward in zip(samples, await ctx.reward.score(samples), strict=True):
             sample.reward = float(reward)
         verdict = await ctx.filter.check(samples)
         self._dispatch(LeaseScored(lease, len(samples)))

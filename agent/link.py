@@ -25,7 +25,7 @@ import functools
 import logging
 import random
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio

@@ -3,7 +3,8 @@
 A ZeroMQ ROUTER answers ``Fetch`` with a ``Payloads`` header frame followed
 by the stored bytes of each found group, unmodified (no re-encoding). The
 coordinator never carries payloads, so it is never a bandwidth bottleneck.
-Bad requests get an ``Error`` reply; the server keeps serving.
+Bad requests get an ``Error`` reply; the server keeps serving. Every fetch
+runs as a task of the server's own task group: cancelling ``serve`` ends them.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ class PayloadServer:
         self.served = 0
 
     async def serve(self) -> None:
-        tasks: set[asyncio.Task] = set()
-        try:
+        """Answer fetches until cancelled; each fetch is a task of its own, owned here."""
+        async with asyncio.TaskGroup() as tg:
             while True:
                 frames = await self.sock.recv_multipart(copy=True)
                 if len(frames) < 2:
@@ -50,19 +51,17 @@ class PayloadServer:
                 except ProtocolError as exc:
                     self._send(peer, [p.encode(p.Error("bad_request", str(exc), p.peek_req(frame)))])
                     continue
-                task = asyncio.create_task(self._answer(peer, msg), name=f"fetch-{msg.req}")
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-        finally:
-            for t in tasks:
-                t.cancel()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
+                tg.create_task(self._answer(peer, msg), name=f"fetch-{msg.req}")
 
     async def _answer(self, peer: bytes, msg: p.Fetch) -> None:
-        values = await self.store.get_many(msg.keys)
+        try:
+            values = await self.store.get_many(msg.keys)
+        except Exception as exc:
+            # One failed read fails this fetch, not the endpoint: no reply, the trainer resends.
+            log.error("reading %d group(s) for a trainer's fetch failed: %s", len(msg.keys), exc)
+            return
         found, missing, frames = [], [], []
-        for key, value in zip(msg.keys, values):
+        for key, value in zip(msg.keys, values, strict=True):
             if value is None:
                 missing.append(key)
             else:
@@ -73,7 +72,11 @@ class PayloadServer:
 
     def _send(self, peer: bytes, frames: list[bytes]) -> None:
         # Peer gone (ROUTER_MANDATORY) or at its HWM: the trainer resends its fetch.
-        send_nowait(self.sock, [peer, *frames], lambda exc: log.warning("payload reply to a trainer failed: %s", exc), copy=len(frames) < 3)
+        send_nowait(self.sock, [peer, *frames], _reply_failed, copy=len(frames) < 3)
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+def _reply_failed(exc: BaseException) -> None:
+    log.warning("payload reply to a trainer failed: %s", exc)

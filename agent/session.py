@@ -3,8 +3,9 @@
 ``AgentSession.handle(event, now) -> list[Instruction]``: no sockets, no event
 loop, no clock (``now`` is passed in, ``time.monotonic()`` in production). The
 shell feeds it the events of agent/events.py and carries out the instructions
-it returns, in order; it keeps one record per lease (``LeaseRecord``), the
-generation pool, and the receipts the coordinator has not answered yet.
+it returns, in order. It keeps the lease table (agent/leases.py: one
+``LeaseRecord`` per lease, the generation pool) and the receipts the
+coordinator has not answered yet (the outbox).
 
 Link phases::
 
@@ -46,12 +47,37 @@ import logging
 import math
 from dataclasses import dataclass
 
-from agent.events import (AbortRequests, AckReceipt, AssignEngine, CancelLease, CloseLink, Configure, Connected,
-                          EngineChanged, EngineFailed, EnginesStarted, EngineWanted, Exit, GenerationEnded,
-                          Instruction, LeaseCommitted, LeaseFailed, LeaseFiltered, LeaseScored, Log, MessageReceived,
-                          PendingReceipt, Reconnect, ReportEngineFailure, Send, ShutdownRequested, StartLease, Tick,
-                          TrimGroups)
-from agent.pool import GenerationPool
+from agent.events import (
+    AbortRequests,
+    AckReceipt,
+    CancelLease,
+    CloseLink,
+    Configure,
+    Connected,
+    EngineChanged,
+    EngineFailed,
+    EnginesStarted,
+    EngineWanted,
+    Exit,
+    GenerationEnded,
+    Instruction,
+    LeaseCommitted,
+    LeaseFailed,
+    LeaseFiltered,
+    LeaseScored,
+    Log,
+    MessageReceived,
+    PendingReceipt,
+    Reconnect,
+    ReportEngineFailure,
+    Send,
+    ShutdownRequested,
+    StartLease,
+    Tick,
+    TrimGroups,
+)
+from agent.leases import NOT_ON_ENGINE, LeaseRecord, LeaseState, LeaseTable
+from agent.outbox import Outbox
 from common import protocol as p
 from common.config import RolloutConfig
 
@@ -67,40 +93,6 @@ class Phase(enum.Enum):
     DISCONNECTED = "disconnected"
     REGISTERING = "registering"
     ACTIVE = "active"
-
-
-class LeaseState(enum.Enum):
-    STARTING = "starting"  # runner started, no engine asked for yet
-    WAITING = "waiting"  # no healthy engine: assigned when one comes back
-    GENERATING = "generating"  # requests on an engine; holds pool slots
-    RETRYING = "retrying"  # its engine failed; the runner asks again shortly
-    SCORING = "scoring"  # generated; reward and filter running
-    COMMITTING = "committing"  # past generation: committing and reporting; shutdown lets it finish
-
-
-NOT_ON_ENGINE = (LeaseState.STARTING, LeaseState.WAITING, LeaseState.RETRYING)
-
-
-@dataclass(slots=True)
-class LeaseRecord:
-    """Everything the agent knows about one lease it holds."""
-
-    lease: int
-    data_epoch: int
-    index: int
-    state: LeaseState = LeaseState.STARTING
-    engine: str | None = None
-    url: str = ""
-    request_ids: tuple[str, ...] = ()
-    samples: int = 0  # pool slots held on ``engine``
-    attempts: int = 0  # engine assignments so far (names the request ids)
-    aborting: bool = False  # a pause-with-abort aborted its requests
-
-
-@dataclass(slots=True)
-class OutboxEntry:
-    receipt: PendingReceipt
-    sent_at: float | None = None  # under the current session; None: not sent yet
 
 
 @dataclass(slots=True)
@@ -121,9 +113,6 @@ class AgentSession:
         self.coordinator = coordinator
         self.dataset_fingerprint = dataset_fingerprint
         self.dataset_size = dataset_size
-        self.pool = GenerationPool(concurrency_per_engine)
-        self.engine_states: dict[str, str] = {}
-        self.all_retired = False
         self.phase = Phase.DISCONNECTED
         self.session = 0
         self.config: RolloutConfig | None = None
@@ -131,8 +120,8 @@ class AgentSession:
         self.ttl = 5.0
         self.last_heard = 0.0
         self.next_beat = 0.0
-        self.leases: dict[int, LeaseRecord] = {}
-        self.outbox: dict[str, OutboxEntry] = {}
+        self.leases = LeaseTable(concurrency_per_engine)
+        self.outbox = Outbox()
         self.max_lease = 0
         self.paused = False
         self.stopping = False
@@ -171,10 +160,10 @@ class AgentSession:
 
     def capacity(self) -> int:
         """Samples this node can generate at once (what the coordinator leases against)."""
-        return 0 if self.stopping else self.pool.capacity()
+        return 0 if self.stopping else self.leases.capacity()
 
     def engines(self) -> list[dict]:
-        return self.pool.describe({name: self.engine_states.get(name, "healthy") for name in self.pool.engines})
+        return self.leases.engines()
 
     def awaiting_acks(self, now: float) -> bool:
         """Receipts are unanswered and the coordinator still talks to us (shutdown waits for this)."""
@@ -184,7 +173,7 @@ class AgentSession:
         return {"groups_committed": self.counters.groups_committed, "groups_filtered": self.counters.groups_filtered,
                 "groups_released": self.counters.groups_released, "samples": self.counters.samples,
                 "engine_retries": self.counters.engine_retries, "in_flight": len(self.leases),
-                "capacity": self.pool.capacity(), "stored_groups": stored_groups}
+                "capacity": self.leases.capacity(), "stored_groups": stored_groups}
 
     # ------------------------------------------------------------------ link
 
@@ -201,7 +190,7 @@ class AgentSession:
             except (KeyError, TypeError):
                 out.append(Log(logging.WARNING, f"agent {self.agent_id}: malformed receipt in the outbox: {raw!r}"))
                 continue
-            self.outbox.setdefault(receipt.key, OutboxEntry(receipt))
+            self.outbox.recover(receipt)
         self._register = p.Register(
             agent_id=self.agent_id,
             incarnation=self.incarnation,
@@ -209,7 +198,7 @@ class AgentSession:
             payload_address=self.payload_address,
             engines=self.engines(),
             unacked=list(ev.unacked),
-            in_flight=[[r.lease, r.data_epoch, r.index] for r in self.leases.values()],
+            in_flight=[[r.lease, r.data_epoch, r.index] for r in self.leases.records()],
             dataset_fingerprint=self.dataset_fingerprint,
             dataset_size=self.dataset_size,
             stored=list(ev.stored),
@@ -233,11 +222,8 @@ class AgentSession:
             out.append(Send(p.Heartbeat(self.session, self.stats(ev.stored_groups), list(self.leases),
                                         self.max_lease)))
             self.next_beat = now + self.heartbeat_interval
-            for entry in self.outbox.values():
-                # A lost ReceiptAck: the coordinator dedupes a resent receipt by its key.
-                if entry.sent_at is not None and now - entry.sent_at > self.ttl:
-                    out.append(Send(entry.receipt.to_message(self.session)))
-                    entry.sent_at = now
+            for receipt in self.outbox.due(now, self.ttl):  # a lost ReceiptAck
+                out.append(Send(receipt.to_message(self.session)))
         if now - self.last_heard > self.ttl:
             self._end_session(f"coordinator silent for {now - self.last_heard:.1f}s (TTL {self.ttl}s)", out)
 
@@ -280,20 +266,19 @@ class AgentSession:
         self.next_beat = now
         for key, accepted in msg.acks:
             out.append(AckReceipt(key, accepted))
-            self.outbox.pop(key, None)
+            self.outbox.answer(key)
         # Receipts committed while we registered (or sent under the old session)
         # were not answered by this Welcome: send every one again.
-        for entry in self.outbox.values():
-            out.append(Send(entry.receipt.to_message(self.session)))
-            entry.sent_at = now
+        for receipt in self.outbox.send_all(now):
+            out.append(Send(receipt.to_message(self.session)))
         for lease in msg.cancel:
             self._forget(lease, out)
         self._set_paused(msg.paused, False, out)
         out.append(Log(logging.INFO, f"agent {self.agent_id}: registered (session {self.session:x}, capacity "
-                                     f"{self.pool.capacity()} samples, {len(msg.acks)} receipts recovered)"))
+                                     f"{self.leases.capacity()} samples, {len(msg.acks)} receipts recovered)"))
 
     def _on_ack(self, msg: p.ReceiptAck, now: float, out: list) -> None:
-        self.outbox.pop(msg.key, None)
+        self.outbox.answer(msg.key)
         if not msg.accepted:
             out.append(Log(logging.INFO, f"coordinator refused group {msg.key} ({msg.reason}); deleting it"))
         # Unknown keys are acknowledged too: the store may hold a receipt we never sent (a cancelled commit).
@@ -330,7 +315,7 @@ class AgentSession:
         self.paused = paused
         if not paused:
             return
-        for rec in list(self.leases.values()):
+        for rec in self.leases.records():
             if rec.state in NOT_ON_ENGINE:
                 self._release(rec, "aborted by pause", out)
             elif abort and rec.state is LeaseState.GENERATING:
@@ -339,25 +324,23 @@ class AgentSession:
 
     def _on_engines_started(self, ev: EnginesStarted, now: float, out: list) -> None:
         for name, url in ev.engines:
-            self.engine_states[name] = "healthy"
-            self.pool.set_engine(name, url, True)
+            self.leases.set_engine(name, "healthy", url)
 
     def _on_engine_changed(self, ev: EngineChanged, now: float, out: list) -> None:
-        self.engine_states[ev.name] = ev.state
-        self.all_retired = ev.all_retired
-        changed = self.pool.set_engine(ev.name, ev.url, ev.state == "healthy")
+        self.leases.all_retired = ev.all_retired
+        changed = self.leases.set_engine(ev.name, ev.state, ev.url)
         out.append(Log(logging.INFO if ev.state == "healthy" else logging.WARNING,
                        f"agent {self.agent_id}: engine {ev.name} is {ev.state} "
-                       f"(capacity now {self.pool.capacity()} samples)"))
+                       f"(capacity now {self.leases.capacity()} samples)"))
         if changed or ev.state == "retired":
             self._send(p.Capacity(self.session, self.capacity(), self.engines()), out)
-        for rec in [r for r in self.leases.values() if r.state is LeaseState.WAITING]:
+        for rec in self.leases.records(LeaseState.WAITING):
             self._next_engine(rec, out)
 
     def _on_shutdown(self, ev: ShutdownRequested, now: float, out: list) -> None:
         self.stopping = True
         self._send(p.Capacity(self.session, 0, self.engines()), out)
-        generating = [lease for lease, rec in self.leases.items() if rec.state is not LeaseState.COMMITTING]
+        generating = [rec.lease for rec in self.leases.records() if rec.state is not LeaseState.COMMITTING]
         for lease in generating:
             self._forget(lease, out)
         if generating:
@@ -389,7 +372,7 @@ class AgentSession:
                 self.counters.groups_released += 1
                 self._send(p.Release(self.session, [lease], "aborted by pause"), out)
                 continue
-            self.leases[lease] = LeaseRecord(lease, epoch, index)
+            self.leases.add(lease, epoch, index)
             out.append(StartLease(lease, grant))
 
     def _on_engine_wanted(self, ev: EngineWanted, now: float, out: list) -> None:
@@ -405,34 +388,19 @@ class AgentSession:
             self._assign(rec, out)
 
     def _assign(self, rec: LeaseRecord, out: list) -> None:
-        slot = self.pool.pick()
-        if slot is None:
-            if self.all_retired:
-                self._release(rec, f"no engine left on agent {self.agent_id}", out)
-            else:
-                rec.state = LeaseState.WAITING
-            return
-        n = self.config.n_samples_per_prompt
-        rec.request_ids = tuple(f"rf-{rec.lease:016x}-{rec.attempts:03d}-{i:04d}" for i in range(n))
-        rec.attempts += 1
-        rec.engine, rec.url, rec.samples = slot.name, slot.url, n
-        rec.state = LeaseState.GENERATING
-        self.pool.start(slot, n)
-        out.append(AssignEngine(rec.lease, slot.name, slot.url, rec.request_ids))
-
-    def _free(self, rec: LeaseRecord) -> None:
-        """Give back the lease's pool slots, if it holds any."""
-        if rec.engine is not None:
-            slot = self.pool.engines.get(rec.engine)
-            if slot is not None:
-                self.pool.finish(slot, rec.samples)
-            rec.engine, rec.url, rec.request_ids, rec.samples = None, "", (), 0
+        assignment = self.leases.assign(rec, self.config.n_samples_per_prompt)
+        if assignment is not None:
+            out.append(assignment)
+        elif self.leases.all_retired:
+            self._release(rec, f"no engine left on agent {self.agent_id}", out)
+        else:
+            rec.state = LeaseState.WAITING
 
     def _on_generation_ended(self, ev: GenerationEnded, now: float, out: list) -> None:
         rec = self.leases.get(ev.lease)
         if rec is None or rec.state is not LeaseState.GENERATING:
             return
-        self._free(rec)
+        self.leases.free(rec)
         if ev.aborted:
             self._next_engine(rec, out)  # aborted by the engine itself (e.g. its own pause): generate again
         else:
@@ -443,13 +411,13 @@ class AgentSession:
         if rec is None or rec.state is not LeaseState.GENERATING:
             return
         engine = rec.engine
-        self._free(rec)
+        self.leases.free(rec)
         rec.state = LeaseState.RETRYING
         self.counters.engine_retries += 1
         out.append(Log(logging.WARNING,
                        f"lease {rec.lease:x}: engine {engine} failed ({ev.reason}); retrying on another engine"))
         out.append(ReportEngineFailure(engine, ev.reason))
-        if self.pool.set_engine(engine, None, False):
+        if self.leases.mark_failed(engine):
             self._send(p.Capacity(self.session, self.capacity(), self.engines()), out)
 
     def _on_scored(self, ev: LeaseScored, now: float, out: list) -> None:
@@ -459,7 +427,7 @@ class AgentSession:
             self.counters.samples += ev.n_samples
 
     def _on_filtered(self, ev: LeaseFiltered, now: float, out: list) -> None:
-        rec = self.leases.pop(ev.lease, None)
+        rec = self.leases.pop(ev.lease)
         if rec is None:
             return
         self.counters.groups_filtered += 1
@@ -467,18 +435,18 @@ class AgentSession:
 
     def _on_committed(self, ev: LeaseCommitted, now: float, out: list) -> None:
         # Reported even if the lease was forgotten meanwhile: the group is durable, the coordinator decides.
-        self.leases.pop(ev.lease, None)
+        self.leases.pop(ev.lease)
         self.counters.groups_committed += 1
-        entry = self.outbox[ev.receipt.key] = OutboxEntry(ev.receipt)
         if self.phase is Phase.ACTIVE:
             out.append(Send(ev.receipt.to_message(self.session)))
-            entry.sent_at = now
+            self.outbox.add(ev.receipt, now)
+        else:
+            self.outbox.add(ev.receipt, None)
 
     def _on_failed(self, ev: LeaseFailed, now: float, out: list) -> None:
-        rec = self.leases.pop(ev.lease, None)
+        rec = self.leases.pop(ev.lease)
         if rec is None:
             return
-        self._free(rec)
         # "failed" tells the coordinator to count it: a prompt that keeps failing is filtered.
         self._send(p.Release(self.session, [rec.lease], f"failed: {ev.error}"), out)
 
@@ -489,7 +457,5 @@ class AgentSession:
         self._send(p.Release(self.session, [rec.lease], reason), out)
 
     def _forget(self, lease: int, out: list) -> None:
-        rec = self.leases.pop(lease, None)
-        if rec is not None:
-            self._free(rec)
+        if self.leases.pop(lease) is not None:
             out.append(CancelLease(lease))

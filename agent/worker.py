@@ -33,9 +33,24 @@ from pathlib import Path
 import zmq.asyncio
 
 from agent.engine_client import EngineClient
-from agent.events import (AbortRequests, AckReceipt, AssignEngine, CancelLease, CloseLink, Configure, EngineChanged,
-                          EnginesStarted, Exit, Log, Reconnect, ReportEngineFailure, Send, ShutdownRequested,
-                          StartLease, TrimGroups)
+from agent.events import (
+    AbortRequests,
+    AckReceipt,
+    AssignEngine,
+    CancelLease,
+    CloseLink,
+    Configure,
+    EngineChanged,
+    EnginesStarted,
+    Exit,
+    Log,
+    Reconnect,
+    ReportEngineFailure,
+    Send,
+    ShutdownRequested,
+    StartLease,
+    TrimGroups,
+)
 from agent.lease_runner import LeaseContext, LeaseRunner
 from agent.link import AgentExit, CoordinatorLink
 from agent.payload_server import PayloadServer

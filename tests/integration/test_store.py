@@ -10,7 +10,8 @@ from agent.store import GroupStore
 def test_commit_keeps_outbox_until_ack_and_refused_groups_are_deleted(tmp_path):
     async def run():
         store = GroupStore(tmp_path, agent_id="n1")
-        await asyncio.gather(*(store.commit(f"0:{i}:1", f"payload{i}".encode(), {"key": f"0:{i}:1", "index": i}) for i in range(5)))
+        await asyncio.gather(*(store.commit(f"0:{i}:1", f"payload{i}".encode(), {"key": f"0:{i}:1", "index": i})
+                               for i in range(5)))
         assert sorted(r["index"] for r in store.unacked()) == [0, 1, 2, 3, 4]
         await store.ack("0:0:1", True)
         await store.ack("0:1:1", False)
@@ -47,8 +48,8 @@ def test_a_data_dir_serves_one_process_at_a_time(tmp_path):
 
     first = GroupStore(tmp_path)
     try:
-        out = subprocess.run([sys.executable, "-c", f"from agent.store import GroupStore; GroupStore({str(tmp_path)!r})"],
-                             capture_output=True, text=True, timeout=60)
+        script = f"from agent.store import GroupStore; GroupStore({str(tmp_path)!r})"
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
         assert out.returncode != 0 and "is in use by pid" in out.stderr
     finally:
         first.close()
