@@ -468,6 +468,16 @@ def test_pause_with_abort_aborts_the_requests_on_engines_and_releases_their_leas
     assert in_flight(s) == 0 and s.counters.groups_released == 1
 
 
+def test_a_group_aborted_by_a_pause_is_given_back_even_if_resumed_before_it_came_back():
+    s = make_session()
+    join(s)
+    start(s, 1)
+    recv(s, p.Control("pause", abort=True))
+    recv(s, p.Control("resume"))
+    out = s.handle(GenerationEnded(1, aborted=True), 0.1)
+    assert sent(out) == [p.Release(7, [1], "aborted by pause")] and not of(out, AssignEngine)
+
+
 def test_an_abort_that_came_too_late_lets_the_finished_group_commit():
     s = make_session()
     join(s)
