@@ -165,7 +165,7 @@ class CoordinatorCore:
     def statistics(self) -> CoordinatorStats:
         batches, trainer = self.batches, self.trainer
         agents = {
-            r.agent_id: AgentStats(r.status, r.capacity, len(r.leases), tuple(dict(e) for e in r.engines))
+            r.agent_id: AgentStats(r.status, r.capacity, len(r.leases), tuple(dict(e) for e in r.engines), r.session)
             for r in self.membership.agents.values()
         }
         return CoordinatorStats(

@@ -244,6 +244,8 @@ class AgentStats:
     """Leases it holds now."""
     engines: tuple[dict, ...]
     """Its engines as it last reported them."""
+    session: int
+    """Its fencing session: a new value each time it registers (0 when known only from the ledger)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,6 +81,8 @@ class Cluster:
         self.coordinator: Proc | None = None
         self.agents: dict[str, Proc] = {}
         self._clients = []
+        self._sessions_seen: dict[str, set[int]] = {}  # agent -> every session a status showed
+        self._stale: dict[str, set[int]] = {}  # agent -> sessions that predate its current process
 
     # ------------------------------------------------------------ processes
 
@@ -123,24 +125,29 @@ class Cluster:
             if sim_args:
                 argv.append(f"--sim-args={sim_args}")  # '=' form: the value may start with '--'
         argv += list(extra)
-        earlier = self._agent_entry(name) if wait else None
+        if wait:
+            self._agent_entry(name)  # learn the session a previous process of this agent holds
+        self._stale[name] = set(self._sessions_seen.get(name, ()))
         proc = self._spawn(f"{name}-{len(self.procs)}", argv)
         self.agents[name] = proc
         if wait:
-            self.wait_agent_registered(name, after=earlier)
+            self.wait_agent_registered(name)
         return proc
 
-    def wait_agent_registered(self, name: str, timeout: float = 30, *, after: dict | None = None) -> dict:
-        """Wait until the status lists ``name`` alive; with ``after`` (its earlier status entry), under a new session."""
+    def wait_agent_registered(self, name: str, timeout: float = 30) -> dict:
+        """Wait until the status lists ``name`` alive under a session its current process registered.
+
+        Sessions a status showed before this process was started belong to an earlier process of the
+        same agent (which the coordinator may still count as alive until its TTL): they do not count.
+        """
         proc = self.agents[name]
-        before = (after or {}).get("session")
 
         def registered():
             self._collect_engine_pids(proc.text())
             if not proc.alive():
                 raise WaitAborted(f"agent {name} exited: {proc.text()[-3000:]}")
             entry = self.status(timeout=2)["agents"].get(name)
-            if entry and entry["status"] == "alive" and (after is None or entry["session"] != before):
+            if entry and entry["status"] == "alive" and entry["session"] not in self._stale.get(name, ()):
                 return entry
             return None
 
@@ -192,7 +199,11 @@ class Cluster:
         from coordinator.client import RolloutClient
 
         with RolloutClient(self.address, timeout=timeout, attach=False) as probe:
-            return probe.stats()
+            stats = probe.stats()
+        for agent_id, entry in stats["agents"].items():
+            if entry.get("session"):
+                self._sessions_seen.setdefault(agent_id, set()).add(entry["session"])
+        return stats
 
     # ------------------------------------------------------------ teardown
 
