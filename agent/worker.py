@@ -90,7 +90,9 @@ class Agent:
         self.coordinator = coordinator
         self.store = GroupStore(data_dir, agent_id=agent_id, sync=sync)
         options = {"log_dir": Path(data_dir) / "logs", **(supervisor_options or {})}
-        self.supervisor = EngineSupervisor(engine_specs, on_change=self._on_engine_change, **options)
+        # One HTTP client to the engines: generation, aborts and the supervisor's health probes.
+        self.client = EngineClient()
+        self.supervisor = EngineSupervisor(engine_specs, on_change=self._on_engine_change, client=self.client, **options)
         self.agent_id = self.store.agent_id
         self.ctx = zmq.asyncio.Context()
         self.payloads = PayloadServer(self.ctx, self.store, payload_bind)
@@ -110,7 +112,6 @@ class Agent:
                                     session=self.session, dispatch=self.handle)
         self._tokenizer_name = tokenizer
         self.tokenizer = None
-        self.client: EngineClient | None = None
         self.runners: dict[int, LeaseRunner] = {}
         self._lease_ctx: LeaseContext | None = None
         self._tg: asyncio.TaskGroup | None = None
@@ -142,7 +143,6 @@ class Agent:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         stop_on_signals(loop, stop)
-        self.client = EngineClient()
         try:
             log.info("agent %s (incarnation %d): starting engines", self.agent_id, self.store.incarnation)
             await self.supervisor.start()
