@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import re
 import signal
 import subprocess
@@ -27,14 +26,6 @@ ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type
 ABORT_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def async_test(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        return asyncio.run(fn(*args, **kwargs))
-
-    return wrapper
 
 
 @contextlib.asynccontextmanager
@@ -134,7 +125,6 @@ PROMPT = "Question: What is 12 + 7? Think step by step."
 # --------------------------------------------------------------------------- generate
 
 
-@async_test
 async def test_generate_response_shape_and_logprobs():
     async with serve(output_len_dist="fixed", output_len_median=40) as (engine, s):
         ids = TOK.encode(PROMPT)
@@ -189,7 +179,6 @@ async def test_generate_response_shape_and_logprobs():
         assert meta["input_token_logprobs"][0][0] is None
 
 
-@async_test
 async def test_finish_reason_length_vs_stop_and_stop_strings():
     async with serve(output_len_dist="fixed", output_len_median=30) as (engine, s):
         out = await gen(s, {"text": "x", "sampling_params": {"max_new_tokens": 10}})
@@ -220,7 +209,6 @@ async def test_finish_reason_length_vs_stop_and_stop_strings():
         assert out["output_ids"][-1] == 32 and 32 not in out["output_ids"][:-1]
 
 
-@async_test
 async def test_arithmetic_answers_and_determinism():
     async with serve(accuracy=1.0, output_len_dist="fixed", output_len_median=200) as (engine, s):
         out = await gen(s, {"text": PROMPT, "sampling_params": {"max_new_tokens": 512}})
@@ -249,7 +237,6 @@ async def test_arithmetic_answers_and_determinism():
         assert len({str(await sample({})) for _ in range(4)}) > 1
 
 
-@async_test
 async def test_batch_and_n_expand_into_lists():
     async with serve(output_len_dist="fixed", output_len_median=5) as (engine, s):
         out = await gen(s, {"input_ids": [[1, 2, 3], [4]], "rid": "b", "sampling_params": {"max_new_tokens": 16}})
@@ -269,7 +256,6 @@ async def test_batch_and_n_expand_into_lists():
 # --------------------------------------------------------------------------- streaming
 
 
-@async_test
 async def test_streaming_cumulative_chunks_then_done():
     async with serve(output_len_dist="fixed", output_len_median=10) as (engine, s):
         chunks = await stream_chunks(
@@ -294,7 +280,6 @@ async def test_streaming_cumulative_chunks_then_done():
         assert sorted(c["index"] for c in finals) == [0, 1]
 
 
-@async_test
 async def test_client_disconnect_aborts_request():
     async with serve(token_latency_ms=5, output_len_dist="fixed", output_len_median=5000) as (engine, s):
         async with aiohttp.ClientSession(f"http://127.0.0.1:{engine.port}") as other:
@@ -315,7 +300,6 @@ async def test_client_disconnect_aborts_request():
 # --------------------------------------------------------------------------- abort
 
 
-@async_test
 async def test_abort_by_rid_returns_partial_output():
     async with serve(token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (engine, s):
         sp = {"max_new_tokens": 4000}
@@ -356,7 +340,6 @@ async def test_abort_by_rid_returns_partial_output():
         assert (await asyncio.wait_for(tasks["req-2"], 2))["meta_info"]["finish_reason"] == ABORTED
 
 
-@async_test
 async def test_abort_in_waiting_queue_and_abort_all():
     async with serve(slots=1, token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (engine, s):
         sp = {"max_new_tokens": 4000}
@@ -380,7 +363,6 @@ async def test_abort_in_waiting_queue_and_abort_all():
         await wait_running(s, 0)
 
 
-@async_test
 async def test_duplicate_rid_rejected_while_in_flight():
     async with serve(token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (engine, s):
         first = asyncio.create_task(gen(s, {"text": "x", "rid": "dup", "sampling_params": {"max_new_tokens": 4000}}))
@@ -393,7 +375,6 @@ async def test_duplicate_rid_rejected_while_in_flight():
         assert out["meta_info"]["id"] == "dup"
 
 
-@async_test
 async def test_bad_requests_are_400():
     async with serve() as (engine, s):
         err = await gen(s, {"input_ids": [1, 2], "sampling_params": {"max_tokens": 5}}, status=400)
@@ -426,7 +407,6 @@ async def test_bad_requests_are_400():
 # --------------------------------------------------------------------------- pause, weights, cache
 
 
-@async_test
 async def test_pause_abort_mode_holds_new_requests_until_continue():
     async with serve(token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (engine, s):
         running = asyncio.create_task(gen(s, {"text": "a", "sampling_params": {"max_new_tokens": 4000}}))
@@ -448,7 +428,6 @@ async def test_pause_abort_mode_holds_new_requests_until_continue():
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
 
 
-@async_test
 async def test_pause_in_place_freezes_and_tracks_weight_versions(tmp_path):
     timed = {"token_latency_ms": 5, "output_len_dist": "fixed", "output_len_median": 2000, "health_timeout": 0.2}
     async with serve(**timed) as (engine, s):
@@ -485,7 +464,6 @@ async def test_pause_in_place_freezes_and_tracks_weight_versions(tmp_path):
         ]
 
 
-@async_test
 async def test_update_weights_from_disk(tmp_path):
     async with serve() as (engine, s):
         async with s.post(
@@ -518,7 +496,6 @@ async def test_update_weights_from_disk(tmp_path):
         assert (await gen(s, {"text": "x"}))["meta_info"]["weight_version"] == "v9"
 
 
-@async_test
 async def test_weight_update_waits_for_inflight_requests(tmp_path):
     async with serve(token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (engine, s):
         first = asyncio.create_task(gen(s, {"text": "a", "sampling_params": {"max_new_tokens": 60}}))
@@ -540,7 +517,6 @@ async def test_weight_update_waits_for_inflight_requests(tmp_path):
         assert (await asyncio.wait_for(later, 2))["meta_info"]["weight_version"] == "v2"
 
 
-@async_test
 async def test_flush_cache_only_when_idle():
     async with serve(token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (engine, s):
         task = asyncio.create_task(gen(s, {"text": "a", "sampling_params": {"max_new_tokens": 200}}))
@@ -555,7 +531,6 @@ async def test_flush_cache_only_when_idle():
 # --------------------------------------------------------------------------- health and info
 
 
-@async_test
 async def test_health_during_startup_delay_then_ok():
     async with serve(startup_delay=600) as (engine, s):
         for path in ("/health", "/health_generate"):
@@ -597,7 +572,6 @@ async def test_health_during_startup_delay_then_ok():
             assert r.status == 200
 
 
-@async_test
 async def test_info_endpoints():
     async with serve(slots=7, weight_version="w0", model_path="/models/x") as (engine, s):
         async with s.get("/model_info") as r:
@@ -660,7 +634,6 @@ class _Proc:
         self.proc.stderr.close()
 
 
-@async_test
 async def test_process_crash_endpoint_and_crash_after_requests():
     with _Proc() as p:
         async with aiohttp.ClientSession(p.url) as s:

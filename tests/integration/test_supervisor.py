@@ -94,211 +94,184 @@ def test_supervisor_rejects_bad_specs(tmp_path):
 
 
 @pytest.mark.timeout(40)
-def test_two_sim_engines_become_healthy_and_stop_cleanly(tmp_path):
+async def test_two_sim_engines_become_healthy_and_stop_cleanly(tmp_path):
     events: list = []
 
-    async def main():
-        sup = _sup(plan_engines("sim", count=2), tmp_path, events)
-        try:
-            await sup.start()
-            pids = _track(sup)
-            assert sorted(pids) == ["sim-0", "sim-1"]
-            assert [sup.state(n) for n in ("sim-0", "sim-1")] == ["healthy", "healthy"]
-            healthy = sup.healthy()
-            assert [e.name for e in healthy] == ["sim-0", "sim-1"]
-            assert healthy[0].url != healthy[1].url
-            for e in healthy:
-                assert e.url.startswith("http://127.0.0.1:")
-                assert await _get_health(e.url) == 200
-            assert sorted(events) == [("sim-0", "healthy"), ("sim-1", "healthy")]
-            log = (tmp_path / "logs" / "sim-0.log").read_text()
-            assert "rollfleet-sim listening on http://" in log
-            # the engine tasks are named and owned by the supervisor
-            names = {t.get_name() for t in asyncio.all_tasks()}
-            assert {"engine-sim-0", "engine-sim-1"} <= names
-        finally:
-            await sup.stop()
-            await sup.stop()  # idempotent
-        for pid in pids.values():
-            assert not _alive(pid)
-        with pytest.raises(ProcessLookupError):
-            os.kill(pids["sim-0"], 0)
-        assert sup.pids() == {} and sup.healthy() == []
-        assert not any(t.get_name().startswith("engine-") for t in asyncio.all_tasks())
-
-    asyncio.run(main())
+    sup = _sup(plan_engines("sim", count=2), tmp_path, events)
+    try:
+        await sup.start()
+        pids = _track(sup)
+        assert sorted(pids) == ["sim-0", "sim-1"]
+        assert [sup.state(n) for n in ("sim-0", "sim-1")] == ["healthy", "healthy"]
+        healthy = sup.healthy()
+        assert [e.name for e in healthy] == ["sim-0", "sim-1"]
+        assert healthy[0].url != healthy[1].url
+        for e in healthy:
+            assert e.url.startswith("http://127.0.0.1:")
+            assert await _get_health(e.url) == 200
+        assert sorted(events) == [("sim-0", "healthy"), ("sim-1", "healthy")]
+        log = (tmp_path / "logs" / "sim-0.log").read_text()
+        assert "rollfleet-sim listening on http://" in log
+        # the engine tasks are named and owned by the supervisor
+        names = {t.get_name() for t in asyncio.all_tasks()}
+        assert {"engine-sim-0", "engine-sim-1"} <= names
+    finally:
+        await sup.stop()
+        await sup.stop()  # idempotent
+    for pid in pids.values():
+        assert not _alive(pid)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids["sim-0"], 0)
+    assert sup.pids() == {} and sup.healthy() == []
+    assert not any(t.get_name().startswith("engine-") for t in asyncio.all_tasks())
 
 
 @pytest.mark.timeout(30)
-def test_sglang_kind_launches_through_same_path(tmp_path):
+async def test_sglang_kind_launches_through_same_path(tmp_path):
     specs = plan_engines("sglang", model_path="/nonexistent/model", gpu_ids=[3], sglang_module=SIM_MODULE)
 
-    async def main():
-        sup = _sup(specs, tmp_path)
-        try:
+    sup = _sup(specs, tmp_path)
+    try:
+        await sup.start()
+        _track(sup)
+        (e,) = sup.healthy()
+        assert e.name == "sglang-0" and e.url == specs[0].url
+        assert await _get_health(e.url) == 200
+    finally:
+        await sup.stop()
+
+
+@pytest.mark.timeout(30)
+async def test_startup_delay_is_waited_for(tmp_path):
+    sup = _sup([_sim("slow", "--startup-delay", "1")], tmp_path)
+    try:
+        t0 = time.monotonic()
+        task = asyncio.create_task(sup.start())
+        await asyncio.sleep(0.3)
+        assert sup.state("slow") == "starting" and sup.healthy() == []
+        await task
+        assert time.monotonic() - t0 >= 1.0
+        _track(sup)
+        assert sup.state("slow") == "healthy"
+    finally:
+        await sup.stop()
+
+
+@pytest.mark.timeout(30)
+async def test_unhealthy_only_engine_fails_start(tmp_path):
+    sup = _sup([_sim("sick", "--unhealthy")], tmp_path, start_timeout=2.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EngineStartError) as ei:
             await sup.start()
-            _track(sup)
-            (e,) = sup.healthy()
-            assert e.name == "sglang-0" and e.url == specs[0].url
-            assert await _get_health(e.url) == 200
-        finally:
-            await sup.stop()
-
-    asyncio.run(main())
+        assert time.monotonic() - t0 < 10
+        msg = str(ei.value)
+        assert "sick" in msg and "http://127.0.0.1:" in msg and "sick.log" in msg
+        assert sup.state("sick") == "retired" and sup.pids() == {}
+    finally:
+        await sup.stop()
 
 
 @pytest.mark.timeout(30)
-def test_startup_delay_is_waited_for(tmp_path):
-    async def main():
-        sup = _sup([_sim("slow", "--startup-delay", "1")], tmp_path)
-        try:
-            t0 = time.monotonic()
-            task = asyncio.create_task(sup.start())
-            await asyncio.sleep(0.3)
-            assert sup.state("slow") == "starting" and sup.healthy() == []
-            await task
-            assert time.monotonic() - t0 >= 1.0
-            _track(sup)
-            assert sup.state("slow") == "healthy"
-        finally:
-            await sup.stop()
-
-    asyncio.run(main())
-
-
-@pytest.mark.timeout(30)
-def test_unhealthy_only_engine_fails_start(tmp_path):
-    async def main():
-        sup = _sup([_sim("sick", "--unhealthy")], tmp_path, start_timeout=2.0)
-        try:
-            t0 = time.monotonic()
-            with pytest.raises(EngineStartError) as ei:
-                await sup.start()
-            assert time.monotonic() - t0 < 10
-            msg = str(ei.value)
-            assert "sick" in msg and "http://127.0.0.1:" in msg and "sick.log" in msg
-            assert sup.state("sick") == "retired" and sup.pids() == {}
-        finally:
-            await sup.stop()
-
-    asyncio.run(main())
-
-
-@pytest.mark.timeout(30)
-def test_unhealthy_engine_retired_while_other_starts(tmp_path):
+async def test_unhealthy_engine_retired_while_other_starts(tmp_path):
     events: list = []
 
-    async def main():
-        sup = _sup([_sim("good"), _sim("sick", "--unhealthy")], tmp_path, events, start_timeout=2.0)
-        try:
-            await sup.start()
-            pids = _track(sup)
-            assert sup.state("good") == "healthy" and sup.state("sick") == "retired"
-            assert list(pids) == ["good"]
-            assert [e.name for e in sup.healthy()] == ["good"]
-            assert ("sick", "retired") in events and ("good", "healthy") in events
-        finally:
-            await sup.stop()
-
-    asyncio.run(main())
+    sup = _sup([_sim("good"), _sim("sick", "--unhealthy")], tmp_path, events, start_timeout=2.0)
+    try:
+        await sup.start()
+        pids = _track(sup)
+        assert sup.state("good") == "healthy" and sup.state("sick") == "retired"
+        assert list(pids) == ["good"]
+        assert [e.name for e in sup.healthy()] == ["good"]
+        assert ("sick", "retired") in events and ("good", "healthy") in events
+    finally:
+        await sup.stop()
 
 
 @pytest.mark.timeout(30)
-def test_exit_during_start_names_exit_code_and_log_tail(tmp_path):
-    async def main():
-        sup = _sup([_sim("broken", "--no-such-flag")], tmp_path)
-        try:
-            with pytest.raises(EngineStartError) as ei:
-                await sup.start()
-            msg = str(ei.value)
-            assert "broken" in msg and "exit code 2" in msg
-            assert "--no-such-flag" in msg  # argparse's complaint, from the log tail
-        finally:
-            await sup.stop()
-
-    asyncio.run(main())
+async def test_exit_during_start_names_exit_code_and_log_tail(tmp_path):
+    sup = _sup([_sim("broken", "--no-such-flag")], tmp_path)
+    try:
+        with pytest.raises(EngineStartError) as ei:
+            await sup.start()
+        msg = str(ei.value)
+        assert "broken" in msg and "exit code 2" in msg
+        assert "--no-such-flag" in msg  # argparse's complaint, from the log tail
+    finally:
+        await sup.stop()
 
 
 @pytest.mark.timeout(40)
-def test_sigkill_child_goes_down_then_healthy_with_new_pid(tmp_path):
+async def test_sigkill_child_goes_down_then_healthy_with_new_pid(tmp_path):
     events: list = []
 
-    async def main():
-        sup = _sup([_sim("e")], tmp_path, events)
-        try:
-            await sup.start()
-            old = _track(sup)["e"]
-            old_url = sup.healthy()[0].url
-            os.kill(old, signal.SIGKILL)
-            await wait_for_async(lambda: sup.state("e") == "down", 5, "down")
-            assert sup.healthy() == []
-            await wait_for_async(lambda: sup.state("e") == "healthy", 15, "healthy again")
-            new = _track(sup)["e"]
-            assert new != old and not _alive(old)
-            url = sup.healthy()[0].url
-            assert await _get_health(url) == 200
-            assert events == [("e", "healthy"), ("e", "down"), ("e", "healthy")]
-            log = (tmp_path / "logs" / "e.log").read_text()
-            assert log.count("=== rollfleet supervisor") == 2  # appended, one header per launch
-            del old_url
-        finally:
-            await sup.stop()
-
-    asyncio.run(main())
+    sup = _sup([_sim("e")], tmp_path, events)
+    try:
+        await sup.start()
+        old = _track(sup)["e"]
+        old_url = sup.healthy()[0].url
+        os.kill(old, signal.SIGKILL)
+        await wait_for_async(lambda: sup.state("e") == "down", 5, "down")
+        assert sup.healthy() == []
+        await wait_for_async(lambda: sup.state("e") == "healthy", 15, "healthy again")
+        new = _track(sup)["e"]
+        assert new != old and not _alive(old)
+        url = sup.healthy()[0].url
+        assert await _get_health(url) == 200
+        assert events == [("e", "healthy"), ("e", "down"), ("e", "healthy")]
+        log = (tmp_path / "logs" / "e.log").read_text()
+        assert log.count("=== rollfleet supervisor") == 2  # appended, one header per launch
+        del old_url
+    finally:
+        await sup.stop()
 
 
 @pytest.mark.timeout(40)
-def test_crash_budget_exhausted_retires(tmp_path):
+async def test_crash_budget_exhausted_retires(tmp_path):
     events: list = []
 
-    async def main():
-        sup = _sup([_sim("e")], tmp_path, events, max_restarts=1, restart_window=60)
-        try:
-            await sup.start()
-            os.kill(_track(sup)["e"], signal.SIGKILL)
-            await wait_for_async(lambda: sup.state("e") == "down", 5, "down")
-            await wait_for_async(lambda: sup.state("e") == "healthy", 15, "restarted")
-            url = sup.healthy()[0].url
-            async with aiohttp.ClientSession() as s:  # crash it the sim engine's way
-                try:
-                    async with s.post(url + "/rollfleet/crash", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                        await r.read()
-                except aiohttp.ClientError:
-                    pass
-            await wait_for_async(lambda: sup.state("e") == "retired", 10, "retired")
-            assert sup.pids() == {} and sup.healthy() == []
-            assert events == [("e", "healthy"), ("e", "down"), ("e", "healthy"), ("e", "down"), ("e", "retired")]
-            await asyncio.sleep(1.0)
-            assert sup.state("e") == "retired" and sup.pids() == {}  # never restarted
-        finally:
-            await sup.stop()
-
-    asyncio.run(main())
+    sup = _sup([_sim("e")], tmp_path, events, max_restarts=1, restart_window=60)
+    try:
+        await sup.start()
+        os.kill(_track(sup)["e"], signal.SIGKILL)
+        await wait_for_async(lambda: sup.state("e") == "down", 5, "down")
+        await wait_for_async(lambda: sup.state("e") == "healthy", 15, "restarted")
+        url = sup.healthy()[0].url
+        async with aiohttp.ClientSession() as s:  # crash it the sim engine's way
+            try:
+                async with s.post(url + "/rollfleet/crash", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    await r.read()
+            except aiohttp.ClientError:
+                pass
+        await wait_for_async(lambda: sup.state("e") == "retired", 10, "retired")
+        assert sup.pids() == {} and sup.healthy() == []
+        assert events == [("e", "healthy"), ("e", "down"), ("e", "healthy"), ("e", "down"), ("e", "retired")]
+        await asyncio.sleep(1.0)
+        assert sup.state("e") == "retired" and sup.pids() == {}  # never restarted
+    finally:
+        await sup.stop()
 
 
 @pytest.mark.timeout(40)
-def test_hung_engine_reported_failure_and_paused_checks(tmp_path):
+async def test_hung_engine_reported_failure_and_paused_checks(tmp_path):
     events: list = []
 
-    async def main():
-        # long interval: only report_failure triggers a check
-        sup = _sup([_sim("e")], tmp_path, events, health_interval=60, health_timeout=0.5)
-        try:
-            await sup.start()
-            pid = _track(sup)["e"]
-            sup.pause_health_checks()
-            os.kill(pid, signal.SIGSTOP)  # hung: the port is open but nothing answers
-            sup.report_failure("e", "connection reset")
-            await asyncio.sleep(1.0)
-            assert sup.state("e") == "healthy"  # checks are paused
-            sup.resume_health_checks()  # the deferred check runs now
-            await wait_for_async(lambda: sup.state("e") == "down", 5, "down")
-            await wait_for_async(lambda: sup.state("e") == "healthy", 15, "healthy again")
-            assert _track(sup)["e"] != pid and not _alive(pid)
-        finally:
-            await sup.stop()
-
-    asyncio.run(main())
+    # long interval: only report_failure triggers a check
+    sup = _sup([_sim("e")], tmp_path, events, health_interval=60, health_timeout=0.5)
+    try:
+        await sup.start()
+        pid = _track(sup)["e"]
+        sup.pause_health_checks()
+        os.kill(pid, signal.SIGSTOP)  # hung: the port is open but nothing answers
+        sup.report_failure("e", "connection reset")
+        await asyncio.sleep(1.0)
+        assert sup.state("e") == "healthy"  # checks are paused
+        sup.resume_health_checks()  # the deferred check runs now
+        await wait_for_async(lambda: sup.state("e") == "down", 5, "down")
+        await wait_for_async(lambda: sup.state("e") == "healthy", 15, "healthy again")
+        assert _track(sup)["e"] != pid and not _alive(pid)
+    finally:
+        await sup.stop()
 
 
 def _free_port() -> int:
@@ -308,7 +281,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(40)
-def test_url_engine_goes_down_and_comes_back(tmp_path):
+async def test_url_engine_goes_down_and_comes_back(tmp_path):
     port = _free_port()
     cmd = [sys.executable, "-m", SIM_MODULE, "--host", "127.0.0.1", "--port", str(port)]
     events: list = []
@@ -318,141 +291,126 @@ def test_url_engine_goes_down_and_comes_back(tmp_path):
         _SEEN_PIDS.add(p.pid)
         return p
 
-    async def main():
+    proc = launch()
+    sup = _sup(
+        plan_engines("url", urls=[f"http://127.0.0.1:{port}"]),
+        tmp_path,
+        events,
+        health_interval=0.2,
+        health_timeout=1.0,
+        max_restarts=0,
+    )
+    try:
+        await sup.start()
+        assert sup.state("url-0") == "healthy" and sup.pids() == {}
+        proc.kill()
+        proc.wait()
+        await wait_for_async(lambda: sup.state("url-0") == "down", 5, "down")
+        await asyncio.sleep(0.5)
+        assert sup.state("url-0") == "down"  # not retired, despite max_restarts=0
         proc = launch()
-        sup = _sup(
-            plan_engines("url", urls=[f"http://127.0.0.1:{port}"]),
-            tmp_path,
-            events,
-            health_interval=0.2,
-            health_timeout=1.0,
-            max_restarts=0,
-        )
-        try:
-            await sup.start()
-            assert sup.state("url-0") == "healthy" and sup.pids() == {}
-            proc.kill()
-            proc.wait()
-            await wait_for_async(lambda: sup.state("url-0") == "down", 5, "down")
-            await asyncio.sleep(0.5)
-            assert sup.state("url-0") == "down"  # not retired, despite max_restarts=0
-            proc = launch()
-            await wait_for_async(lambda: sup.state("url-0") == "healthy", 15, "back up")
-            assert events == [("url-0", "healthy"), ("url-0", "down"), ("url-0", "healthy")]
-        finally:
-            await sup.stop()
-            proc.kill()
-            proc.wait()
-
-    asyncio.run(main())
+        await wait_for_async(lambda: sup.state("url-0") == "healthy", 15, "back up")
+        assert events == [("url-0", "healthy"), ("url-0", "down"), ("url-0", "healthy")]
+    finally:
+        await sup.stop()
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.timeout(30)
-def test_stop_during_start_and_run_returns(tmp_path):
-    async def main():
-        sup = _sup([_sim("slow", "--startup-delay", "30")], tmp_path)
-        try:
-            start = asyncio.create_task(sup.start())
-            await wait_for_async(lambda: sup.pids() != {}, 10, "launched")
-            pid = _track(sup)["slow"]
-            await sup.stop(timeout=2.0)
-            with pytest.raises(Closed):
-                await start
-            assert not _alive(pid)
-        finally:
-            await sup.stop()
+async def test_stop_during_start_and_run_returns(tmp_path):
+    sup = _sup([_sim("slow", "--startup-delay", "30")], tmp_path)
+    try:
+        start = asyncio.create_task(sup.start())
+        await wait_for_async(lambda: sup.pids() != {}, 10, "launched")
+        pid = _track(sup)["slow"]
+        await sup.stop(timeout=2.0)
+        with pytest.raises(Closed):
+            await start
+        assert not _alive(pid)
+    finally:
+        await sup.stop()
 
-        sup = _sup([_sim("e")], tmp_path)
-        try:
-            await sup.start()
-            pid = _track(sup)["e"]
-            runner = asyncio.create_task(sup.run(), name="supervisor-run")
-            await asyncio.sleep(0.2)
-            assert not runner.done()
-            await sup.stop()
-            await asyncio.wait_for(runner, 5)  # returns once stopped
-            assert not _alive(pid)
-        finally:
-            await sup.stop()
-
-    asyncio.run(main())
+    sup = _sup([_sim("e")], tmp_path)
+    try:
+        await sup.start()
+        pid = _track(sup)["e"]
+        runner = asyncio.create_task(sup.run(), name="supervisor-run")
+        await asyncio.sleep(0.2)
+        assert not runner.done()
+        await sup.stop()
+        await asyncio.wait_for(runner, 5)  # returns once stopped
+        assert not _alive(pid)
+    finally:
+        await sup.stop()
 
 
-def test_reported_failure_of_a_healthy_engine_is_answered_with_healthy(tmp_path):
+async def test_reported_failure_of_a_healthy_engine_is_answered_with_healthy(tmp_path):
     """A transient request error: the caller stops using the engine, so it must hear when it is fine."""
     events: list = []
 
-    async def main():
-        sup = _sup([_sim("e0")], tmp_path, events)
-        try:
-            await sup.start()
-            _track(sup)
-            events.clear()
-            sup.report_failure("e0", "connection reset by peer")
-            await wait_for_async(lambda: ("e0", "healthy") in events, 15, "a healthy verdict after the report")
-            assert sup.state("e0") == "healthy" and ("e0", "down") not in events
-        finally:
-            await sup.stop()
-
-    asyncio.run(main())
+    sup = _sup([_sim("e0")], tmp_path, events)
+    try:
+        await sup.start()
+        _track(sup)
+        events.clear()
+        sup.report_failure("e0", "connection reset by peer")
+        await wait_for_async(lambda: ("e0", "healthy") in events, 15, "a healthy verdict after the report")
+        assert sup.state("e0") == "healthy" and ("e0", "down") not in events
+    finally:
+        await sup.stop()
 
 
 @pytest.mark.timeout(30)
-def test_stop_before_engine_tasks_ran_ends_start(tmp_path):
-    async def main():
-        sup = _sup([_sim("e")], tmp_path)
-        start = asyncio.create_task(sup.start())
-        await asyncio.sleep(0)  # start() has spawned the engine task; it has not run yet
-        await sup.stop()
-        with pytest.raises(Closed):
-            await asyncio.wait_for(start, 5)
-        assert sup.pids() == {}
-
-    asyncio.run(main())
+async def test_stop_before_engine_tasks_ran_ends_start(tmp_path):
+    sup = _sup([_sim("e")], tmp_path)
+    start = asyncio.create_task(sup.start())
+    await asyncio.sleep(0)  # start() has spawned the engine task; it has not run yet
+    await sup.stop()
+    with pytest.raises(Closed):
+        await asyncio.wait_for(start, 5)
+    assert sup.pids() == {}
 
 
 @pytest.mark.timeout(40)
-def test_health_probes_share_the_agents_client(tmp_path):
+async def test_health_probes_share_the_agents_client(tmp_path):
     """Probes go through the client passed in; the supervisor leaves it open for its owner."""
 
-    async def main():
-        client = EngineClient()
+    client = EngineClient()
+    try:
+        sup = _sup([_sim("a")], tmp_path / "a", client=client)
         try:
-            sup = _sup([_sim("a")], tmp_path / "a", client=client)
-            try:
-                await sup.start()
-                _track(sup)
-                (url,) = [e.url for e in sup.healthy()]
-                await client.health(url, timeout=5)
-                await client.health(url, timeout=5, generate=False)
-            finally:
-                await sup.stop()
-            with pytest.raises(EngineUnavailable, match=r"/health_generate: ClientConnectorError"):
-                await client.health(url, timeout=5)  # the engine is gone, the client is not
-            sup = _sup([_sim("b")], tmp_path / "b", client=client)  # a second user of the same client
-            try:
-                await sup.start()
-                _track(sup)
-                assert sup.state("b") == "healthy"
-            finally:
-                await sup.stop()
-        finally:
-            await client.close()
-        with pytest.raises(Closed):
+            await sup.start()
+            _track(sup)
+            (url,) = [e.url for e in sup.healthy()]
             await client.health(url, timeout=5)
-
-    asyncio.run(main())
+            await client.health(url, timeout=5, generate=False)
+        finally:
+            await sup.stop()
+        with pytest.raises(EngineUnavailable, match=r"/health_generate: ClientConnectorError"):
+            await client.health(url, timeout=5)  # the engine is gone, the client is not
+        sup = _sup([_sim("b")], tmp_path / "b", client=client)  # a second user of the same client
+        try:
+            await sup.start()
+            _track(sup)
+            assert sup.state("b") == "healthy"
+        finally:
+            await sup.stop()
+    finally:
+        await client.close()
+    with pytest.raises(Closed):
+        await client.health(url, timeout=5)
 
 
 @pytest.mark.timeout(30)
-def test_client_health_reports_what_happened():
+async def test_client_health_reports_what_happened():
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", SIM_MODULE, "--host", "127.0.0.1", "--port", str(port), "--unhealthy"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     _SEEN_PIDS.add(proc.pid)
 
-    async def main():
+    try:
         client = EngineClient()
         try:
             await wait_for_async(lambda: _answers(client, url), 15, "the engine's port")
@@ -464,8 +422,6 @@ def test_client_health_reports_what_happened():
         finally:
             await client.close()
 
-    try:
-        asyncio.run(main())
     finally:
         proc.kill()
         proc.wait()
