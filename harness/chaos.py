@@ -1,19 +1,28 @@
-"""The chaos run: kill agents, engines, the coordinator and the trainer while batches flow.
+"""The chaos run: every kind of failure, while batches flow; then quiesce and check the invariants.
 
 Used by ``tests/cluster/test_chaos.py`` (bounded, in CI) and ``scripts/chaos.py``
 (long runs). A trainer process (``harness/chaos_trainer.py``) pulls batches and
-checkpoints; this driver SIGKILLs and restarts random agents, random engines
-and the coordinator, and the trainer once (which resumes from its last
-checkpoint). At the end ``check`` reads the consumed stream, the
-coordinator's ledger and every agent's store and verifies:
+checkpoints; agents run two sim engines each, and one agent reaches the
+coordinator through a ``TcpProxy``. The schedule causes, each at least once
+and early (a shuffled plan), then at random:
 
-- no dataset prompt ``(data_epoch, index)`` is consumed twice;
-- a batch delivered again after the trainer's resume has the same groups;
-- every group an agent committed is consumed, ready in the ledger, or still
-  in that agent's receipt outbox (to be reconciled at its next registration)
-  — nothing committed is in limbo;
-- every prompt of every open epoch is delivered, filtered (with a reason) or
-  pending, and every delivered one is in a recorded or consumed batch.
+    agent        SIGKILL an agent process, restart it on the same data dir
+    engine       SIGKILL one live engine of an agent (its supervisor restarts it)
+    coordinator  SIGKILL the coordinator, restart it on the same ledger
+    trainer      SIGKILL the trainer; it resumes from its last checkpoint
+    partition    cut the proxied agent's coordinator link until the coordinator
+                 presumes it dead (longer than the agent TTL), then heal it
+    node_lost    SIGKILL an agent and never restart it: the coordinator retires
+                 it (short ``--retire-after``) and its unfetched groups are
+                 generated again elsewhere
+
+A failure counts only when it happened: a live pid was signalled, a partition
+was seen by the coordinator. After the trainer's last batch the fleet is
+quiesced (survivors registered, the lost node retired, admission paused, no
+lease in flight, the coordinator's counts steady), its statistics taken,
+every process stopped, and ``harness.chaos_check.check`` compares the consumed
+stream, those statistics, the ledger and every agent's store. A run that
+missed a failure kind, or broke an invariant, lists it in ``problems``.
 """
 
 from __future__ import annotations
@@ -25,25 +34,348 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import lmdb
+import msgpack
 
 from coordinator.ledger import read_ledger
+from harness.chaos_check import KINDS, Findings, RunEvidence, StoreContents, check
 from harness.cluster import ROOT, Cluster
+from harness.polling import wait_for
+from harness.proxy import TcpProxy
+
+SIM_ARGS = "--token-latency-ms 2 --output-len-median 24 --output-len-max 64"
+ROWS, BATCH_SIZE = 600, 4
+ENGINES, CONCURRENCY = 2, 8  # per agent; concurrency is per engine: 16 samples = 4 groups per agent
+TTL = 1.5  # the cluster's --agent-ttl
+RETIRE_AFTER = 8.0
+"""Long enough for a killed agent to restart and a partition to heal, short enough to retire a lost node."""
+RANDOM_KINDS = ("agent", "agent", "engine", "engine", "coordinator", "partition", "trainer")
 
 
 @dataclass
-class ChaosReport:
-    batches: int = 0
+class ChaosReport(Findings):
     actions: list = field(default_factory=list)
-    duplicated: int = 0
-    lost: int = 0
-    replay_mismatches: int = 0
-    unaccounted_prompts: int = 0
-    replaced_groups: int = 0
-    problems: list = field(default_factory=list)
+    """``(seconds since start, kind, target, batches consumed)`` per failure caused."""
+    kills: Counter = field(default_factory=Counter)
+    """Failures caused, by kind."""
+
+
+class ChaosRun:
+    def __init__(self, workdir: Path, *, batches: int, agents: int, seed: int, interval: tuple[float, float], log):
+        if agents < 3:
+            raise ValueError("the chaos run needs 3 agents: one behind the proxy, one lost for good, one more")
+        self.workdir = workdir
+        self.batches = batches
+        self.rng = random.Random(seed)
+        self.interval = interval
+        self.log = log
+        self.cluster = Cluster(
+            workdir, rows=ROWS, rollout_batch_size=BATCH_SIZE, n_samples_per_prompt=4, max_new_tokens=48
+        )
+        self.names = [f"agent-{i}" for i in range(agents)]
+        self.proxied = self.names[0]
+        self.proxy: TcpProxy | None = None
+        self.lost: set[str] = set()
+        self.consumed = workdir / "consumed.jsonl"
+        self.ckpt = workdir / "checkpoint.json"
+        self.trainer: subprocess.Popen | None = None
+        self.trainer_runs = 0
+        self.trainer_killed_at = -(10**9)
+        self.report = ChaosReport()
+        self.started = time.monotonic()
+
+    # ------------------------------------------------------------ processes
+
+    def start_coordinator(self) -> None:
+        self.cluster.start_coordinator("--retire-after", str(RETIRE_AFTER))
+
+    def start_agent(self, name: str, wait: bool = True) -> None:
+        via = self.proxy.address if name == self.proxied else None
+        self.cluster.start_agent(
+            name, engines=ENGINES, concurrency=CONCURRENCY, sim_args=SIM_ARGS, wait=wait, coordinator=via
+        )
+
+    def start_trainer(self) -> None:
+        resume = self.trainer_runs > 0
+        self.trainer_runs += 1
+        self.trainer_log = self.workdir / f"trainer-{self.trainer_runs}.log"
+        argv = [
+            sys.executable,
+            "-m",
+            "harness.chaos_trainer",
+            "--coordinator",
+            self.cluster.address,
+            "--batches",
+            str(self.batches),
+            "--consumed",
+            str(self.consumed),
+            "--checkpoint",
+            str(self.ckpt),
+            "--checkpoint-every",
+            "4",
+        ] + (["--resume"] if resume else [])
+        with open(self.trainer_log, "ab") as out:
+            self.trainer = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+            )
+
+    def n_consumed(self) -> int:
+        return len(_read_consumed(self.consumed))
+
+    def survivors(self) -> list[str]:
+        return [n for n in self.names if n not in self.lost]
+
+    def live_agents(self) -> list[str]:
+        return [n for n in self.survivors() if self.cluster.agents[n].alive()]
+
+    def live_engines(self, name: str) -> list[int]:
+        """Engine pids of ``name``'s current process that are running (not exited, not someone else's)."""
+        parent = self.cluster.agents[name].pid
+        return [pid for pid in self.cluster.engine_pids_of(name) if _running_child(pid, parent)]
+
+    def agent_status(self, name: str) -> str | None:
+        try:
+            entry = self.cluster.status(timeout=2)["agents"].get(name)
+        except Exception:  # the coordinator is restarting
+            return None
+        return entry["status"] if entry else None
+
+    # ------------------------------------------------------------ the schedule
+
+    def feasible(self, kind: str, planned: bool) -> bool:
+        n = self.n_consumed()
+        if kind == "agent":
+            return bool(self.live_agents())
+        if kind == "engine":
+            return any(self.live_engines(name) for name in self.live_agents())
+        if kind == "coordinator":
+            return self.cluster.coordinator.alive()
+        if kind == "trainer":
+            room = planned or (n >= self.trainer_killed_at + 8 and n < self.batches - 8)
+            return self.ckpt.exists() and self.trainer.poll() is None and room
+        if kind == "partition":
+            return self.proxied in self.live_agents() and self.agent_status(self.proxied) == "alive"
+        if kind == "node_lost":
+            return not self.lost and any(n != self.proxied for n in self.live_agents())
+        raise ValueError(kind)
+
+    def next_kind(self, plan: list[str]) -> tuple[str | None, bool]:
+        for kind in plan:
+            if self.feasible(kind, planned=True):
+                plan.remove(kind)
+                return kind, True
+        if plan:
+            return None, True  # wait until a planned failure can happen
+        kind = self.rng.choice(RANDOM_KINDS)
+        return (kind, False) if self.feasible(kind, planned=False) else (None, False)
+
+    def cause(self, kind: str) -> str | None:
+        """Cause one failure; what was hit, or None if nothing was (then it does not count)."""
+        return getattr(self, f"_{kind}")()
+
+    def _agent(self) -> str | None:
+        live = self.live_agents()
+        if not live:
+            return None
+        name = self.rng.choice(live)
+        if not _kill_group(self.cluster.agents[name].pid):
+            return None
+        self.cluster.agents[name].wait(10)
+        time.sleep(self.rng.uniform(0.2, 1.5))  # down for a while, then back on the same data dir
+        self.start_agent(name, wait=False)
+        return name
+
+    def _engine(self) -> str | None:
+        targets = [(name, pid) for name in self.live_agents() for pid in self.live_engines(name)]
+        if not targets:
+            return None
+        name, pid = self.rng.choice(targets)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return None
+        return f"{name} engine pid {pid}"
+
+    def _coordinator(self) -> str | None:
+        proc = self.cluster.coordinator
+        if not _kill_group(proc.pid):
+            return None
+        proc.wait(10)
+        time.sleep(self.rng.uniform(0.1, 1.0))
+        self.start_coordinator()
+        return "coordinator"
+
+    def _trainer(self) -> str | None:
+        if not _kill_group(self.trainer.pid):
+            return None
+        self.trainer.wait(10)
+        self.trainer_killed_at = self.n_consumed()
+        self.start_trainer()
+        return f"trainer (resumes from {json.loads(self.ckpt.read_text())['rollout_id']})"
+
+    def _partition(self) -> str | None:
+        hold = self.rng.uniform(TTL + 1.0, TTL + 2.5)
+        cut = time.monotonic()
+        self.proxy.partition()
+        try:
+            wait_for(
+                lambda: self.agent_status(self.proxied) in ("dead", "retired"),
+                TTL * 4 + 2,
+                f"the coordinator to presume {self.proxied} dead behind the partition",
+            )
+            seen = True
+        except AssertionError as exc:
+            self.log(f"chaos: partition not seen: {exc}")
+            seen = False
+        time.sleep(max(0.0, cut + hold - time.monotonic()))  # the fault's duration, not a wait for a condition
+        self.proxy.heal()
+        return f"{self.proxied} for {time.monotonic() - cut:.1f}s" if seen else None
+
+    def _node_lost(self) -> str | None:
+        live = [n for n in self.live_agents() if n != self.proxied]
+        if not live:
+            return None
+        name = self.rng.choice(live)
+        if not _kill_group(self.cluster.agents[name].pid):
+            return None
+        self.cluster.agents[name].wait(10)
+        self.lost.add(name)  # never restarted
+        return name
+
+    # ------------------------------------------------------------ the run
+
+    def run(self) -> ChaosReport:
+        try:
+            self.start_coordinator()
+            self.proxy = TcpProxy("127.0.0.1", self.cluster.port)
+            for name in self.names:
+                self.start_agent(name)
+            self.start_trainer()
+            self.drive()
+            stats = self.quiesce()
+        finally:
+            if self.trainer is not None and self.trainer.poll() is None:
+                _kill_group(self.trainer.pid)
+                self.trainer.wait(10)
+            leaks = self.cluster.stop_all()
+            if self.proxy is not None:
+                self.proxy.close()
+        evidence = RunEvidence(
+            batches=self.batches,
+            batch_size=BATCH_SIZE,
+            dataset_size=ROWS,
+            consumed=_read_consumed(self.consumed),
+            stats=stats,
+            ledger=read_ledger(self.cluster.tmp / "coordinator"),
+            stores={name: _read_store(self.cluster.tmp / name) for name in self.names},
+            lost_agents=set(self.lost),
+            kills=self.report.kills,
+        )
+        findings = check(evidence)
+        for name in Findings.__dataclass_fields__:
+            setattr(self.report, name, getattr(findings, name))
+        self.report.problems += [f"leak: {leak}" for leak in leaks]
+        return self.report
+
+    def drive(self) -> None:
+        plan = list(KINDS)
+        self.rng.shuffle(plan)
+        deadline = time.monotonic() + max(240, self.batches * 8)
+        while self.trainer.poll() is None:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"chaos run did not finish in time; consumed {self.n_consumed()} batches")
+            time.sleep(self.rng.uniform(*self.interval))
+            if self.trainer.poll() is not None:
+                break
+            kind, planned = self.next_kind(plan)
+            if kind is None:
+                continue
+            n = self.n_consumed()
+            target = self.cause(kind)
+            if target is None:
+                self.log(f"chaos: {kind}: nothing to hit")
+                if planned:
+                    plan.append(kind)
+                continue
+            self.report.kills[kind] += 1
+            self.report.actions.append((round(time.monotonic() - self.started, 2), kind, target, n))
+            self.log(f"chaos: {kind}: {target} (consumed {n}/{self.batches})")
+        if self.trainer.returncode != 0:
+            raise AssertionError(
+                f"trainer failed with {self.trainer.returncode}: {self.trainer_log.read_text()[-3000:]}"
+            )
+
+    def quiesce(self) -> dict:
+        """Bring the fleet to rest; the coordinator's statistics then (what ``check`` compares the ledger with)."""
+        self.proxy.heal()
+        for name in self.survivors():
+            self.cluster.wait_agent_registered(name, timeout=60)
+        for name in self.lost:
+            try:
+                wait_for(
+                    lambda name=name: self.agent_status(name) in ("retired", None),
+                    RETIRE_AFTER + 30,
+                    f"{name}, lost for good, to be retired",
+                )
+            except AssertionError as exc:
+                self.log(f"chaos: {exc}")  # the checker reports it
+        with self.cluster.client(timeout=60) as client:
+            client.pause(drain=False)  # admission off; what is in flight finishes
+        last: list[dict] = []
+
+        def settled():
+            stats = self.cluster.status(timeout=5)
+            agents = stats["agents"]
+            steady = bool(last) and _at_rest(last[-1]) == _at_rest(stats)
+            last.append(stats)
+            return steady and not stats["leased"] and all(agents[n]["status"] == "alive" for n in self.survivors())
+
+        try:
+            wait_for(settled, 60, "the fleet to come to rest (no lease in flight, counts steady)", interval=0.5)
+        except AssertionError as exc:
+            self.log(f"chaos: {exc}")  # the checker reports what stayed in flight
+        return last[-1]
+
+
+def run_chaos(
+    workdir: Path,
+    *,
+    batches: int = 30,
+    agents: int = 3,
+    seed: int = 0,
+    interval: tuple[float, float] = (0.5, 1.5),
+    log=print,
+) -> ChaosReport:
+    return ChaosRun(Path(workdir), batches=batches, agents=agents, seed=seed, interval=interval, log=log).run()
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _at_rest(stats: dict) -> tuple:
+    return (stats["leased"], stats["ready"], tuple(sorted(stats["prompts"].items())), stats["data_epochs"])
+
+
+def _kill_group(pid: int) -> bool:
+    """SIGKILL a process group we started; True if it was there to kill."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _running_child(pid: int, parent: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return fields[0] != "Z" and int(fields[1]) == parent
 
 
 def _read_consumed(path: Path) -> list[dict]:
@@ -52,150 +384,18 @@ def _read_consumed(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _read_store(data_dir: Path) -> tuple[set[str], set[str]]:
+def _read_store(data_dir: Path) -> StoreContents:
+    """An agent's committed groups and unacknowledged receipts, read after it stopped."""
+    if not (data_dir / "store").exists():
+        return StoreContents(frozenset(), {})
     env = lmdb.open(str(data_dir / "store"), readonly=True, lock=False, max_dbs=4)
     try:
         with env.begin() as txn:
-            groups = {k.decode() for k, _ in txn.cursor(db=env.open_db(b"groups", txn=txn, create=False))}
-            outbox = {k.decode() for k, _ in txn.cursor(db=env.open_db(b"outbox", txn=txn, create=False))}
-        return groups, outbox
+            groups = frozenset(k.decode() for k, _ in txn.cursor(db=env.open_db(b"groups", txn=txn, create=False)))
+            outbox = {
+                k.decode(): msgpack.unpackb(v, raw=False)
+                for k, v in txn.cursor(db=env.open_db(b"outbox", txn=txn, create=False))
+            }
+        return StoreContents(groups, outbox)
     finally:
         env.close()
-
-
-def run_chaos(workdir: Path, *, batches: int = 30, agents: int = 3, seed: int = 0, interval: tuple[float, float] = (0.5, 1.5),
-              log=print) -> ChaosReport:
-    rng = random.Random(seed)
-    cluster = Cluster(workdir, rows=600, rollout_batch_size=4, n_samples_per_prompt=4, max_new_tokens=48)
-    report = ChaosReport()
-    consumed = workdir / "consumed.jsonl"
-    ckpt = workdir / "checkpoint.json"
-    sim = "--token-latency-ms 2 --output-len-median 24 --output-len-max 64"
-    trainer = None
-    try:
-        cluster.start_coordinator()
-        names = [f"agent-{i}" for i in range(agents)]
-        for name in names:
-            cluster.start_agent(name, concurrency=16, sim_args=sim)
-
-        def start_trainer(resume: bool) -> subprocess.Popen:
-            log_file = open(workdir / f"trainer-{'resumed' if resume else 'first'}.log", "ab")
-            argv = [sys.executable, "-m", "harness.chaos_trainer", "--coordinator", cluster.address,
-                    "--batches", str(batches), "--consumed", str(consumed), "--checkpoint", str(ckpt), "--checkpoint-every", "4"]
-            if resume:
-                argv.append("--resume")
-            return subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-
-        trainer = start_trainer(False)
-        trainer_killed = False
-        planned = ["agent", "engine", "coordinator"]
-        rng.shuffle(planned)
-        deadline = time.monotonic() + max(240, batches * 8)
-        while trainer.poll() is None:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"chaos run did not finish in time; consumed {len(_read_consumed(consumed))} batches")
-            time.sleep(rng.uniform(*interval))
-            if trainer.poll() is not None:
-                break
-            n_consumed = len(_read_consumed(consumed))
-            # Every kind of failure happens at least once, early; then at random.
-            action = planned.pop() if planned else rng.choice(["agent", "agent", "engine", "engine", "coordinator"])
-            if not trainer_killed and ckpt.exists() and n_consumed >= batches // 2:
-                action = "trainer"
-            if action == "agent":
-                name = rng.choice(names)
-                proc = cluster.agents[name]
-                proc.signal(signal.SIGKILL)
-                proc.wait(10)
-                time.sleep(rng.uniform(0.2, 1.5))
-                cluster.start_agent(name, concurrency=16, sim_args=sim, wait=False)
-            elif action == "engine":
-                name = rng.choice(names)
-                pids = cluster.engine_pids_of(name)
-                if pids:
-                    try:
-                        os.kill(pids[-1], signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-            elif action == "coordinator":
-                cluster.coordinator.signal(signal.SIGKILL)
-                cluster.coordinator.wait(10)
-                time.sleep(rng.uniform(0.1, 1.0))
-                cluster.start_coordinator()
-            elif action == "trainer":
-                trainer_killed = True
-                os.killpg(trainer.pid, signal.SIGKILL)
-                trainer.wait(10)
-                trainer = start_trainer(True)
-            report.actions.append((round(time.monotonic(), 2), action, n_consumed))
-            log(f"chaos: {action} (consumed {n_consumed}/{batches})")
-        if trainer.returncode != 0:
-            raise AssertionError(f"trainer failed with {trainer.returncode}: {(workdir / 'trainer-first.log').read_text()[-3000:]}")
-        # Let the agents finish reconciling their outboxes, then stop everything in order.
-        for name in names:
-            cluster.wait_agent_registered(name)
-        time.sleep(1.0)
-    finally:
-        if trainer is not None and trainer.poll() is None:
-            os.killpg(trainer.pid, signal.SIGKILL)
-            trainer.wait(10)
-        cluster.stop_all()
-    check(report, cluster, consumed, names, batches)
-    return report
-
-
-def check(report: ChaosReport, cluster: Cluster, consumed_path: Path, names: list[str], batches: int) -> None:
-    records = _read_consumed(consumed_path)
-    # The consumed stream: a batch id delivered twice (before the trainer's kill and after
-    # its resume) counts once, and the two deliveries must be identical.
-    by_rid: dict[int, dict] = {}
-    for rec in records:
-        prev = by_rid.get(rec["rid"])
-        if prev is not None and sorted(map(tuple, prev["groups"])) != sorted(map(tuple, rec["groups"])):
-            # A batch may legitimately change only if a node was retired (replacements).
-            if not rec["replaced"]:
-                report.replay_mismatches += 1
-                report.problems.append(f"rollout {rec['rid']} replayed with different groups")
-        by_rid[rec["rid"]] = rec
-        if not rec["lengths_ok"]:
-            report.problems.append(f"rollout {rec['rid']}: token/logprob lengths differ")
-    report.batches = len(by_rid)
-    if sorted(by_rid) != list(range(batches)):
-        report.problems.append(f"consumed rollout ids {sorted(by_rid)} != 0..{batches - 1}")
-    seen: dict[tuple[int, int], int] = {}
-    for rid, rec in sorted(by_rid.items()):
-        report.replaced_groups += int(rec["replaced"])
-        for epoch, index, _agent in rec["groups"]:
-            if (epoch, index) in seen:
-                report.duplicated += 1
-                report.problems.append(f"prompt {(epoch, index)} consumed in rollouts {seen[(epoch, index)]} and {rid}")
-            seen[(epoch, index)] = rid
-
-    ledger = read_ledger(cluster.tmp / "coordinator")
-    prompts = ledger.prompts
-    consumed_keys = {g.key for batch in ledger.batches.values() for g in batch.groups}
-    ready_keys = {st.key for st in prompts.values() if st.ready}
-    delivered_keys = {st.key for st in prompts.values() if st.delivered}
-    for name in names:
-        groups, outbox = _read_store(cluster.tmp / name)
-        for key in groups:
-            epoch, index, _ = key.split(":")
-            accounted = key in ready_keys or key in delivered_keys or key in consumed_keys or key in outbox
-            # Groups of closed epochs or behind the checkpoint may remain until trimmed.
-            if not accounted and (int(epoch), int(index)) not in seen:
-                report.lost += 1
-                report.problems.append(
-                    f"{name} holds committed group {key} that is neither consumed, ready nor awaiting its receipt"
-                )
-    for prompt, st in prompts.items():
-        if st.filtered and not st.reason:
-            report.unaccounted_prompts += 1
-            report.problems.append(f"prompt {prompt} filtered without a reason")
-        if st.delivered and prompt not in seen and st.key not in consumed_keys:
-            report.unaccounted_prompts += 1
-            report.problems.append(f"prompt {prompt} marked delivered but in no batch")
-    for prompt in seen:
-        st = prompts.get(prompt)
-        if st is not None and not st.delivered:
-            report.unaccounted_prompts += 1
-            report.problems.append(f"consumed prompt {prompt} is {st.status_name!r} in the ledger")

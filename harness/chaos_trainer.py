@@ -25,10 +25,18 @@ def main() -> int:
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--checkpoint-every", type=int, default=5)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument(
+        "--fetch-timeout",
+        type=float,
+        default=5.0,
+        help="give up on a silent node this soon and ask the coordinator again (a lost node's "
+        "groups are replaced once it is retired)",
+    )
     args = ap.parse_args()
 
     ckpt = Path(args.checkpoint)
-    with RolloutClient(args.coordinator, retry_interval=0.5) as client, open(args.consumed, "a") as log:
+    client = RolloutClient(args.coordinator, retry_interval=0.5, fetch_timeout=args.fetch_timeout)
+    with client, open(args.consumed, "a") as log:
         start = 0
         if args.resume and ckpt.exists():
             state = json.loads(ckpt.read_text())

@@ -1,28 +1,34 @@
 #!/usr/bin/env python3
-"""Long chaos runs: random SIGKILLs of agents, engines, the coordinator and the trainer.
+"""Long chaos runs: every failure kind while batches flow, then the invariants of a quiesced fleet.
 
     python scripts/chaos.py --batches 200 --seeds 1 2 3
 
-Each run prints the actions taken and the invariant checks (no prompt
-consumed twice, nothing committed lost, every prompt accounted for) and
-exits non-zero if any run broke one.
+Each run SIGKILLs agents, engines, the coordinator and the trainer, partitions
+an agent's coordinator link past its TTL and loses a node for good (each at
+least once), then checks the consumed stream, the coordinator's prompt
+accounting, its ledger and every agent's store (``harness/chaos_check.py``).
+It prints one JSON summary line per seed (failures caused by kind, lost,
+duplicated, unaccounted, the first problems) and exits non-zero if any run
+missed a failure kind or broke an invariant.
 """
 
 import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness.chaos import run_chaos  # noqa: E402
+from harness.chaos_check import KINDS  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, default=120)
-    ap.add_argument("--agents", type=int, default=3)
+    ap.add_argument("--agents", type=int, default=3, help="at least 3: one behind the proxy, one lost for good")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1])
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
@@ -30,13 +36,31 @@ def main() -> int:
     for seed in args.seeds:
         work = Path(args.workdir or tempfile.mkdtemp(prefix="rollfleet-chaos-")) / f"seed{seed}"
         work.mkdir(parents=True, exist_ok=True)
-        report = run_chaos(work, batches=args.batches, agents=args.agents, seed=seed, log=lambda m: print(m, file=sys.stderr))
+        started = time.monotonic()
+        report = run_chaos(
+            work,
+            batches=args.batches,
+            agents=args.agents,
+            seed=seed,
+            log=lambda m: print(m, file=sys.stderr, flush=True),
+        )
         ok = not report.problems
         failed += not ok
-        print(json.dumps({"seed": seed, "ok": ok, "batches": report.batches, "actions": len(report.actions),
-                          "duplicated": report.duplicated, "lost": report.lost, "replay_mismatches": report.replay_mismatches,
-                          "unaccounted_prompts": report.unaccounted_prompts, "replaced_groups": report.replaced_groups,
-                          "problems": report.problems[:20], "workdir": str(work)}))
+        summary = {
+            "seed": seed,
+            "ok": ok,
+            "seconds": round(time.monotonic() - started, 1),
+            "batches": report.batches,
+            "kills": {kind: report.kills[kind] for kind in KINDS},
+            "lost": report.lost,
+            "duplicated": report.duplicated,
+            "unaccounted": report.unaccounted_prompts,
+            "replay_mismatches": report.replay_mismatches,
+            "replaced_groups": report.replaced_groups,
+            "problems": report.problems[:20],
+            "workdir": str(work),
+        }
+        print(json.dumps(summary), flush=True)
     return 1 if failed else 0
 
 

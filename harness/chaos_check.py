@@ -1,0 +1,278 @@
+"""The chaos run's invariant checker: pure, over what a quiesced run left behind.
+
+Inputs (``RunEvidence``), all read after the fleet was quiesced (trainer done,
+admission paused, no lease in flight, every surviving agent registered) and
+then stopped:
+
+- the trainer's consumed stream: one record per batch it returned, across its
+  kills and resumes (a batch after the resume checkpoint is fetched again);
+- the coordinator's statistics at quiesce (its in-memory frontier counts);
+- the coordinator's ledger (``coordinator.ledger.read_ledger``);
+- every agent's store (committed groups and unacknowledged receipts);
+- which agents were lost for good, and how many failures of each kind the
+  schedule actually caused.
+
+Checks, each reported as a problem naming the prompt, group or agent:
+
+1. The stream: batch ids 0..N-1, each exactly ``rollout_batch_size`` groups
+   (never a silent short batch); a batch fetched again after a resume has the
+   same groups unless it was repaired (a node was retired); no prompt in two
+   batches of the final stream (``duplicated``).
+2. Prompt accounting over every state: the ledger's records lie in open
+   epochs only; its READY/DELIVERED/FILTERED counts equal the coordinator's
+   frontier counts, and the five states sum to epochs x dataset size (a state
+   outside the five would make them fall short); nothing is LEASED in a
+   quiesced fleet ("no prompt forgotten"); every prompt of the final stream
+   in an open epoch is DELIVERED in the ledger, in that batch, from that
+   agent; every DELIVERED record is in a batch some trainer fetched; every
+   recorded batch's groups are DELIVERED records of that batch; FILTERED ones
+   have a reason (``unaccounted``).
+3. Ledger against stores: a group the ledger says is READY, or in a recorded
+   (untrimmed) batch, on agent X is in X's store unless X was lost for good
+   (``lost``); every group X stores is referenced by the ledger or trimmable
+   (its epoch closed, its batch trimmed, its prompt accounted for by another
+   group); an unacknowledged receipt names a group the coordinator holds; a
+   node lost for good was retired and nothing READY or batched points at it.
+4. The schedule: every failure kind happened at least once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from coordinator.records import LedgerSnapshot
+
+KINDS = ("agent", "engine", "coordinator", "trainer", "partition", "node_lost")
+"""Failure kinds the chaos schedule causes; a run that misses one fails."""
+
+STATES = ("pending", "leased", "ready", "delivered", "filtered")
+
+
+@dataclass(frozen=True)
+class StoreContents:
+    groups: frozenset[str]
+    """Keys of the committed groups."""
+    outbox: dict[str, dict]
+    """Key -> the receipt still waiting for its acknowledgement."""
+
+
+@dataclass
+class RunEvidence:
+    batches: int
+    batch_size: int
+    dataset_size: int
+    consumed: list[dict]
+    """Trainer records in write order: ``rid``, ``groups`` ([data_epoch, index, agent_id] each),
+    ``replaced``, ``lengths_ok``."""
+    stats: dict
+    """Coordinator statistics at quiesce (``CoordinatorStats`` as a dict)."""
+    ledger: LedgerSnapshot
+    stores: dict[str, StoreContents]
+    lost_agents: set[str] = field(default_factory=set)
+    kills: Counter = field(default_factory=Counter)
+
+
+@dataclass
+class Findings:
+    batches: int = 0
+    duplicated: int = 0
+    lost: int = 0
+    replay_mismatches: int = 0
+    unaccounted_prompts: int = 0
+    replaced_groups: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+def check(ev: RunEvidence) -> Findings:
+    out = Findings()
+    final, ever = _check_stream(ev, out)
+    _check_accounting(ev, final, ever, out)
+    _check_stores(ev, out)
+    for kind in KINDS:
+        if ev.kills[kind] < 1:
+            out.problems.append(f"schedule: no {kind} failure happened")
+    return out
+
+
+def _unaccounted(out: Findings, why: str) -> None:
+    out.unaccounted_prompts += 1
+    out.problems.append(why)
+
+
+# ---------------------------------------------------------------------- 1. the consumed stream
+
+
+def _check_stream(ev: RunEvidence, out: Findings) -> tuple[dict, dict]:
+    """Returns the final stream ``rid -> record`` and ``prompt -> rids`` it appeared in, in any version."""
+    final: dict[int, dict] = {}
+    ever: dict[tuple[int, int], set[int]] = {}
+    for rec in ev.consumed:
+        rid = rec["rid"]
+        prev = final.get(rid)
+        if prev is not None and _keys(prev) != _keys(rec) and not rec["replaced"]:
+            out.replay_mismatches += 1
+            out.problems.append(f"rollout {rid} fetched again with different groups and no replacement")
+        final[rid] = rec
+        if not rec["lengths_ok"]:
+            out.problems.append(f"rollout {rid}: token and logprob lengths differ")
+        if len(rec["groups"]) != ev.batch_size:
+            out.problems.append(f"rollout {rid} has {len(rec['groups'])} groups, not {ev.batch_size}")
+        for epoch, index, *_ in rec["groups"]:
+            ever.setdefault((epoch, index), set()).add(rid)
+    out.batches = len(final)
+    if sorted(final) != list(range(ev.batches)):
+        out.problems.append(f"consumed rollout ids {sorted(final)} != 0..{ev.batches - 1}")
+    seen: dict[tuple[int, int], int] = {}
+    for rid, rec in sorted(final.items()):
+        out.replaced_groups += int(rec["replaced"])
+        for epoch, index, *_ in rec["groups"]:
+            if (epoch, index) in seen:
+                out.duplicated += 1
+                first = seen[(epoch, index)]
+                out.problems.append(f"prompt {(epoch, index)} trained twice: in rollouts {first} and {rid}")
+            seen[(epoch, index)] = rid
+    return final, ever
+
+
+def _keys(rec: dict) -> list:
+    return sorted(map(tuple, rec["groups"]))
+
+
+# ---------------------------------------------------------------------- 2. prompt accounting
+
+
+def _check_accounting(ev: RunEvidence, final: dict, ever: dict, out: Findings) -> None:
+    ledger, stats = ev.ledger, ev.stats
+    open_epochs = set(stats["data_epochs"])
+    if set(ledger.cursors) != open_epochs:
+        out.problems.append(
+            f"open epochs differ: ledger cursors {sorted(ledger.cursors)}, coordinator {sorted(open_epochs)}"
+        )
+    counts = Counter()
+    for (epoch, index), st in ledger.prompts.items():
+        if epoch not in open_epochs or not 0 <= index < ev.dataset_size:
+            _unaccounted(out, f"ledger holds prompt {(epoch, index)} outside the open epochs {sorted(open_epochs)}")
+            continue
+        counts[st.status_name] += 1
+        if st.filtered and not st.reason:
+            _unaccounted(out, f"prompt {(epoch, index)} filtered without a reason")
+        if st.delivered and st.rollout_id not in ever.get((epoch, index), ()):
+            _unaccounted(
+                out,
+                f"prompt {(epoch, index)} is delivered in rollout {st.rollout_id} (ledger) "
+                "but no trainer fetched it there",
+            )
+    frontier = stats["prompts"]
+    expected = len(open_epochs) * ev.dataset_size
+    if set(frontier) != set(STATES) or sum(frontier.values()) != expected:
+        _unaccounted(
+            out,
+            f"frontier states {frontier} do not cover the {len(open_epochs)} open epoch(s) "
+            f"x {ev.dataset_size} prompts exactly once",
+        )
+    for name in ("ready", "delivered", "filtered"):
+        if frontier.get(name, 0) != counts[name]:
+            n = frontier.get(name, 0)
+            _unaccounted(out, f"{n} prompts {name} in the coordinator, {counts[name]} in its ledger")
+    if stats["ready"] != counts["ready"]:
+        _unaccounted(out, f"coordinator holds {stats['ready']} ready groups, its ledger {counts['ready']}")
+    if frontier.get("leased", 0) or stats["leased"]:
+        _unaccounted(
+            out,
+            f"quiesced fleet still has {stats['leased']} lease(s), "
+            f"{frontier.get('leased', 0)} prompt(s) leased: stuck, never reissued",
+        )
+    for agent_id, entry in stats["agents"].items():
+        if entry["leases"]:
+            _unaccounted(out, f"quiesced agent {agent_id} ({entry['status']}) still holds {entry['leases']} lease(s)")
+    # Every prompt of the final stream in an open epoch is delivered there, from that agent.
+    for rid, rec in sorted(final.items()):
+        for epoch, index, agent_id in rec["groups"]:
+            if epoch not in open_epochs:
+                continue  # a closed epoch: every prompt of it is done
+            st = ledger.prompts.get((epoch, index))
+            if st is None:
+                _unaccounted(
+                    out,
+                    f"prompt {(epoch, index)} trained in rollout {rid} is pending again "
+                    "(forgotten: it would be generated and trained twice)",
+                )
+            elif not st.delivered or st.rollout_id != rid or st.agent_id != agent_id:
+                _unaccounted(
+                    out,
+                    f"prompt {(epoch, index)} trained in rollout {rid} from {agent_id}, but the "
+                    f"ledger has it {st.status_name} in rollout {st.rollout_id} from {st.agent_id}",
+                )
+    in_batch: dict[tuple[int, int], int] = {}
+    for rid, batch in sorted(ledger.batches.items()):
+        for g in batch.groups:
+            if g.prompt in in_batch:
+                out.duplicated += 1
+                out.problems.append(f"prompt {g.prompt} in recorded batches {in_batch[g.prompt]} and {rid}")
+            in_batch[g.prompt] = rid
+            st = ledger.prompts.get(g.prompt)
+            if g.data_epoch in open_epochs and (
+                st is None or not st.delivered or st.rollout_id != rid or st.key != g.key
+            ):
+                _unaccounted(
+                    out,
+                    f"recorded batch {rid} holds {g.key} but the ledger's prompt {g.prompt} is "
+                    f"{st.status_name + ' ' + repr(st.key) if st else 'pending'}",
+                )
+
+
+# ---------------------------------------------------------------------- 3. ledger against stores
+
+
+def _prompt_of(key: str) -> tuple[int, int]:
+    epoch, index, _ = key.split(":", 2)
+    return int(epoch), int(index)
+
+
+def _check_stores(ev: RunEvidence, out: Findings) -> None:
+    ledger = ev.ledger
+    open_floor = min(ev.stats["data_epochs"], default=0)
+    expected: dict[str, set[str]] = {}
+    for st in ledger.prompts.values():
+        if st.ready:
+            expected.setdefault(st.agent_id, set()).add(st.key)
+    for batch in ledger.batches.values():
+        for g in batch.groups:
+            expected.setdefault(g.agent_id, set()).add(g.key)
+    for agent_id in sorted(ev.lost_agents):
+        entry = ev.stats["agents"].get(agent_id)
+        if entry is not None and entry["status"] != "retired":
+            out.problems.append(f"{agent_id} was lost for good but is {entry['status']!r}, not retired")
+        for key in sorted(expected.get(agent_id, ())):
+            out.lost += 1
+            out.problems.append(f"{key} is ready or batched on {agent_id}, a node lost for good (never regenerated)")
+    for agent_id, store in sorted(ev.stores.items()):
+        if agent_id in ev.lost_agents:
+            continue
+        for key in sorted(expected.get(agent_id, set()) - store.groups):
+            out.lost += 1
+            out.problems.append(f"{key} is ready or batched on {agent_id} (ledger) but not in its store")
+        referenced = expected.get(agent_id, set())
+        for key in sorted(store.groups - referenced):
+            prompt = _prompt_of(key)
+            st = ledger.prompts.get(prompt)
+            if key in store.outbox:
+                if st is None or st.key != key:
+                    what = f"{st.status_name} as {st.key}" if st else "pending"
+                    _unaccounted(out, f"{agent_id} stores {key} with an unsettled receipt; its prompt is {what}")
+                continue
+            trimmable = (
+                prompt[0] < open_floor  # its epoch closed
+                or (st is not None and st.key != key)  # refused: the prompt is another group's
+                or (st is not None and st.delivered and st.rollout_id not in ledger.batches)  # batch trimmed
+                or (st is not None and st.filtered)
+            )
+            if not trimmable:
+                what = f"{st.status_name} in rollout {st.rollout_id}" if st else "pending"
+                _unaccounted(
+                    out,
+                    f"{agent_id} stores {key}, which nothing references and is not trimmable (its prompt is {what})",
+                )
+        for key in sorted(set(store.outbox) - store.groups):
+            out.problems.append(f"{agent_id} has a receipt for {key} without the group")

@@ -1,0 +1,170 @@
+"""The chaos checker can fail: fabricated evidence with one fault each, and the checker names it.
+
+The baseline is a consistent quiesced run (8 prompts, one open epoch, two batches of two groups, one group
+ready, one prompt filtered, two pending); each test breaks one thing the way a bug would.
+"""
+
+from collections import Counter
+
+import pytest
+
+from coordinator.frontier import DELIVERED, FILTERED, READY
+from coordinator.records import GroupRef, LedgerSnapshot, PromptState, RecordedBatch
+from harness.chaos_check import KINDS, RunEvidence, StoreContents, check
+
+SIZE = 8
+
+
+def _evidence() -> RunEvidence:
+    keys = {i: f"0:{i}:{i + 16:x}" for i in range(SIZE)}
+    on = {0: "a", 1: "b", 2: "a", 3: "b", 4: "a"}
+    prompts = {(0, i): PromptState(DELIVERED, on[i], keys[i], rollout_id=i // 2) for i in range(4)}
+    prompts[(0, 4)] = PromptState(READY, "a", keys[4], {"n_samples": 4}, seq=5)
+    prompts[(0, 5)] = PromptState(FILTERED, "b", reason="zero_std")
+    batches = {
+        rid: RecordedBatch(tuple(GroupRef(0, i, on[i], keys[i]) for i in (2 * rid, 2 * rid + 1)), {}) for rid in (0, 1)
+    }
+    ledger = LedgerSnapshot(cursors={0: SIZE}, prompts=prompts, batches=batches, last_rollout_id=1)
+    consumed = [
+        {"rid": rid, "groups": [[0, i, on[i]] for i in (2 * rid, 2 * rid + 1)], "replaced": 0, "lengths_ok": True}
+        for rid in (0, 1)
+    ]
+    stats = {
+        "prompts": {"pending": 2, "leased": 0, "ready": 1, "delivered": 4, "filtered": 1},
+        "leased": 0,
+        "ready": 1,
+        "data_epochs": [0],
+        "agents": {"a": {"status": "alive", "leases": 0}, "b": {"status": "alive", "leases": 0}},
+    }
+    stores = {
+        "a": StoreContents(frozenset({keys[0], keys[2], keys[4]}), {}),
+        "b": StoreContents(frozenset({keys[1], keys[3]}), {}),
+    }
+    return RunEvidence(
+        batches=2,
+        batch_size=2,
+        dataset_size=SIZE,
+        consumed=consumed,
+        stats=stats,
+        ledger=ledger,
+        stores=stores,
+        kills=Counter(dict.fromkeys(KINDS, 1)),
+    )
+
+
+def _problems(ev: RunEvidence, needle: str) -> list[str]:
+    found = check(ev)
+    hits = [p for p in found.problems if needle in p]
+    assert hits, f"no problem mentioning {needle!r} in {found.problems}"
+    return hits
+
+
+def test_a_consistent_run_passes():
+    found = check(_evidence())
+    assert found.problems == []
+    assert (found.batches, found.duplicated, found.lost, found.unaccounted_prompts) == (2, 0, 0, 0)
+
+
+def test_a_forgotten_prompt_is_reported():
+    """A prompt trained in batch 1 whose ledger record vanished: pending again, it would be trained twice."""
+    ev = _evidence()
+    del ev.ledger.prompts[(0, 3)]
+    ev.stats["prompts"].update(pending=3, delivered=3)
+    _problems(ev, "prompt (0, 3) trained in rollout 1 is pending again")
+    assert check(ev).unaccounted_prompts >= 1
+
+
+def test_a_stuck_lease_is_reported():
+    ev = _evidence()
+    ev.stats["prompts"].update(pending=1, leased=1)
+    ev.stats["leased"] = 1
+    ev.stats["agents"]["b"]["leases"] = 1
+    _problems(ev, "stuck, never reissued")
+    _problems(ev, "quiesced agent b (alive) still holds 1 lease")
+
+
+def test_a_duplicated_prompt_is_reported():
+    """The same prompt in two batches of the final stream (and of the ledger)."""
+    ev = _evidence()
+    ev.consumed[1]["groups"][1] = [0, 0, "a"]
+    ev.ledger.batches[1] = RecordedBatch((ev.ledger.batches[1].groups[0], ev.ledger.batches[0].groups[0]), {})
+    found = check(ev)
+    assert found.duplicated == 2
+    _problems(ev, "prompt (0, 0) trained twice: in rollouts 0 and 1")
+    _problems(ev, "prompt (0, 0) in recorded batches 0 and 1")
+
+
+def test_counts_that_disagree_with_the_ledger_are_reported():
+    ev = _evidence()
+    ev.stats["prompts"].update(ready=2, pending=1)
+    _problems(ev, "2 prompts ready in the coordinator, 1 in its ledger")
+
+
+def test_states_that_do_not_cover_every_prompt_once_are_reported():
+    """Frontier counts summing short of epochs x size (a prompt in no state, or one outside the five)."""
+    ev = _evidence()
+    ev.stats["prompts"]["pending"] = 1
+    _problems(ev, "do not cover the 1 open epoch(s) x 8 prompts exactly once")
+
+
+def test_a_delivered_prompt_no_trainer_fetched_is_reported():
+    ev = _evidence()
+    ev.ledger.prompts[(0, 6)] = PromptState(DELIVERED, "a", "0:6:1", rollout_id=1)
+    ev.stats["prompts"].update(pending=1, delivered=5)
+    _problems(ev, "prompt (0, 6) is delivered in rollout 1 (ledger) but no trainer fetched it there")
+
+
+def test_a_ready_group_missing_from_its_store_is_lost():
+    ev = _evidence()
+    ev.stores["a"] = StoreContents(ev.stores["a"].groups - {"0:4:14"}, {})
+    assert check(ev).lost == 1
+    _problems(ev, "0:4:14 is ready or batched on a (ledger) but not in its store")
+
+
+def test_a_stored_group_nothing_references_is_reported():
+    """Committed on b, receipt acknowledged, yet the ledger has its prompt pending: a forgotten commit."""
+    ev = _evidence()
+    ev.stores["b"] = StoreContents(ev.stores["b"].groups | {"0:6:99"}, {})
+    _problems(ev, "b stores 0:6:99, which nothing references and is not trimmable (its prompt is pending)")
+
+
+def test_trimmable_stored_groups_pass():
+    """A group of a trimmed batch and a refused duplicate may remain until reconciliation trims them."""
+    ev = _evidence()
+    del ev.ledger.batches[0]  # trimmed behind a checkpoint
+    ev.ledger.trimmed_upto = 0
+    ev.stores["b"] = StoreContents(ev.stores["b"].groups | {"0:4:77"}, {})  # refused: 0:4 is a's group
+    assert check(ev).problems == []
+
+
+def test_an_unsettled_receipt_is_reported():
+    ev = _evidence()
+    ev.stores["a"] = StoreContents(ev.stores["a"].groups | {"0:7:5"}, {"0:7:5": {"lease": 5}})
+    _problems(ev, "a stores 0:7:5 with an unsettled receipt; its prompt is pending")
+
+
+def test_a_node_lost_for_good_must_be_retired_and_unreferenced():
+    ev = _evidence()
+    ev.lost_agents = {"a"}
+    found = check(ev)
+    assert found.lost == 3  # 0:0 and 0:2 batched, 0:4 ready, all on a
+    _problems(ev, "a was lost for good but is 'alive', not retired")
+
+
+def test_a_replay_with_other_groups_is_reported():
+    ev = _evidence()
+    ev.consumed.append({"rid": 1, "groups": [[0, 2, "a"], [0, 6, "b"]], "replaced": 0, "lengths_ok": True})
+    assert check(ev).replay_mismatches == 1
+
+
+def test_a_short_batch_is_reported():
+    ev = _evidence()
+    ev.consumed[0]["groups"].pop()
+    _problems(ev, "rollout 0 has 1 groups, not 2")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_failure_kind_that_never_happened_is_reported(kind):
+    ev = _evidence()
+    ev.kills[kind] = 0
+    assert check(ev).problems == [f"schedule: no {kind} failure happened"]
