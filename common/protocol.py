@@ -22,121 +22,18 @@ by ``(client_id, req)`` and gets the same session.
 
 from __future__ import annotations
 
-import dataclasses
-import typing
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import field
 
-import msgpack
-
-from common.errors import MessageTooLarge, ProtocolError, VersionMismatch
-
-PROTOCOL_VERSION = 2
-"""2: one message type per trainer request (was ``trainer_control``); ``BatchRefs`` refs in
-``GroupRef`` order."""
-
-DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-"""Application limit. Larger messages get a clear error reply. The ZeroMQ
-socket limit (MAXMSGSIZE) is set above it so the peer is not silently cut."""
-
-_REGISTRY: dict[str, type["Message"]] = {}
-
-
-def message(cls):
-    """Register a message dataclass under its ``TYPE``."""
-    cls = dataclass(cls)
-    if cls.TYPE in _REGISTRY:
-        raise RuntimeError(f"duplicate message type {cls.TYPE}")
-    hints = typing.get_type_hints(cls)
-    cls._FIELDS = {f.name: (hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING) for f in dataclasses.fields(cls)}
-    _REGISTRY[cls.TYPE] = cls
-    return cls
-
-
-class Message:
-    TYPE: ClassVar[str] = ""
-    _FIELDS: ClassVar[dict]
-
-    def to_body(self) -> dict:
-        return {name: getattr(self, name) for name in self._FIELDS}
-
-
-def _check(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if hint is Any:
-        return True
-    if origin is typing.Union or str(origin) == "types.UnionType":
-        return any(_check(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if origin is list:
-        if not isinstance(value, list):
-            return False
-        (item,) = typing.get_args(hint) or (Any,)
-        return item is Any or all(_check(v, item) for v in value)
-    if origin is dict:
-        return isinstance(value, dict)
-    if hint in (list, dict, str, bytes, bool):
-        return isinstance(value, hint)
-    return isinstance(value, hint)
-
-
-def encode(msg: Message, version: int = PROTOCOL_VERSION) -> bytes:
-    return msgpack.packb([version, msg.TYPE, msg.to_body()], use_bin_type=True)
-
-
-def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
-    """Decode one frame into its message, or raise a ProtocolError saying why."""
-    if len(frame) > max_bytes:
-        raise MessageTooLarge(f"message of {len(frame)} bytes exceeds the limit of {max_bytes} bytes")
-    try:
-        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except Exception as exc:
-        raise ProtocolError(f"malformed message: not valid msgpack ({type(exc).__name__}: {exc})") from None
-    if not isinstance(obj, list) or len(obj) != 3:
-        raise ProtocolError("malformed message: expected a msgpack array [version, type, body]")
-    version, mtype, body = obj
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise ProtocolError(f"malformed message: version must be an integer, got {version!r}")
-    if version != PROTOCOL_VERSION:
-        raise VersionMismatch(
-            f"protocol version {version} is not supported (this side speaks version {PROTOCOL_VERSION}); "
-            "upgrade rollfleet so coordinator, agents and trainers match"
-        )
-    cls = _REGISTRY.get(mtype) if isinstance(mtype, str) else None
-    if cls is None:
-        raise ProtocolError(f"unknown message type {mtype!r}")
-    if not isinstance(body, dict):
-        raise ProtocolError(f"malformed {mtype}: body must be a map")
-    unknown = set(body) - set(cls._FIELDS)
-    if unknown:
-        raise ProtocolError(f"malformed {mtype}: unknown field(s) {sorted(unknown)}")
-    kwargs = {}
-    for name, (hint, required) in cls._FIELDS.items():
-        if name not in body:
-            if required:
-                raise ProtocolError(f"malformed {mtype}: missing field {name!r}")
-            continue
-        value = body[name]
-        if not _check(value, hint):
-            raise ProtocolError(f"malformed {mtype}: field {name!r} has type {type(value).__name__}, expected {hint}")
-        kwargs[name] = value
-    return cls(**kwargs)
-
-
-def peek_req(frame: bytes) -> int:
-    """Best-effort request id of an undecodable frame, so an error reply can be correlated."""
-    try:
-        obj = msgpack.unpackb(frame, raw=False)
-        req = obj[2].get("req", 0)
-        return req if isinstance(req, int) and not isinstance(req, bool) else 0
-    except Exception:
-        return 0
-
+from common.wire import (  # noqa: F401  (re-exported: the protocol's public surface)
+    DEFAULT_MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    Message,
+    decode,
+    encode,
+    message,
+    message_types,
+    peek_req,
+)
 
 # --------------------------------------------------------------------------
 # Both directions
@@ -451,6 +348,142 @@ TRAINER_REQUESTS = (Pause, Resume, StateDict, LoadStateDict, Consumed, Missing, 
 
 
 # --------------------------------------------------------------------------
+# Weight updates (docs/weights.md): trainer -> coordinator -> agents -> engines
+# --------------------------------------------------------------------------
+
+
+@message
+class UpdateWeights(Message):
+    """trainer -> coordinator: begin a weight update to ``version`` (greater than the fleet's).
+
+    ``kind`` is ``disk`` (every engine loads ``path``; answered when all serve ``version``) or
+    ``distributed`` (answered at once with the group to join: ``{"update_id", "world_size",
+    "group_name", "init"}``; tensors follow as ``WeightBucket``s). ``timeout`` is the lock's
+    deadline in seconds, restarted by every bucket.
+    """
+
+    TYPE = "update_weights"
+    session: int
+    req: int
+    version: int
+    kind: str
+    path: str = ""
+    master_address: str = ""
+    master_port: int = 0
+    backend: str = "gloo"
+    timeout: float = 300.0
+
+
+@message
+class WeightBucket(Message):
+    """trainer -> coordinator: the next bucket of a distributed update; the trainer broadcasts its
+    tensors (in ``names`` order, ``src=0``) once this is answered."""
+
+    TYPE = "weight_bucket"
+    session: int
+    req: int
+    update_id: int
+    seq: int
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list]
+
+
+@message
+class FinishWeights(Message):
+    """trainer -> coordinator: every bucket was broadcast; answered when all engines serve the version."""
+
+    TYPE = "finish_weights"
+    session: int
+    req: int
+    update_id: int
+
+
+@message
+class WeightsBegin(Message):
+    """coordinator -> agent: a distributed update starts: pause engines (mode abort), pause health checks."""
+
+    TYPE = "weights_begin"
+    update_id: int
+    version: int
+
+
+@message
+class WeightsFromDisk(Message):
+    """coordinator -> agent: every serving engine loads ``path`` and then serves ``version``."""
+
+    TYPE = "weights_from_disk"
+    update_id: int
+    version: int
+    path: str
+
+
+@message
+class WeightsInitGroup(Message):
+    """coordinator -> agent: each listed engine joins the trainer's group at its ``rank_offsets`` entry."""
+
+    TYPE = "weights_init_group"
+    update_id: int
+    master_address: str
+    master_port: int
+    world_size: int
+    group_name: str
+    backend: str
+    rank_offsets: dict
+
+
+@message
+class WeightsBucket(Message):
+    """coordinator -> agent: each engine of the group receives this bucket (``/update_weights_from_distributed``)."""
+
+    TYPE = "weights_bucket"
+    update_id: int
+    seq: int
+    group_name: str
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list]
+
+
+@message
+class WeightsFinish(Message):
+    """coordinator -> agent: every bucket arrived: label engines ``version``, continue generation."""
+
+    TYPE = "weights_finish"
+    update_id: int
+    version: int
+
+
+@message
+class WeightsAbort(Message):
+    """coordinator -> agent: the update failed or its trainer is gone; engines that received part of it
+    leave the pool until an update reaches them (or re-load the last disk checkpoint, ``path``)."""
+
+    TYPE = "weights_abort"
+    update_id: int
+    version: int
+    path: str = ""
+
+
+@message
+class WeightsReport(Message):
+    """agent -> coordinator: one step of an update is done on every engine of the agent, or failed.
+
+    ``step`` is ``begin``, ``disk``, ``init``, ``bucket`` (with ``seq``), ``finish`` or ``abort``;
+    ``engines`` maps engine name to the version it now reports; ``error`` names the engine.
+    """
+
+    TYPE = "weights_report"
+    session: int
+    update_id: int
+    step: str
+    ok: bool
+    seq: int = 0
+    engines: dict = field(default_factory=dict)
+    error: str = ""
+
+
+# --------------------------------------------------------------------------
 # Trainer -> agent (data plane)
 # --------------------------------------------------------------------------
 
@@ -472,7 +505,3 @@ class Payloads(Message):
     req: int
     found: list[str]
     missing: list[str]
-
-
-def message_types() -> dict[str, type[Message]]:
-    return dict(_REGISTRY)

@@ -1,0 +1,132 @@
+"""The wire machinery under ``common.protocol``: message registration, encoding, typed decoding.
+
+Wire format: one ZeroMQ frame holding a msgpack array ``[version, type, body]`` where ``body`` is
+a map. ``decode`` checks the size limit, the msgpack encoding, the version, the type and every
+field's type against the message's annotations; anything wrong raises a ``ProtocolError``
+subclass whose text says what was wrong. The messages themselves are declared in
+``common.protocol``, which is what the rest of the code imports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgpack
+
+from common.errors import MessageTooLarge, ProtocolError, VersionMismatch
+
+PROTOCOL_VERSION = 3
+"""2: one message type per trainer request (was ``trainer_control``); ``BatchRefs`` refs in
+``GroupRef`` order. 3: weight updates (``UpdateWeights`` ... ``WeightsReport``)."""
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""Application limit. Larger messages get a clear error reply. The ZeroMQ
+socket limit (MAXMSGSIZE) is set above it so the peer is not silently cut."""
+
+_REGISTRY: dict[str, type[Message]] = {}
+
+
+def message(cls):
+    """Register a message dataclass under its ``TYPE``."""
+    cls = dataclass(cls)
+    if cls.TYPE in _REGISTRY:
+        raise RuntimeError(f"duplicate message type {cls.TYPE}")
+    hints = typing.get_type_hints(cls)
+    cls._FIELDS = {
+        f.name: (hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        for f in dataclasses.fields(cls)
+    }
+    _REGISTRY[cls.TYPE] = cls
+    return cls
+
+
+class Message:
+    TYPE: ClassVar[str] = ""
+    _FIELDS: ClassVar[dict]
+
+    def to_body(self) -> dict:
+        return {name: getattr(self, name) for name in self._FIELDS}
+
+
+def _check(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
+    if origin is typing.Union or str(origin) == "types.UnionType":
+        return any(_check(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        if not isinstance(value, list):
+            return False
+        (item,) = typing.get_args(hint) or (Any,)
+        return item is Any or all(_check(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if hint in (list, dict, str, bytes, bool):
+        return isinstance(value, hint)
+    return isinstance(value, hint)
+
+
+def encode(msg: Message, version: int = PROTOCOL_VERSION) -> bytes:
+    return msgpack.packb([version, msg.TYPE, msg.to_body()], use_bin_type=True)
+
+
+def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
+    """Decode one frame into its message, or raise a ProtocolError saying why."""
+    if len(frame) > max_bytes:
+        raise MessageTooLarge(f"message of {len(frame)} bytes exceeds the limit of {max_bytes} bytes")
+    try:
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise ProtocolError(f"malformed message: not valid msgpack ({type(exc).__name__}: {exc})") from None
+    if not isinstance(obj, list) or len(obj) != 3:
+        raise ProtocolError("malformed message: expected a msgpack array [version, type, body]")
+    version, mtype, body = obj
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ProtocolError(f"malformed message: version must be an integer, got {version!r}")
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatch(
+            f"protocol version {version} is not supported (this side speaks version {PROTOCOL_VERSION}); "
+            "upgrade rollfleet so coordinator, agents and trainers match"
+        )
+    cls = _REGISTRY.get(mtype) if isinstance(mtype, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {mtype!r}")
+    if not isinstance(body, dict):
+        raise ProtocolError(f"malformed {mtype}: body must be a map")
+    unknown = set(body) - set(cls._FIELDS)
+    if unknown:
+        raise ProtocolError(f"malformed {mtype}: unknown field(s) {sorted(unknown)}")
+    kwargs = {}
+    for name, (hint, required) in cls._FIELDS.items():
+        if name not in body:
+            if required:
+                raise ProtocolError(f"malformed {mtype}: missing field {name!r}")
+            continue
+        value = body[name]
+        if not _check(value, hint):
+            raise ProtocolError(f"malformed {mtype}: field {name!r} has type {type(value).__name__}, expected {hint}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def peek_req(frame: bytes) -> int:
+    """Best-effort request id of an undecodable frame, so an error reply can be correlated."""
+    try:
+        obj = msgpack.unpackb(frame, raw=False)
+        req = obj[2].get("req", 0)
+        return req if isinstance(req, int) and not isinstance(req, bool) else 0
+    except Exception:
+        return 0
+
+
+def message_types() -> dict[str, type[Message]]:
+    return dict(_REGISTRY)
