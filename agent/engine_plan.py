@@ -202,9 +202,9 @@ def sglang_command(
 ) -> list[str]:
     """The argv of one SGLang server (GPUs are chosen via CUDA_VISIBLE_DEVICES)."""
     if not model_path:
-        raise ConfigError("sglang engines need a model path")
+        raise ConfigError("sglang engines need a model path (--model-path)")
     if tp_size < 1:
-        raise ConfigError(f"tp_size must be >= 1, got {tp_size}")
+        raise ConfigError(f"--tp-size must be >= 1, got {tp_size}")
     if not 0 < port < 65536:
         raise ConfigError(f"port must be in 1..65535, got {port}")
     return [
@@ -247,7 +247,7 @@ def plan_engines(
     if kind == "url":
         return _plan_urls(urls)
     if count < 1:
-        raise ConfigError(f"engine count must be >= 1, got {count}")
+        raise ConfigError(f"--engines must be >= 1, got {count}")
     if kind == "sim":
         argv = [sys.executable, "-m", SIM_MODULE, "--host", host, "--port", "0", *[str(a) for a in sim_args]]
         return [
@@ -279,9 +279,9 @@ def _plan_sglang(
     sglang_module: str,
 ) -> list[EngineSpec]:
     if not model_path:
-        raise ConfigError("engine kind 'sglang' needs model_path")
+        raise ConfigError("--engine sglang needs --model-path")
     if tp_size < 1:
-        raise ConfigError(f"tp_size must be >= 1, got {tp_size}")
+        raise ConfigError(f"--tp-size must be >= 1, got {tp_size}")
     need = count * tp_size
     if gpu_ids is not None:
         ids = [int(g) for g in gpu_ids]

@@ -7,7 +7,11 @@ is validated with bounds; unknown keys are rejected (``from_dict``).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import logging
+import math
+import re
 from dataclasses import dataclass, field
 
 from common.errors import ConfigError
@@ -62,8 +66,18 @@ class RolloutConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def batch_shape(self) -> dict:
+        """The fields that decide how batches are made (everything but ``prefetch``).
+
+        A coordinator restarted on the same data dir must keep these, or record the change
+        (``coordinator/ledger.py``), since recorded batches and open epochs were built with them.
+        """
+        shape = self.to_dict()
+        del shape["prefetch"]
+        return shape
+
     @classmethod
-    def from_dict(cls, d: dict) -> "RolloutConfig":
+    def from_dict(cls, d: dict) -> RolloutConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -84,16 +98,107 @@ class Liveness:
     """Silence after which a presumed-dead agent is retired for good."""
 
     def __post_init__(self):
-        if self.heartbeat_interval <= 0:
-            raise ConfigError(f"heartbeat interval must be > 0, got {self.heartbeat_interval}")
+        for flag, value in (
+            ("--heartbeat-interval", self.heartbeat_interval),
+            ("--agent-ttl", self.ttl),
+            ("--retire-after", self.retire_after),
+        ):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{flag} must be a number of seconds > 0, got {value!r}")
         if self.ttl < 2 * self.heartbeat_interval:
             raise ConfigError(
-                f"agent TTL ({self.ttl}s) must be at least two heartbeat intervals ({self.heartbeat_interval}s)"
+                f"--agent-ttl ({self.ttl}s) must be at least two --heartbeat-interval ({self.heartbeat_interval}s)"
             )
         if self.retire_after < self.ttl:
-            raise ConfigError(f"retire-after ({self.retire_after}s) must be >= the TTL ({self.ttl}s)")
+            raise ConfigError(f"--retire-after ({self.retire_after}s) must be >= --agent-ttl ({self.ttl}s)")
 
 
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+# --------------------------------------------------------------------------
+# Flag types: a bad value is an argparse error naming the flag (exit 2, one line after the usage)
+# --------------------------------------------------------------------------
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MIN_MESSAGE_BYTES = 64 << 10
+"""The smallest ``--max-message-bytes``: below it ordinary control messages would be refused."""
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+               "g": 1000**3, "gb": 1000**3, "gib": 1 << 30}  # fmt: skip
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one line per mistake: ``prog: error: argument --flag: why (see --help)``, exit 2.
+
+    Sub-commands made with ``add_subparsers().add_parser`` are of this class too.
+    """
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def log_level(text: str) -> str:
+    """``--log-level``: one of :data:`LOG_LEVELS`, any case."""
+    level = text.strip().upper()
+    if level not in LOG_LEVELS or not isinstance(logging.getLevelName(level), int):
+        raise argparse.ArgumentTypeError(f"unknown level {text!r}; expected one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+def parse_size(text: str) -> int:
+    """A byte count: ``65536``, ``64KiB``, ``64MiB``, ``1GiB`` (also ``KB``/``MB``/``GB`` = powers of 1000)."""
+    m = _SIZE_RE.match(str(text))
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"expected a size such as 65536, 512KiB or 64MiB, got {text!r}")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
+def message_bytes(text: str) -> int:
+    """``--max-message-bytes``: a size of at least :data:`MIN_MESSAGE_BYTES`."""
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if size < MIN_MESSAGE_BYTES:
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_MESSAGE_BYTES} bytes (64KiB), got {text!r}")
+    return size
+
+
+def number(kind: type = float, *, min: float | None = None, max: float | None = None, above: float | None = None):
+    """An argparse type: a finite ``kind`` (int or float) within the bounds given.
+
+    ``min``/``max`` are inclusive, ``above`` is exclusive. The error names the bound, and argparse
+    prefixes the flag: ``argument --slots: must be an integer >= 1, got '0'``.
+    """
+    what = "an integer" if kind is int else "a number"
+    bounds = []
+    if above is not None:
+        bounds.append(f"> {above:g}")
+    if min is not None:
+        bounds.append(f">= {min:g}")
+    if max is not None:
+        bounds.append(f"<= {max:g}")
+    expected = f"{what} {' and '.join(bounds)}".strip()
+
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}") from None
+        ok = math.isfinite(value)
+        ok = ok and (above is None or value > above) and (min is None or value >= min) and (max is None or value <= max)
+        if not ok:
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
+        return value
+
+    convert.__name__ = f"{kind.__name__}_in_bounds"
+    return convert
+
+
+seconds = number(float, above=0)
+"""A duration flag: a finite number of seconds > 0."""

@@ -12,7 +12,11 @@ the matching tokenizer.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from typing import Any, Protocol
+
+from common.errors import ConfigError
 
 BYTE_TOKENIZER_NAME = "rollfleet:byte"
 
@@ -61,13 +65,13 @@ class HFTokenizer:
     """A Hugging Face tokenizer; chat-message prompts go through its chat template."""
 
     def __init__(self, path: str):
+        check_tokenizer(path, "tokenizer")
+        from transformers import AutoTokenizer
+
         try:
-            from transformers import AutoTokenizer
-        except ImportError as exc:  # pragma: no cover - depends on the extra
-            raise RuntimeError(
-                f"tokenizer {path!r} needs the 'transformers' package: pip install 'rollfleet[sglang]'"
-            ) from exc
-        self._tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+            self._tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"tokenizer {path!r} cannot be loaded: {exc}") from None
         self.eos_token_id = self._tok.eos_token_id
         self.name = path
 
@@ -87,3 +91,18 @@ def load_tokenizer(name: str) -> Tokenizer:
     if name.startswith("hf:"):
         name = name[3:]
     return HFTokenizer(name)
+
+
+def check_tokenizer(name: str, what: str = "tokenizer") -> None:
+    """ConfigError naming ``what`` unless ``name`` can be loaded here: the byte tokenizer, or an HF
+    tokenizer with ``transformers`` installed and, for a filesystem path, the path present.
+
+    Cheap (nothing is loaded), so a CLI checks its flag before it starts anything.
+    """
+    if name in (BYTE_TOKENIZER_NAME, "byte"):
+        return
+    path = name[3:] if name.startswith("hf:") else name
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError(f"{what} {name!r} needs the 'transformers' package: pip install 'rollfleet[sglang]'")
+    if path.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(path)):
+        raise ConfigError(f"{what} {name!r}: no such file or directory")

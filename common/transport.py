@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import signal
 import socket
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import urlparse
 
 import zmq
 import zmq.asyncio
 
+from common.errors import ConfigError
 from common.protocol import DEFAULT_MAX_MESSAGE_BYTES
 
 
@@ -35,33 +36,44 @@ def _common(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.RCVHWM, 100_000)
 
 
-def router(ctx: zmq.asyncio.Context, bind: str, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, prefer_port: int | None = None) -> tuple[zmq.asyncio.Socket, str]:
+def router(
+    ctx: zmq.asyncio.Context, bind: str, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, prefer_port: int | None = None
+) -> tuple[zmq.asyncio.Socket, str]:
     """Bind a ROUTER; returns the socket and its resolved endpoint (port 0 resolved).
 
     With port 0, ``prefer_port`` is tried first (a restarted agent takes its old
     port back, so peers' connections to it simply reconnect), then any port.
+    An endpoint that cannot be bound (port in use, an address not on this
+    machine) is a ConfigError naming it; the socket is closed.
     """
     sock = ctx.socket(zmq.ROUTER)
-    _common(sock)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes * 2 + 4096)
+    try:
+        _common(sock)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes * 2 + 4096)
+        endpoint = _bind(sock, bind, prefer_port)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        raise ConfigError(f"cannot bind {bind}: {zmq.strerror(exc.errno)}") from None
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock, endpoint
+
+
+def _bind(sock: zmq.Socket, bind: str, prefer_port: int | None) -> str:
     if bind.startswith("tcp://") and bind.rsplit(":", 1)[-1] in ("0", "*"):
         host = bind.rsplit(":", 1)[0]
-        port = None
         if prefer_port:
             try:
                 sock.bind(f"{host}:{prefer_port}")
-                port = prefer_port
+                return f"{host}:{prefer_port}"
             except zmq.ZMQError:
-                port = None
-        if port is None:
-            port = sock.bind_to_random_port(host)
-        endpoint = f"{host}:{port}"
-    else:
-        sock.bind(bind)
-        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    return sock, endpoint
+                pass
+        return f"{host}:{sock.bind_to_random_port(host)}"
+    sock.bind(bind)
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 def dealer(ctx: zmq.asyncio.Context, connect: str, *, identity: bytes | None = None) -> zmq.asyncio.Socket:
@@ -75,7 +87,9 @@ def dealer(ctx: zmq.asyncio.Context, connect: str, *, identity: bytes | None = N
     return sock
 
 
-def send_nowait(sock: zmq.asyncio.Socket, frames: list, on_error: Callable[[BaseException], None], *, copy: bool = True) -> None:
+def send_nowait(
+    sock: zmq.asyncio.Socket, frames: list, on_error: Callable[[BaseException], None], *, copy: bool = True
+) -> None:
     """Send without waiting; a failure goes to ``on_error``, never unobserved.
 
     A zmq.asyncio socket reports a failed non-blocking send (``zmq.Again`` at
@@ -98,12 +112,23 @@ def send_nowait(sock: zmq.asyncio.Socket, frames: list, on_error: Callable[[Base
 
 
 def validate_endpoint(address: str, what: str) -> str:
-    """Return ``address`` if it is ``tcp://HOST:PORT`` (or ipc://), else raise ValueError naming ``what``."""
+    """Return ``address`` if it is ``tcp://HOST:PORT`` (or ipc://), else raise ConfigError naming ``what``.
+
+    ZeroMQ takes a malformed address without complaint on connect and then never
+    connects, so every address from a user goes through here first.
+    """
+    if not isinstance(address, str):
+        raise ConfigError(f"{what}: expected tcp://HOST:PORT, got {address!r}")
     if address.startswith("ipc://") or address.startswith("inproc://"):
         return address
-    parsed = urlparse(address)
-    if parsed.scheme != "tcp" or not parsed.hostname or parsed.port is None:
-        raise ValueError(f"{what}: expected tcp://HOST:PORT, got {address!r}")
+    try:
+        parsed = urlparse(address)
+        port = parsed.port
+    except ValueError:
+        port = None
+        parsed = None
+    if parsed is None or parsed.scheme != "tcp" or not parsed.hostname or port is None:
+        raise ConfigError(f"{what}: expected tcp://HOST:PORT, got {address!r}")
     return address
 
 

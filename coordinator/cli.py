@@ -8,9 +8,11 @@ import json
 import logging
 import sys
 
-from common.config import Liveness, RolloutConfig
+from common.config import ArgumentParser, Liveness, RolloutConfig, log_level, message_bytes, number, seconds
 from common.errors import ConfigError, DatasetError, RolloutError
 from common.transport import validate_endpoint
+
+_COUNT = number(int, min=1)
 
 
 def _serve_args(sp: argparse.ArgumentParser) -> None:
@@ -20,35 +22,42 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--label-key", default="label", help="row key holding the label given to the reward")
     sp.add_argument("--data-dir", required=True, help="directory of the coordinator's LMDB ledger (keep it to resume)")
     sp.add_argument("--bind", default="tcp://0.0.0.0:5555", help="ZeroMQ endpoint agents and trainers connect to")
-    sp.add_argument("--rollout-batch-size", type=int, default=d.rollout_batch_size, help="groups per trainer batch")
-    sp.add_argument("--n-samples-per-prompt", type=int, default=d.n_samples_per_prompt, help="samples per group")
-    sp.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    sp.add_argument("--temperature", type=float, default=d.temperature)
-    sp.add_argument("--top-p", type=float, default=d.top_p)
-    sp.add_argument("--top-k", type=int, default=d.top_k)
+    sp.add_argument("--rollout-batch-size", type=_COUNT, default=d.rollout_batch_size, help="groups per trainer batch")
+    sp.add_argument("--n-samples-per-prompt", type=_COUNT, default=d.n_samples_per_prompt, help="samples per group")
+    sp.add_argument("--max-new-tokens", type=_COUNT, default=d.max_new_tokens, help="tokens per sample")
+    sp.add_argument("--temperature", type=number(float, min=0, max=100), default=d.temperature)
+    sp.add_argument("--top-p", type=number(float, above=0, max=1), default=d.top_p)
+    sp.add_argument("--top-k", type=number(int, min=-1), default=d.top_k, help="-1: off")
     sp.add_argument("--reward", default=d.reward, help="math | exact | module:function")
     sp.add_argument("--dynamic-filter", default=d.dynamic_filter, help="nonzero_std | none | module:function")
-    sp.add_argument("--prefetch", type=int, default=d.prefetch, help="ready groups kept beyond demand (-1: one batch)")
+    sp.add_argument(
+        "--prefetch", type=number(int, min=-1), default=d.prefetch, help="ready groups beyond demand (-1: one batch)"
+    )
     sp.add_argument("--shuffle-seed", type=int, default=None, help="shuffle prompts per data epoch with this seed")
-    sp.add_argument("--heartbeat-interval", type=float, default=Liveness.heartbeat_interval)
+    sp.add_argument("--heartbeat-interval", type=seconds, default=Liveness.heartbeat_interval, help="seconds")
     sp.add_argument(
-        "--agent-ttl", type=float, default=Liveness.ttl, help="silence after which an agent's leases are reissued"
+        "--agent-ttl", type=seconds, default=Liveness.ttl, help="silence after which an agent's leases are reissued"
     )
     sp.add_argument(
-        "--retire-after", type=float, default=Liveness.retire_after, help="silence after which an agent is retired"
+        "--retire-after", type=seconds, default=Liveness.retire_after, help="silence after which an agent is retired"
     )
-    sp.add_argument("--max-message-bytes", type=int, default=64 << 20, help="largest control message accepted")
+    sp.add_argument(
+        "--max-message-bytes", type=message_bytes, default=64 << 20, help="largest control message (64MiB)"
+    )
     sp.add_argument("--no-sync", action="store_true", help="skip fsync on ledger commits (faster, not crash-safe)")
-    sp.add_argument("--log-level", default="INFO")
+    sp.add_argument(
+        "--allow-config-change", action="store_true", help="restart with other batch settings; recorded"
+    )
+    sp.add_argument("--log-level", type=log_level, default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="coordinator", description="rollfleet coordinator")
+    parser = ArgumentParser(prog="coordinator", description="rollfleet coordinator")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_args(sub.add_parser("serve", help="run the coordinator"))
     st = sub.add_parser("status", help="print a running coordinator's statistics as JSON")
     st.add_argument("--coordinator", default="tcp://127.0.0.1:5555")
-    st.add_argument("--timeout", type=float, default=5.0)
+    st.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for an answer")
     return parser
 
 
@@ -84,6 +93,7 @@ def serve(args) -> int:
         seed=args.shuffle_seed,
         sync=not args.no_sync,
         max_message_bytes=args.max_message_bytes,
+        allow_config_change=args.allow_config_change,
     )
     print(f"coordinator listening on {server.endpoint}", flush=True)
     asyncio.run(server.serve())
@@ -93,6 +103,7 @@ def serve(args) -> int:
 def status(args) -> int:
     from coordinator.client import RolloutClient
 
+    validate_endpoint(args.coordinator, "--coordinator")
     with RolloutClient(args.coordinator, timeout=args.timeout, attach=False) as client:
         print(json.dumps(client.stats(), indent=2, sort_keys=True))
     return 0

@@ -37,7 +37,7 @@ import zmq.asyncio
 
 from common import protocol as p
 from common.errors import Closed, Fenced, NoCapacity, ProtocolError, RemoteError, RolloutError, StateError
-from common.transport import dealer
+from common.transport import dealer, validate_endpoint
 from common.types import Group
 from coordinator.records import GroupRef
 
@@ -95,13 +95,19 @@ class RolloutBatch:
         }
 
 
+# Refusals of a call that is not allowed now (a checkpoint not drained, refused or never delivered).
+_STATE_CODES = ("not_drained", "bad_state", "bad_request", "resumed")
+
+
 def _raise_remote(err: p.Error) -> None:
     if err.code == "fenced":
         raise Fenced(err.message, code=err.code)
     if err.code == "no_capacity":
         raise NoCapacity(err.message, code=err.code)
-    if err.code == "not_drained":
-        raise StateError(err.message)
+    if err.code in _STATE_CODES:
+        exc = StateError(err.message)
+        exc.code = err.code
+        raise exc
     raise RemoteError(f"[{err.code}] {err.message}", code=err.code)
 
 
@@ -179,7 +185,7 @@ class AsyncRolloutClient:
         fetch_timeout: float = 10.0,
         attach: bool = True,
     ):
-        self.address = address
+        self.address = validate_endpoint(address, "coordinator address")
         self.client_id = client_id or f"trainer-{uuid.uuid4().hex[:8]}"
         self.timeout = timeout
         self.retry_interval = retry_interval
@@ -251,6 +257,9 @@ class AsyncRolloutClient:
 
         Asking for a batch not generated yet resumes a paused rollout (so a
         trainer restarted after dying while paused is not left waiting).
+        ``prefetch`` (ready groups kept beyond demand), when given, replaces the
+        coordinator's ``--prefetch`` for this and every later call, until another
+        ``generate(..., prefetch=N)`` or a coordinator restart; None keeps the current one.
         """
         started = time.monotonic()
         while True:
@@ -344,7 +353,7 @@ class AsyncRolloutClient:
     async def load_state_dict(self, state: dict) -> None:
         """Resume at a checkpoint: batches after it are delivered again, identical."""
         if not isinstance(state, dict):
-            raise RemoteError("[bad_state] not a rollfleet state_dict (format 1)", code="bad_state")
+            raise StateError("not a rollfleet state_dict (format 1)")
         await self._request(lambda s, req: p.LoadStateDict(s, req, state), "load_state_dict")
         self.consumed = state["rollout_id"]
 
@@ -391,6 +400,9 @@ class RolloutClient:
             raise
 
     def _run(self, coro):
+        if self._loop.is_closed():
+            coro.close()
+            raise Closed("client is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def __enter__(self) -> RolloutClient:

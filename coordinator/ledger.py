@@ -117,6 +117,18 @@ def read_ledger(data_dir: str | os.PathLike) -> LedgerSnapshot:
         env.close()
 
 
+def read_config_changes(data_dir: str | os.PathLike) -> list[dict]:
+    """The batch-setting changes recorded by ``--allow-config-change`` restarts, oldest first:
+    ``{"generation": g, "changed": {field: [old, new]}}``."""
+    env = lmdb.open(str(Path(data_dir) / "ledger"), readonly=True, max_dbs=4, lock=True, create=False)
+    try:
+        with env.begin() as txn:
+            raw = txn.get(b"config_changes", db=env.open_db(b"meta", txn=txn, create=False))
+            return _unpack(raw) if raw is not None else []
+    finally:
+        env.close()
+
+
 class Ledger:
     def __init__(self, data_dir: str | os.PathLike, *, sync: bool = True):
         self.path = Path(data_dir) / "ledger"
@@ -134,8 +146,16 @@ class Ledger:
         with self.env.begin() as txn:
             return _snapshot(txn, self.meta, self.prompts, self.batches)
 
-    def open_run(self, dataset_size: int, fingerprint: str) -> LedgerSnapshot:
-        """Bump the generation and load everything a restart needs."""
+    def open_run(
+        self, dataset_size: int, fingerprint: str, *, config: dict | None = None, allow_change: bool = False
+    ) -> LedgerSnapshot:
+        """Bump the generation and load everything a restart needs.
+
+        ``config`` (how batches are made: ``RolloutConfig.batch_shape()`` and the shuffle seed) must
+        equal the one stored by the last start: a change is a ConfigError listing the differing
+        flags, unless ``allow_change``, which appends it to ``config_changes`` in ``meta``.
+        Nothing is written when the start is refused.
+        """
         with self.env.begin(write=True) as txn:
             raw = txn.get(b"dataset", db=self.meta)
             if raw is not None:
@@ -150,7 +170,27 @@ class Ledger:
             raw = txn.get(b"generation", db=self.meta)
             generation = (_unpack(raw) if raw else 0) + 1
             txn.put(b"generation", _pack(generation), db=self.meta)
+            if config is not None:
+                self._check_config(txn, _unpack(_pack(config)), allow_change, generation)
         return self.snapshot()
+
+    def _check_config(self, txn, config: dict, allow_change: bool, generation: int) -> None:
+        raw = txn.get(b"config", db=self.meta)
+        known = _unpack(raw) if raw is not None else config  # a ledger from before configs were kept
+        changed = {k: [known.get(k), config.get(k)] for k in sorted(set(known) | set(config))
+                   if known.get(k) != config.get(k)}  # fmt: skip
+        if changed and not allow_change:
+            listed = ", ".join(f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+            raise ConfigError(
+                f"data dir {self.path.parent} was run with other batch settings: {listed}; restart with the "
+                "same flags, or pass --allow-config-change to record the change in the ledger and go on"
+            )
+        if changed:
+            raw = txn.get(b"config_changes", db=self.meta)
+            history = _unpack(raw) if raw is not None else []
+            history.append({"generation": generation, "changed": changed})
+            txn.put(b"config_changes", _pack(history), db=self.meta)
+        txn.put(b"config", _pack(config), db=self.meta)
 
     def apply(self, ops: list[LedgerOp]) -> None:
         """Apply ops in one durable transaction. Runs on the writer thread only."""

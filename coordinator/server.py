@@ -52,11 +52,28 @@ class CoordinatorServer:
         seed: int | None = None,
         sync: bool = True,
         max_message_bytes: int = p.DEFAULT_MAX_MESSAGE_BYTES,
+        allow_config_change: bool = False,
     ):
         self.dataset = dataset
         self.max_message_bytes = max_message_bytes
-        self.ledger = Ledger(data_dir, sync=sync)
-        restored = self.ledger.open_run(len(dataset), dataset.fingerprint)
+        # Bind before the ledger is touched: a start that fails (port in use, a refused
+        # config) leaves the data dir as it was.
+        self.ctx = zmq.asyncio.Context()
+        self.ledger = None
+        try:
+            self.sock, self.endpoint = router(self.ctx, bind, max_bytes=max_message_bytes)
+            self.ledger = Ledger(data_dir, sync=sync)
+            shape = {**config.batch_shape(), "shuffle_seed": seed}
+            restored = self.ledger.open_run(
+                len(dataset), dataset.fingerprint, config=shape, allow_change=allow_config_change
+            )
+        except BaseException:
+            if self.ledger is not None:
+                self.ledger.close()
+            if hasattr(self, "sock"):
+                self.sock.close(linger=0)
+            self.ctx.term()
+            raise
         self.core = CoordinatorCore(
             config,
             liveness,
@@ -66,8 +83,6 @@ class CoordinatorServer:
             restored=restored,
             now=time.monotonic(),
         )
-        self.ctx = zmq.asyncio.Context()
-        self.sock, self.endpoint = router(self.ctx, bind, max_bytes=max_message_bytes)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
         # One thread: the dataset's file handle is used from it alone.
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dataset-reader")

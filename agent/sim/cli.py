@@ -1,6 +1,7 @@
 """Command line of the sim engine: ``python -m agent.sim`` and ``agent sim-engine``.
 
-The flags are those of :func:`add_arguments`; any other flag is an error (exit 2). Once the port
+The flags are those of :func:`add_arguments`; any other flag, a value out of bounds or a port
+that cannot be bound is one line on stderr and exit 2. Once the port
 is bound the process prints ``rollfleet-sim listening on http://HOST:PORT`` (the readiness line
 the supervisor and the tests wait for) and serves until SIGTERM or SIGINT, then exits 0.
 """
@@ -11,12 +12,15 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 
 from aiohttp import web
 
 from agent.sim.config import add_arguments
 from agent.sim.engine import SimEngine
 from agent.sim.http import make_app
+from common.config import ArgumentParser
+from common.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "main"]
 
@@ -26,7 +30,11 @@ async def serve(engine: SimEngine, host: str, port: int) -> None:
     runner = web.AppRunner(make_app(engine), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ConfigError(f"--port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     engine.port = runner.addresses[0][1]
     print(f"rollfleet-sim listening on http://{host}:{engine.port}", flush=True)
     stop = asyncio.Event()
@@ -41,16 +49,18 @@ async def serve(engine: SimEngine, host: str, port: int) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    """Serve until SIGTERM/SIGINT (blocking)."""
+    """Serve until SIGTERM/SIGINT (blocking). ConfigError if the port cannot be bound."""
     engine = SimEngine(args)
     asyncio.run(serve(engine, engine.host, engine.port))
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m agent.sim", description="CPU engine speaking SGLang's native HTTP API"
-    )
+    parser = ArgumentParser(prog="python -m agent.sim", description="CPU engine speaking SGLang's native HTTP API")
     add_arguments(parser)
     args = parser.parse_args(argv)  # unknown flags exit with code 2, as argparse does
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run(args)
+    try:
+        run(args)
+    except ConfigError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        sys.exit(2)

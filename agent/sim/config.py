@@ -1,6 +1,7 @@
 """The sim engine's flags, and the engine settings they give.
 
-The flags of :func:`add_arguments` configure the engine; the common ``sglang.launch_server``
+The flags of :func:`add_arguments` configure the engine (each checked against its bounds, so
+``--slots 0`` or ``--accuracy 2`` is an error naming the flag); the common ``sglang.launch_server``
 flags are accepted too (``--max-running-requests``, ``--model``, ``--random-seed`` are aliases;
 ``--tp-size``/``--dp-size`` are only reported, the rest have no effect), so the sim runs from an
 SGLang command line. :func:`engine_config` gives the same settings to an engine built in-process.
@@ -11,6 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from common.config import number
+
 VERSION = "rollfleet-sim"
 CRASH_EXIT_CODE = 17
 
@@ -19,49 +22,66 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the sim engine's flags to ``parser``."""
     g = parser.add_argument_group("rollfleet-sim engine")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    g.add_argument("--port", type=int, required=True, help="HTTP port; 0 picks a free one")
+    g.add_argument("--port", type=number(int, min=0, max=65535), required=True, help="HTTP port; 0 picks a free one")
     g.add_argument(
         "--slots",
         "--max-running-requests",
         dest="slots",
-        type=int,
+        type=number(int, min=1),
         default=256,
         help="max running requests (default 256)",
     )
     g.add_argument(
-        "--token-latency-ms", type=float, default=0.0, help="decode time per token per request; 0 = instant (default)"
+        "--token-latency-ms",
+        type=number(float, min=0),
+        default=0.0,
+        help="decode time per token per request; 0 = instant (default)",
     )
-    g.add_argument("--prefill-latency-ms", type=float, default=0.0, help="time before the first token (default 0)")
-    g.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed chunk (default 1)")
+    g.add_argument(
+        "--prefill-latency-ms", type=number(float, min=0), default=0.0, help="time before the first token (default 0)"
+    )
+    g.add_argument(
+        "--stream-interval", type=number(int, min=1), default=1, help="tokens per streamed chunk (default 1)"
+    )
     g.add_argument(
         "--output-len-dist",
         choices=("fixed", "lognormal"),
         default="lognormal",
         help="distribution of the natural output length (default lognormal)",
     )
-    g.add_argument("--output-len-median", type=int, default=256, help="median output length (default 256)")
-    g.add_argument("--output-len-sigma", type=float, default=1.0, help="lognormal sigma (default 1.0)")
-    g.add_argument("--output-len-max", type=int, default=8192, help="cap on the drawn output length (default 8192)")
     g.add_argument(
-        "--accuracy", type=float, default=0.5, help="probability that an arithmetic answer is correct (default 0.5)"
+        "--output-len-median", type=number(int, min=1), default=256, help="median output length (default 256)"
+    )
+    g.add_argument("--output-len-sigma", type=number(float, min=0), default=1.0, help="lognormal sigma (default 1.0)")
+    g.add_argument(
+        "--output-len-max", type=number(int, min=1), default=8192, help="cap on the drawn output length (default 8192)"
+    )
+    g.add_argument(
+        "--accuracy",
+        type=number(float, min=0, max=1),
+        default=0.5,
+        help="probability that an arithmetic answer is correct (default 0.5)",
     )
     g.add_argument("--seed", "--random-seed", dest="seed", type=int, default=0, help="RNG seed (default 0)")
-    g.add_argument("--context-length", type=int, default=32768, help="context length (default 32768)")
+    g.add_argument("--context-length", type=number(int, min=1), default=32768, help="context length (default 32768)")
     g.add_argument("--weight-version", default="default", help="initial weight_version label")
     g.add_argument("--model-path", "--model", dest="model_path", default="rollfleet-sim", help="reported model_path")
     g.add_argument(
-        "--startup-delay", type=float, default=0.0, help="seconds the port is open but /health answers 503 (default 0)"
+        "--startup-delay",
+        type=number(float, min=0),
+        default=0.0,
+        help="seconds the port is open but /health answers 503 (default 0)",
     )
     g.add_argument("--unhealthy", action="store_true", help="never become healthy (/health always 503)")
     g.add_argument(
         "--health-timeout",
-        type=float,
+        type=number(float, above=0),
         default=20.0,
         help="seconds /health blocks while paused before answering 503 (default 20)",
     )
     g.add_argument(
         "--crash-after-requests",
-        type=int,
+        type=number(int, min=0),
         default=0,
         help=f"exit with code {CRASH_EXIT_CODE} after answering N /generate calls (0 = never)",
     )
@@ -69,8 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "sglang.launch_server compatibility",
         "accepted so the sim runs from an SGLang command line; tp/dp sizes are only reported in /server_info",
     )
-    c.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
-    c.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1)
+    c.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=number(int, min=1), default=1)
+    c.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=number(int, min=1), default=1)
     c.add_argument("--base-gpu-id", type=int, default=0)
     c.add_argument("--gpu-id-step", type=int, default=1)
     c.add_argument("--mem-fraction-static", type=float, default=None)
