@@ -43,6 +43,7 @@ from agent.events import (
     PendingReceipt,
 )
 from agent.store import GroupStore
+from common import faults
 from common.config import RolloutConfig
 from common.errors import EngineError, EngineUnavailable, RolloutError, StateError
 from common.types import Group, Sample
@@ -145,6 +146,8 @@ class LeaseRunner:
                       metadata=metadata, agent_id=ctx.agent_id, gen_seconds=gen_seconds)
         receipt = PendingReceipt(lease, epoch, index, f"{epoch}:{index}:{lease:x}", len(samples), stats)
         await ctx.store.commit(receipt.key, group.to_wire(), receipt.to_dict())
+        if faults.INJECTED is not None:  # tests only: die between the commit and the receipt
+            faults.INJECTED.after_commit(receipt.key)
         self._dispatch(LeaseCommitted(lease, receipt))
 
     def _sample(self, out: dict, input_ids: list[int], label, metadata: dict) -> Sample:

@@ -33,6 +33,7 @@ import zmq.asyncio
 from agent.events import CloseLink, Connected, Exit, MessageReceived, Reconnect, Tick
 from agent.session import AgentSession
 from agent.store import GroupStore
+from common import faults
 from common import protocol as p
 from common.errors import ProtocolError, RolloutError
 from common.transport import dealer, send_nowait
@@ -60,8 +61,13 @@ class CoordinatorLink:
         self._ending: Reconnect | CloseLink | Exit | None = None
 
     def send(self, msg: p.Message) -> None:
-        if self.sock is not None:
-            send_nowait(self.sock, [p.encode(msg)], functools.partial(_send_failed, msg.TYPE))
+        if self.sock is None:
+            return
+        if faults.INJECTED is not None:  # tests only: receipts lost in flight, a one-way partition
+            for m in faults.INJECTED.agent_outgoing(msg):
+                send_nowait(self.sock, [p.encode(m)], functools.partial(_send_failed, m.TYPE))
+            return
+        send_nowait(self.sock, [p.encode(msg)], functools.partial(_send_failed, msg.TYPE))
 
     def end(self, why: Reconnect | CloseLink | Exit) -> None:
         """The core ended the session: the loop acts on it once the current event is handled."""
@@ -94,6 +100,8 @@ class CoordinatorLink:
     def _open(self) -> None:
         if self.sock is not None:
             self.sock.close(linger=0)
+        if faults.INJECTED is not None:
+            faults.INJECTED.link_reopened()
         self.sock = dealer(self._ctx, self.address, identity=f"agent:{self._agent_id}".encode())
 
     async def _serve(self) -> bool:

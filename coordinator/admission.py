@@ -45,6 +45,7 @@ class Admission:
         self._lease_counter = 0
         self.failures: dict[Prompt, int] = {}  # prompts whose generation failed, by count
         self.filtered_total = 0
+        self.fenced: dict[str, int] = {}  # messages refused for a stale session, by type
         self._last_tick = now
 
     # ------------------------------------------------------------------ leases
@@ -189,14 +190,15 @@ class Admission:
             rec.peer = peer
         return rec
 
-    @staticmethod
-    def _fence(peer: bytes, session: int) -> list:
-        return [Send(peer, p.Fence(f"session {session} is not current; register again"))]
+    def _fence(self, peer: bytes, msg: p.Message) -> list:
+        """Refuse a message of a dead or superseded session: it changes nothing, the sender must register."""
+        self.fenced[msg.TYPE] = self.fenced.get(msg.TYPE, 0) + 1
+        return [Send(peer, p.Fence(f"session {msg.session} is not current; register again"))]
 
     def on_heartbeat(self, peer: bytes, msg: p.Heartbeat, now: float) -> list:
         rec = self._agent(peer, msg.session, now)
         if rec is None:
-            return self._fence(peer, msg.session)
+            return self._fence(peer, msg)
         held = set(msg.leases)
         lost = [lease_id for lease_id in rec.leases if lease_id <= msg.max_lease and lease_id not in held]
         for lease_id in lost:
@@ -237,7 +239,7 @@ class Admission:
     def on_receipt(self, peer: bytes, msg: p.Receipt, now: float) -> list:
         rec = self._agent(peer, msg.session, now)
         if rec is None:
-            return self._fence(peer, msg.session)
+            return self._fence(peer, msg)
         ops: list = []
         accepted, reason = self._accept(rec, msg.lease, msg.data_epoch, msg.index, msg.key, msg.stats, ops)
         ack = Send(rec.agent_id, p.ReceiptAck(msg.lease, msg.key, accepted, reason))
@@ -246,7 +248,7 @@ class Admission:
     def on_filtered(self, peer: bytes, msg: p.Filtered, now: float) -> list:
         rec = self._agent(peer, msg.session, now)
         if rec is None:
-            return self._fence(peer, msg.session)
+            return self._fence(peer, msg)
         lease = self.leases.get(msg.lease)
         if lease is None or lease.agent_id != rec.agent_id:
             return self.core.pump(now)  # lease was reissued; the successor accounts for the prompt
@@ -268,7 +270,7 @@ class Admission:
     def on_release(self, peer: bytes, msg: p.Release, now: float) -> list:
         rec = self._agent(peer, msg.session, now)
         if rec is None:
-            return self._fence(peer, msg.session)
+            return self._fence(peer, msg)
         out: list = []
         for lease_id in msg.leases:
             lease = self.leases.get(lease_id)
@@ -288,7 +290,7 @@ class Admission:
     def on_capacity(self, peer: bytes, msg: p.Capacity, now: float) -> list:
         rec = self._agent(peer, msg.session, now)
         if rec is None:
-            return self._fence(peer, msg.session)
+            return self._fence(peer, msg)
         rec.capacity = max(0, msg.capacity) // self.core.config.n_samples_per_prompt
         rec.engines = [e for e in msg.engines if isinstance(e, dict)]
         return self.core.pump(now)

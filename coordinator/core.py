@@ -183,4 +183,5 @@ class CoordinatorCore:
             trimmed_upto=batches.trimmed_upto,
             consumed_upto=batches.consumed_upto,
             filtered_total=self.admission.filtered_total,
+            fenced_messages=dict(self.admission.fenced),
         )

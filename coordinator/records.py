@@ -274,3 +274,5 @@ class CoordinatorStats:
     trimmed_upto: int
     consumed_upto: int
     filtered_total: int
+    fenced_messages: dict[str, int]
+    """Agent messages refused (answered with ``Fence``) for a dead or superseded session, by type."""

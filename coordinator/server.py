@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import zmq
 import zmq.asyncio
 
+from common import faults
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
 from common.dataset import Dataset, epoch_permutation
@@ -103,6 +104,8 @@ class CoordinatorServer:
                 return
         else:
             peer = to
+        if faults.INJECTED is not None and faults.INJECTED.coordinator_drops(msg):  # tests only
+            return
         # Peer gone (ROUTER_MANDATORY) or at its HWM: agents repair this by
         # resending (receipts) and heartbeat reconciliation; trainers retry.
         send_nowait(
