@@ -141,7 +141,8 @@ def _engine_kind(args) -> str | None:
     if kind != "sglang":
         given = [flag for flag, value in sglang_only.items() if value]
         if given:
-            raise ConfigError(f"{', '.join(given)} only apply to --engine sglang (engine here: {kind or 'url'})")
+            verb = "only applies" if len(given) == 1 else "only apply"
+            raise ConfigError(f"{', '.join(given)} {verb} to --engine sglang (engine here: {kind or 'url'})")
     if kind != "sim" and args.sim_args:
         raise ConfigError(f"--sim-args only applies to --engine sim (engine here: {kind or 'url'})")
     if kind == "sglang" and not args.model_path:
