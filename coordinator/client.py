@@ -36,7 +36,7 @@ import zmq
 import zmq.asyncio
 
 from common import protocol as p
-from common.errors import Closed, Fenced, NoCapacity, ProtocolError, RemoteError, RolloutError, StateError
+from common.errors import Closed, Fenced, NoCapacity, ProtocolError, RemoteError, RolloutError, Starved, StateError
 from common.transport import dealer, validate_endpoint
 from common.types import Group
 from coordinator.records import GroupRef
@@ -104,6 +104,8 @@ def _raise_remote(err: p.Error) -> None:
         raise Fenced(err.message, code=err.code)
     if err.code == "no_capacity":
         raise NoCapacity(err.message, code=err.code)
+    if err.code == "starved":
+        raise Starved(err.message, code=err.code)
     if err.code in _STATE_CODES:
         exc = StateError(err.message)
         exc.code = err.code
@@ -260,6 +262,10 @@ class AsyncRolloutClient:
         ``prefetch`` (ready groups kept beyond demand), when given, replaces the
         coordinator's ``--prefetch`` for this and every later call, until another
         ``generate(..., prefetch=N)`` or a coordinator restart; None keeps the current one.
+
+        Raises ``NoCapacity`` when no engine is left anywhere, and ``Starved`` when every
+        recent group failed (a reward or filter that raises): its message names the failure,
+        and the next call starts over (e.g. once the agents run a fixed reward).
         """
         started = time.monotonic()
         while True:
@@ -389,10 +395,10 @@ class RolloutClient:
     """Blocking twin of ``AsyncRolloutClient`` (runs it on a private loop thread)."""
 
     def __init__(self, address: str, **kwargs):
+        self._async = AsyncRolloutClient(address, **kwargs)  # a bad address fails here, before any thread
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollfleet-client", daemon=True)
         self._thread.start()
-        self._async = AsyncRolloutClient(address, **kwargs)
         try:
             self._run(self._async.connect())
         except BaseException:

@@ -215,7 +215,8 @@ class Coordinator:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
-        wait_for(lambda: b"coordinator listening" in log.read_bytes() or self.proc.poll() is not None, 20, "coordinator start")
+        started = lambda: b"coordinator listening" in log.read_bytes() or self.proc.poll() is not None  # noqa: E731
+        wait_for(started, 20, "coordinator start")
         assert self.proc.poll() is None, log.read_text()
 
     def stop(self) -> None:
