@@ -35,6 +35,10 @@ class RolloutConfig:
     prefetch: int = -1
     """Ready groups kept beyond current demand; -1 means one batch."""
     extra_sampling_params: dict = field(default_factory=dict)
+    partial_rollout: bool = True
+    """A sample a weight update interrupts continues from its partial output (else it is generated again)."""
+    max_staleness: int | None = None
+    """Most weight updates a batch's groups may lag behind it (docs/weights.md); None: unbounded."""
 
     def __post_init__(self):
         _positive("rollout_batch_size", self.rollout_batch_size)
@@ -46,6 +50,8 @@ class RolloutConfig:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k != -1 and self.top_k < 1:
             raise ConfigError(f"top_k must be -1 or >= 1, got {self.top_k}")
+        if self.max_staleness is not None and (not isinstance(self.max_staleness, int) or self.max_staleness < 0):
+            raise ConfigError(f"max_staleness must be an integer >= 0 or None, got {self.max_staleness!r}")
         if self.prefetch < -1:
             raise ConfigError(f"prefetch must be >= 0 (or -1 for one batch), got {self.prefetch}")
         for name in ("reward", "dynamic_filter"):
