@@ -46,6 +46,9 @@ from agent.store import GroupStore
 from common import faults
 from common.config import RolloutConfig
 from common.errors import EngineError, EngineUnavailable, RolloutError, StateError
+from common.filters import FilterError
+from common.protocol import failure_reason
+from common.rewards import RewardError
 from common.types import Group, Sample
 
 log = logging.getLogger("rollfleet.agent")
@@ -54,6 +57,15 @@ RETRY_DELAY = 0.1
 """Seconds between an engine failing under a group and the group asking for another engine."""
 
 _first, _second = itemgetter(0), itemgetter(1)  # per-token hot path: C-level, no Python frames
+
+
+def _failure_kind(exc: RolloutError) -> str:
+    """The step that failed, as ``common.protocol.FAILURE_KINDS`` names it."""
+    if isinstance(exc, RewardError):
+        return "reward_error"
+    if isinstance(exc, FilterError):
+        return "filter_error"
+    return "generation_failed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,15 +114,16 @@ class LeaseRunner:
             raise
         except RolloutError as exc:
             # Bad reward/filter code or a rejected request: give the prompt back and
-            # say why (the coordinator filters a prompt that keeps failing); the agent
-            # keeps serving.
+            # say why, tagged by step (the coordinator filters a prompt that keeps
+            # failing, and stops admission when every group fails); the agent keeps serving.
             log.error("lease %x (index %d) failed: %s", self.lease, grant["index"], exc)
-            self._dispatch(LeaseFailed(self.lease, str(exc)))
+            self._dispatch(LeaseFailed(self.lease, failure_reason(_failure_kind(exc), str(exc))))
         except Exception as exc:
             # Anything else (a chat template that rejects a row, a store error) is a
             # failure of this one prompt, not of the agent.
             log.exception("lease %x (index %d) failed unexpectedly", self.lease, grant["index"])
-            self._dispatch(LeaseFailed(self.lease, f"{type(exc).__name__}: {exc}"))
+            detail = f"{type(exc).__name__}: {exc}"
+            self._dispatch(LeaseFailed(self.lease, failure_reason("generation_failed", detail)))
 
     async def _run(self) -> None:
         ctx, grant, lease = self.ctx, self.grant, self.lease

@@ -11,7 +11,9 @@
     │   └── EngineStartError          never became healthy; names the engine and its log
     ├── RemoteError                   the coordinator or an agent answered with an error reply
     │   ├── Fenced                    our lease or session was superseded by a newer one
-    │   └── NoCapacity                no agent or engine is left to generate on
+    │   ├── NoCapacity                no agent or engine is left to generate on
+    │   └── Starved                   every recent group failed in user code (reward or filter
+    │                                 raised, generation failed): no batch can come; says why
     ├── StateError                    call not allowed now (e.g. state_dict while running)
     └── Closed                        the object was closed by us; further calls are refused
 
@@ -80,6 +82,17 @@ class Fenced(RemoteError):
 
 class NoCapacity(RemoteError):
     """No agent or engine is left to generate on."""
+
+
+class Starved(RemoteError):
+    """Every one of the last ``--starve-after`` groups failed (a reward or filter that raises, a
+    prompt every engine rejects): no batch can ever be assembled, so ``generate()`` fails at once
+    instead of waiting. The message names the dominant failure, e.g. ``every group of the last 64
+    failed: reward_error: reward 'my_mod:score' raised RuntimeError: boom``.
+
+    Nothing is lost: the prompts that failed are pending again and admission stops until the next
+    ``generate()``, which starts over (e.g. after the agents were restarted with a fixed reward).
+    """
 
 
 class StateError(RolloutError):

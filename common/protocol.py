@@ -134,12 +134,51 @@ class Filtered(Message):
 
 @message
 class Release(Message):
-    """agent -> coordinator: leases given back unfinished (pause with abort, no engine)."""
+    """agent -> coordinator: leases given back unfinished (pause with abort, no engine, a failure).
+
+    ``reason`` is free text, except for a lease whose group *failed*: then it is
+    ``failed: <kind>: <detail>`` (see ``failure_reason``/``parse_failure``), and the
+    coordinator counts the failure against the prompt and the rollout's health.
+    """
 
     TYPE = "release"
     session: int
     leases: list[int]
     reason: str
+
+
+FAILURE_KINDS = ("reward_error", "filter_error", "generation_failed")
+"""Why a group failed: its reward raised (or returned a non-number), its filter raised (or returned a
+non-verdict), or anything else (a prompt the engine rejects, a chat template that fails). These are
+also the reasons a prompt that keeps failing is filtered with, so they are metric-name safe."""
+
+MAX_FAILURE_DETAIL = 300
+"""Characters of a failure's detail (spec and exception) kept on the wire: a message, not a log."""
+
+
+def failure_reason(kind: str, detail: str) -> str:
+    """What an agent puts after ``failed: `` in a ``Release`` for a failed group: ``<kind>: <detail>``."""
+    if kind not in FAILURE_KINDS:
+        raise ValueError(f"unknown failure kind {kind!r}; one of {FAILURE_KINDS}")
+    detail = " ".join(str(detail).split())
+    if len(detail) > MAX_FAILURE_DETAIL:
+        detail = detail[: MAX_FAILURE_DETAIL - 3] + "..."
+    return f"{kind}: {detail}"
+
+
+def parse_failure(reason: str) -> tuple[str, str] | None:
+    """``(kind, detail)`` of a ``Release`` reason for a failed group; None for any other release.
+
+    A reason from an agent that does not tag its failures (``failed: <text>``) is a
+    ``generation_failed`` with that text.
+    """
+    if not reason.startswith("failed"):
+        return None
+    rest = reason[len("failed") :].lstrip(":").strip()
+    kind, sep, detail = rest.partition(": ")
+    if not (sep and kind in FAILURE_KINDS):
+        kind, detail = "generation_failed", rest
+    return kind, detail[:MAX_FAILURE_DETAIL]
 
 
 @message

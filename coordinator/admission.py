@@ -16,6 +16,12 @@ Invariants kept here:
   agent that holds it.
 - A lease lost in transit (a dropped Grant, Filtered or Release) is released
   by heartbeat reconciliation, never leaked.
+- Failing user code loses no data: a group whose reward or filter raised (a
+  ``Release`` tagged ``failed: <kind>: <detail>``) is an error outcome, not a
+  filter verdict; its prompt is pending again, and filtered (reason: the kind)
+  only after ``MAX_FAILURES`` attempts. When every recent group failed the
+  rollout is starved (``coordinator/starvation.py``): prompts filtered during
+  the streak are pending again and no prompt is leased until the next ``generate``.
 """
 
 from __future__ import annotations
@@ -26,13 +32,15 @@ from common import protocol as p
 from coordinator.effects import Send
 from coordinator.frontier import DELIVERED, FILTERED, LEASED, PENDING, READY
 from coordinator.membership import AgentRecord
-from coordinator.records import Lease, Prompt, PromptState, PutPrompt
+from coordinator.records import DropPrompt, Lease, Prompt, PromptState, PutPrompt
+from coordinator.starvation import Starvation
 
 if TYPE_CHECKING:
     from coordinator.core import CoordinatorCore
 
 MAX_FAILURES = 3
-"""Failed attempts after which a prompt is filtered with reason ``generation_failed``."""
+"""Failed attempts after which a prompt is filtered with its failure kind as the reason
+(``reward_error``, ``filter_error``, ``generation_failed``), unless the rollout starves first."""
 
 
 class Admission:
@@ -45,6 +53,7 @@ class Admission:
         self._lease_counter = 0
         self.failures: dict[Prompt, int] = {}  # prompts whose generation failed, by count
         self.filtered_total = 0
+        self.starvation = Starvation(core.starve_after)
         self.fenced: dict[str, int] = {}  # messages refused for a stale session, by type
         self._last_tick = now
 
@@ -242,6 +251,8 @@ class Admission:
             return self._fence(peer, msg)
         ops: list = []
         accepted, reason = self._accept(rec, msg.lease, msg.data_epoch, msg.index, msg.key, msg.stats, ops)
+        self.starvation.ok()  # a group went through reward and filter
+        self.failures.pop((msg.data_epoch, msg.index), None)
         ack = Send(rec.agent_id, p.ReceiptAck(msg.lease, msg.key, accepted, reason))
         return [self.core.persist(ops, [ack])] + self.core.pump(now)
 
@@ -249,43 +260,69 @@ class Admission:
         rec = self._agent(peer, msg.session, now)
         if rec is None:
             return self._fence(peer, msg)
+        self.starvation.ok()  # a filter verdict: reward and filter ran
         lease = self.leases.get(msg.lease)
         if lease is None or lease.agent_id != rec.agent_id:
             return self.core.pump(now)  # lease was reissued; the successor accounts for the prompt
         self.end_lease(msg.lease)
         # The lease's prompt, whatever the message claims.
-        return self._filter(lease.prompt, rec.agent_id, msg.reason, now)
+        return self._filter(lease.prompt, rec.agent_id, msg.reason) + self.core.pump(now)
 
-    def _filter(self, prompt: Prompt, agent_id: str, reason: str, now: float) -> list:
+    def _filter(self, prompt: Prompt, agent_id: str, reason: str) -> list:
         core = self.core
         if core.frontier.state_of(*prompt) not in (PENDING, LEASED):
-            return core.pump(now)
+            return []
         core.frontier.set(*prompt, FILTERED)
         core.batches.drops.record_dropped(reason)
         self.filtered_total += 1
         self.failures.pop(prompt, None)
-        ops = [PutPrompt(*prompt, PromptState(FILTERED, agent_id, reason=reason))]
-        return [core.persist(ops, [])] + core.pump(now)
+        return [core.persist([PutPrompt(*prompt, PromptState(FILTERED, agent_id, reason=reason))], [])]
 
     def on_release(self, peer: bytes, msg: p.Release, now: float) -> list:
         rec = self._agent(peer, msg.session, now)
         if rec is None:
             return self._fence(peer, msg)
+        failure = p.parse_failure(msg.reason)
         out: list = []
         for lease_id in msg.leases:
             lease = self.leases.get(lease_id)
             if lease is not None and lease.agent_id == rec.agent_id:
                 self.end_lease(lease_id)
-                prompt = lease.prompt
-                if msg.reason.startswith("failed"):
-                    # A prompt that keeps failing (a reward that raises on its label, a
-                    # prompt too long for the engine) is filtered, not retried forever.
-                    self.failures[prompt] = self.failures.get(prompt, 0) + 1
-                    if self.failures[prompt] >= MAX_FAILURES:
-                        out += self._filter(prompt, rec.agent_id, "generation_failed", now)
-                        continue
-                self.core.frontier.release(*prompt)
+                if failure is None:
+                    self.core.frontier.release(*lease.prompt)
+                else:
+                    out += self._failed(lease.prompt, rec.agent_id, *failure)
         return out + self.core.pump(now)
+
+    def _failed(self, prompt: Prompt, agent_id: str, kind: str, detail: str) -> list:
+        """A group of ``prompt`` failed (``kind``: reward_error, filter_error, generation_failed)."""
+        starvation, frontier = self.starvation, self.core.frontier
+        if starvation.starved:
+            frontier.release(*prompt)  # a lease granted before: no attempt counted, nothing burned
+            return []
+        # A prompt that keeps failing (a reward that raises on its label, a prompt
+        # too long for the engine) is filtered, not retried forever...
+        out: list = []
+        self.failures[prompt] = self.failures.get(prompt, 0) + 1
+        if self.failures[prompt] >= MAX_FAILURES:
+            out += self._filter(prompt, agent_id, kind)
+            starvation.filtered(prompt, kind)
+        else:
+            frontier.release(*prompt)
+        fresh = starvation.error(prompt, kind, detail)
+        if fresh is None:
+            return out
+        # ...unless every group fails: then the failures are not the prompts' own.
+        ops: list = []
+        for failed in fresh.failed:
+            self.failures.pop(failed, None)
+        for (epoch, index), reason in fresh.filtered:
+            if frontier.is_open(epoch) and frontier.state_of(epoch, index) == FILTERED:
+                frontier.reopen(epoch, index)
+                ops.append(DropPrompt(epoch, index))
+                self.filtered_total -= 1
+                self.core.batches.take_back_drop(reason)
+        return out + [self.core.persist(ops, [])]
 
     def on_capacity(self, peer: bytes, msg: p.Capacity, now: float) -> list:
         rec = self._agent(peer, msg.session, now)

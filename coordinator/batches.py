@@ -92,6 +92,14 @@ class Batches:
         self.drops.record_kept()
         ops.append(PutPrompt(epoch, index, st))
 
+    def take_back_drop(self, reason: str) -> None:
+        """A filter drop counted since the last batch was undone: its prompt is pending again."""
+        n = self.drops.dropped.get(reason, 0)
+        if n > 1:
+            self.drops.dropped[reason] = n - 1
+        elif n == 1:
+            del self.drops.dropped[reason]
+
     def retire_agent(self, agent_id: str, ops: list) -> None:
         """A retired node's payloads are gone: its ready groups are generated again, its batches lose them."""
         for prompt, st in list(self.ready_info.items()):
@@ -294,20 +302,33 @@ class Batches:
         return size * len(self.pending) + missing + prefetch
 
     def pump(self) -> list:
-        """Complete repairs, then assemble waiting batches; fail them if no agent can ever help."""
+        """Complete repairs, then assemble waiting batches; fail them if they can never come."""
         out: list = self._fill_repairs() if self.repairs else []
         size = self.core.config.rollout_batch_size
         while self.pending and not self.repairs and len(self.ready_info) >= size:
             out.append(self.assemble(self.pending.pop(0)))
-        if (self.pending or self.repairs) and self.core.membership.all_gone() and len(self.ready_info) < size:
-            why = "no agent with a live engine is left to generate on (all retired)"
-            out += [Send(g.peer, p.Error("no_capacity", why, g.req)) for g in self.pending]
-            out += [
-                Send(peer, p.Error("no_capacity", why, req))
-                for waiters in self.repairs.values()
-                for peer, req in waiters
-            ]
-            self.pending.clear()
-            for waiters in self.repairs.values():
-                waiters.clear()
+        if (self.pending or self.repairs) and len(self.ready_info) < size:
+            hopeless = self._hopeless()
+            if hopeless is not None:
+                out += self._fail_waiting(*hopeless)
         return out
+
+    def _hopeless(self) -> tuple[str, str] | None:
+        """``(code, why)`` if no batch can come until something changes; None while one may."""
+        if self.core.membership.all_gone():
+            return "no_capacity", "no agent with a live engine is left to generate on (all retired)"
+        starvation = self.core.admission.starvation
+        if starvation.starved:
+            return "starved", starvation.reason
+        return None
+
+    def _fail_waiting(self, code: str, why: str) -> list[Send]:
+        """Answer every waiting ``generate`` (and repair) with an error: never left waiting."""
+        waiting = [(g.peer, g.req) for g in self.pending]
+        waiting += [(peer, req) for waiters in self.repairs.values() for peer, req in waiters]
+        self.pending.clear()
+        for waiters in self.repairs.values():
+            waiters.clear()
+        if code == "starved":
+            self.core.admission.starvation.answered.update(waiting)
+        return [Send(peer, p.Error(code, why, req)) for peer, req in waiting]

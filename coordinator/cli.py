@@ -44,6 +44,13 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--max-message-bytes", type=message_bytes, default=64 << 20, help="largest control message (64MiB)"
     )
+    sp.add_argument(
+        "--starve-after",
+        type=_COUNT,
+        default=None,
+        help="failed groups in a row (reward/filter raised) after which generate() raises Starved and admission "
+        "stops (default: max(64, 2 x --rollout-batch-size))",
+    )
     sp.add_argument("--no-sync", action="store_true", help="skip fsync on ledger commits (faster, not crash-safe)")
     sp.add_argument(
         "--allow-config-change", action="store_true", help="restart with other batch settings; recorded"
@@ -93,6 +100,7 @@ def serve(args) -> int:
         seed=args.shuffle_seed,
         sync=not args.no_sync,
         max_message_bytes=args.max_message_bytes,
+        starve_after=args.starve_after,
         allow_config_change=args.allow_config_change,
     )
     print(f"coordinator listening on {server.endpoint}", flush=True)

@@ -16,6 +16,7 @@ routes; each role lives in its own module:
     batches.py     ready groups, batch assembly, repair, trimming
     trainer.py     trainer sessions: attach, generate, pause/resume,
                    state dict, consumed, missing, detach
+    starvation.py  the streak of failed groups that stops admission
 
 Invariants kept across them:
 - Exactly once: a prompt ``(data_epoch, index)`` is accepted at most once
@@ -28,6 +29,11 @@ Invariants kept across them:
   (kept for its agent for a TTL), never a fresh prompt handed to a second
   agent while the first still generates it.
 - Pause is durable: a restart keeps the trainer's pause (and its drain).
+- Failing user code burns no data: when every recent group failed (a reward
+  or filter that raises) the rollout is starved; admission stops, waiting
+  ``generate`` calls get ``starved`` with the dominant failure, and the
+  prompts filtered for those failures are pending again (admission.py,
+  starvation.py). The next ``generate`` starts over.
 - Bounded: leased + ready <= demand + prefetch, where demand is
   ``rollout_batch_size`` per waiting ``generate``. With no trainer pulling,
   admission stops once ``prefetch`` groups are in flight or ready.
@@ -54,6 +60,7 @@ from coordinator.effects import Persist, Send
 from coordinator.frontier import Frontier
 from coordinator.membership import Membership
 from coordinator.records import AgentStats, CoordinatorStats, LedgerSnapshot, SetCursors
+from coordinator.starvation import default_starve_after
 from coordinator.trainer import TrainerSessions
 
 __all__ = ["CoordinatorCore", "Persist", "Send", "range_order"]
@@ -74,8 +81,11 @@ class CoordinatorCore:
         order_for_epoch: Callable[[int, int], Any] = range_order,
         restored: LedgerSnapshot | None = None,
         now: float = 0.0,
+        starve_after: int | None = None,
     ):
         self.config = config
+        self.starve_after = starve_after or default_starve_after(config.rollout_batch_size)
+        """Consecutive failed groups after which the rollout is starved (``coordinator/starvation.py``)."""
         self.liveness = liveness
         self.dataset_size = dataset_size
         self.dataset_fingerprint = dataset_fingerprint
@@ -143,6 +153,8 @@ class CoordinatorCore:
         out = self.batches.pump()
         if self.trainer.paused:
             return out + self.trainer.answer_drained()
+        if self.admission.starvation.starved:
+            return out  # every recent group failed: leasing more prompts would only burn them
         budget = self.batches.demand(self.trainer.prefetch) - len(self.admission.leases) - len(self.batches.ready_info)
         if budget <= 0:
             return out
@@ -176,6 +188,7 @@ class CoordinatorCore:
             batches_in_repair=tuple(sorted(batches.repairs)),
             prefetch=trainer.prefetch,
             paused=trainer.paused,
+            starved=self.admission.starvation.reason,
             trainer=trainer.client if trainer.session else None,
             prompts=self.frontier.counts(),
             data_epochs=tuple(sorted(self.frontier.epochs)),

@@ -147,9 +147,10 @@ class Frontier:
         ep.requeue.append(index)
 
     def reopen(self, data_epoch: int, index: int) -> None:
-        """A READY or DELIVERED group's payload is lost for good (node retired): generate it again."""
+        """Generate it again: a READY or DELIVERED group's payload is lost for good (node retired), or a
+        prompt FILTERED for failures turned out to have failed for everyone (a starved rollout)."""
         ep = self.epochs.get(data_epoch)
-        if ep is None or ep.state[index] not in (READY, DELIVERED):
+        if ep is None or ep.state[index] not in (READY, DELIVERED, FILTERED):
             return
         self.set(data_epoch, index, PENDING)
         ep.requeue.append(index)

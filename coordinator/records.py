@@ -264,6 +264,9 @@ class CoordinatorStats:
     batches_in_repair: tuple[int, ...]
     prefetch: int
     paused: bool
+    starved: str | None
+    """Why the rollout is starved (every recent group failed; admission stopped until the next
+    ``generate``), e.g. ``every group of the last 64 failed: reward_error: ...``; None if it is not."""
     trainer: str | None
     """The attached trainer's client id."""
     prompts: dict[str, int]

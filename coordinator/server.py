@@ -54,6 +54,7 @@ class CoordinatorServer:
         sync: bool = True,
         max_message_bytes: int = p.DEFAULT_MAX_MESSAGE_BYTES,
         allow_config_change: bool = False,
+        starve_after: int | None = None,
     ):
         self.dataset = dataset
         self.max_message_bytes = max_message_bytes
@@ -83,6 +84,7 @@ class CoordinatorServer:
             order_for_epoch=lambda n, e: epoch_permutation(n, e, seed),
             restored=restored,
             now=time.monotonic(),
+            starve_after=starve_after,
         )
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
         # One thread: the dataset's file handle is used from it alone.

@@ -13,6 +13,8 @@ Invariants kept here:
 - Pause is durable: it is acknowledged only once the ledger holds it, so a
   restarted coordinator stays paused (and a drain waits for it).
 - A checkpoint (``state_dict``) is taken only while paused and drained.
+- A starved rollout (``coordinator/starvation.py``) answers waiting calls with
+  ``starved``; the next new ``generate`` clears it and admission resumes.
 """
 
 from __future__ import annotations
@@ -115,6 +117,12 @@ class TrainerSessions:
         # in the seed: a trainer killed while paused (e.g. saving a checkpoint)
         # must not leave its successor's generate() waiting forever.
         waits = msg.rollout_id in batches.repairs or msg.rollout_id > batches.last_rollout_id
+        starvation = core.admission.starvation
+        if starvation.starved:
+            if (peer, msg.req) in starvation.answered:  # a resend of a call already told: tell it again
+                return repair + [Send(peer, p.Error("starved", starvation.reason, msg.req))]
+            # A new call: the user may have fixed the reward and restarted the agents. Start over.
+            starvation.clear()
         resumed = self.resume() if self.paused and waits else []
         error = batches.enqueue(peer, msg.req, msg.rollout_id)
         return repair + resumed + ([Send(peer, error)] if error else core.pump(now))
