@@ -157,6 +157,28 @@ def _split(flag: str, value: str) -> list[str]:
         raise ConfigError(f"{flag} {value!r}: {exc}") from None
 
 
+class _FlagsOf(argparse.ArgumentParser):
+    """Parses the flags given to an engine inside another flag; a mistake is a ConfigError naming that flag."""
+
+    def __init__(self, outer: str):
+        super().__init__(prog=outer, add_help=False)
+        self.outer = outer
+
+    def error(self, message: str):
+        raise ConfigError(f"{self.outer}: {message}")
+
+
+def _sim_argv(value: str) -> list[str]:
+    """The words of --sim-args, checked against the sim engine's own flags before any engine starts."""
+    from agent.sim.config import add_arguments
+
+    argv = _split("--sim-args", value)
+    parser = _FlagsOf("--sim-args")
+    add_arguments(parser)
+    parser.parse_args(["--port", "0", *argv])
+    return argv
+
+
 def _check_payload_bind(bind: str) -> None:
     """A fixed --payload-bind port must be free now, before the store is opened: a failed start
     leaves nothing in --data-dir (not even a generated agent id)."""
@@ -186,7 +208,7 @@ def join(args) -> int:
     kind = _engine_kind(args)
     specs = []
     if kind == "sim":
-        specs += plan_engines("sim", count=args.engines, sim_args=_split("--sim-args", args.sim_args))
+        specs += plan_engines("sim", count=args.engines, sim_args=_sim_argv(args.sim_args))
     elif kind == "sglang":
         specs += plan_engines(
             "sglang",

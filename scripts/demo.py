@@ -62,15 +62,55 @@ def main() -> int:
 
     print(f"rollfleet demo: work dir {work}")
     try:
-        spawn("coordinator", [sys.executable, "-m", "coordinator.cli", "serve", "--dataset", str(dataset),
-                              "--data-dir", str(work / "coordinator"), "--bind", address,
-                              "--rollout-batch-size", str(args.batch_size), "--n-samples-per-prompt", str(args.samples),
-                              "--max-new-tokens", "256", "--reward", "math", "--dynamic-filter", "nonzero_std"])
+        spawn(
+            "coordinator",
+            [
+                sys.executable,
+                "-m",
+                "coordinator.cli",
+                "serve",
+                "--dataset",
+                str(dataset),
+                "--data-dir",
+                str(work / "coordinator"),
+                "--bind",
+                address,
+                "--rollout-batch-size",
+                str(args.batch_size),
+                "--n-samples-per-prompt",
+                str(args.samples),
+                "--max-new-tokens",
+                "256",
+                "--reward",
+                "math",
+                "--dynamic-filter",
+                "nonzero_std",
+            ],
+        )
         for i in range(args.agents):
-            spawn(f"agent-{i}", [sys.executable, "-m", "agent.cli", "join", "--coordinator", address,
-                                 "--data-dir", str(work / f"agent-{i}"), "--agent-id", f"node-{i}",
-                                 "--engine", "sim", "--engines", "1", "--concurrency", "64",
-                                 "--sim-args", f"--token-latency-ms 0.5 --output-len-median 160 --seed {i}"])
+            spawn(
+                f"agent-{i}",
+                [
+                    sys.executable,
+                    "-m",
+                    "agent.cli",
+                    "join",
+                    "--coordinator",
+                    address,
+                    "--data-dir",
+                    str(work / f"agent-{i}"),
+                    "--agent-id",
+                    f"node-{i}",
+                    "--engine",
+                    "sim",
+                    "--engines",
+                    "1",
+                    "--concurrency",
+                    "64",
+                    "--sim-args",
+                    f"--token-latency-ms 0.5 --output-len-median 160 --seed {i}",
+                ],
+            )
         print(f"started coordinator at {address} and {args.agents} agents (1 sim engine each); logs in {work}")
         with RolloutClient(address, timeout=120) as client:
             totals = {"groups": 0, "samples": 0, "dropped": 0}
@@ -85,20 +125,30 @@ def main() -> int:
                 totals["samples"] += len(batch.samples)
                 totals["dropped"] += int(m["rollout/dynamic_filter/dropped_groups"])
                 nodes = sorted({g.agent_id for g in batch.groups})
-                print(f"{bar(step + 1, args.batches)} batch {step}: {len(batch.groups)} groups from {nodes} in {dt:.2f}s")
-                print(f"    reward_mean={m['rollout/reward_mean']:.3f} response_len_mean={m['rollout/response_len_mean']:.0f} "
-                      f"truncated={m['rollout/truncated_ratio']:.2f} "
-                      f"dropped_groups={int(m['rollout/dynamic_filter/dropped_groups'])} "
-                      f"dropped_ratio={m['rollout/dynamic_filter/dropped_ratio']:.2f} {drops}")
+                print(
+                    f"{bar(step + 1, args.batches)} batch {step}: {len(batch.groups)} groups from {nodes} in {dt:.2f}s"
+                )
+                print(
+                    f"    reward_mean={m['rollout/reward_mean']:.3f} "
+                    f"response_len_mean={m['rollout/response_len_mean']:.0f} "
+                    f"truncated={m['rollout/truncated_ratio']:.2f} "
+                    f"dropped_groups={int(m['rollout/dynamic_filter/dropped_groups'])} "
+                    f"dropped_ratio={m['rollout/dynamic_filter/dropped_ratio']:.2f} {drops}"
+                )
             elapsed = time.monotonic() - started
-            print(f"done: {args.batches} batches, {totals['groups']} groups, {totals['samples']} samples, "
-                  f"{totals['dropped']} groups dropped by the filter, {totals['samples'] / elapsed:.0f} samples/s")
+            print(
+                f"done: {args.batches} batches, {totals['groups']} groups, {totals['samples']} samples, "
+                f"{totals['dropped']} groups dropped by the filter, {totals['samples'] / elapsed:.0f} samples/s"
+            )
         return 0
     except Exception as exc:
         print(f"demo failed: {exc}; see the logs in {work}", file=sys.stderr)
-        for proc, log in zip(procs, logs):
+        for proc, log in zip(procs, logs, strict=False):
             if proc.poll() is not None:
-                print(f"--- {log.name} (exited {proc.returncode}) ---\n" + Path(log.name).read_text()[-2000:], file=sys.stderr)
+                print(
+                    f"--- {log.name} (exited {proc.returncode}) ---\n" + Path(log.name).read_text()[-2000:],
+                    file=sys.stderr,
+                )
         return 1
     finally:
         for proc in reversed(procs):

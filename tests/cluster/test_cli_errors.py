@@ -155,6 +155,8 @@ def test_serve_takes_message_sizes_with_units(tmp_path, dataset, busy_port):
         (["--engine", "sim", "--log-level", "LOUD"], ["--log-level", "LOUD"]),
         (["--engine", "sim", "--tokenizer", "/nonexistent/tok"], ["--tokenizer", "/nonexistent/tok"]),
         (["--engine", "sim", "--sim-args", "--seed 'unclosed"], ["--sim-args"]),
+        (["--engine", "sim", "--sim-args", "--slots 0"], ["--sim-args", "--slots", "'0'"]),
+        (["--sim-args", "--no-such-flag"], ["--sim-args", "--no-such-flag"]),
         (["--engine-url", "localhost:30000"], ["localhost:30000"]),
     ],
 )
