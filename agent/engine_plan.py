@@ -57,6 +57,7 @@ __all__ = [
     "plan_engines",
     "reprobe_delay",
     "sglang_command",
+    "version_args",
 ]
 
 KINDS = ("sim", "sglang", "url")
@@ -181,7 +182,8 @@ def default_gpu_ids(need: int, visible: str | None) -> list[int]:
             ids.append(int(part))
         except ValueError:
             raise ConfigError(
-                f"CUDA_VISIBLE_DEVICES={visible!r} is not a list of integer GPU ids; pass gpu_ids explicitly"
+                f"CUDA_VISIBLE_DEVICES={visible!r} is not a list of integer GPU ids; "
+                "pass gpu_ids explicitly (--gpu-ids)"
             ) from None
     return ids
 
@@ -199,8 +201,13 @@ def sglang_command(
     tp_size: int,
     module: str = "sglang.launch_server",
     extra_args: Sequence[str] = (),
+    weight_version: int | None = None,
 ) -> list[str]:
-    """The argv of one SGLang server (GPUs are chosen via CUDA_VISIBLE_DEVICES)."""
+    """The argv of one SGLang server (GPUs are chosen via CUDA_VISIBLE_DEVICES).
+
+    ``weight_version`` labels the weights it launches with (``--weight-version``; without it
+    SGLang says ``"default"``, which the agent reads as version 0).
+    """
     if not model_path:
         raise ConfigError("sglang engines need a model path (--model-path)")
     if tp_size < 1:
@@ -215,8 +222,14 @@ def sglang_command(
         "--tp-size", str(tp_size),
         "--base-gpu-id", "0",
         "--skip-server-warmup",
+        *version_args(weight_version),
         *[str(a) for a in extra_args],
     ]  # fmt: skip
+
+
+def version_args(weight_version: int | None) -> list[str]:
+    """``--weight-version V`` for a launch with weights of version ``V`` (none for the default label)."""
+    return [] if weight_version is None else ["--weight-version", str(int(weight_version))]
 
 
 def plan_engines(
@@ -231,8 +244,9 @@ def plan_engines(
     sim_args: Sequence[str] = (),
     sglang_args: Sequence[str] = (),
     sglang_module: str = "sglang.launch_server",
+    weight_version: int | None = None,
 ) -> list[EngineSpec]:
-    """The engines of one node.  Names are ``<kind>-<i>``.
+    """The engines of one node.  Names are ``<kind>-<i>``; ``weight_version`` labels their launch weights.
 
     * ``sim``: ``count`` sim engines on ``host``, port chosen by the engine.
     * ``sglang``: ``count`` servers of ``tp_size`` GPUs each, on distinct free
@@ -249,12 +263,13 @@ def plan_engines(
     if count < 1:
         raise ConfigError(f"--engines must be >= 1, got {count}")
     if kind == "sim":
-        argv = [sys.executable, "-m", SIM_MODULE, "--host", host, "--port", "0", *[str(a) for a in sim_args]]
+        argv = [sys.executable, "-m", SIM_MODULE, "--host", host, "--port", "0", *version_args(weight_version),
+                *[str(a) for a in sim_args]]
         return [
             EngineSpec(name=f"sim-{i}", kind="sim", url=None, argv=list(argv), env=None, gpu_ids=[])
             for i in range(count)
         ]
-    return _plan_sglang(count, model_path, tp_size, gpu_ids, host, sglang_args, sglang_module)
+    return _plan_sglang(count, model_path, tp_size, gpu_ids, host, sglang_args, sglang_module, weight_version)
 
 
 def _plan_urls(urls: Sequence[str]) -> list[EngineSpec]:
@@ -277,6 +292,7 @@ def _plan_sglang(
     host: str,
     sglang_args: Sequence[str],
     sglang_module: str,
+    weight_version: int | None = None,
 ) -> list[EngineSpec]:
     if not model_path:
         raise ConfigError("--engine sglang needs --model-path")
@@ -303,7 +319,8 @@ def _plan_sglang(
         env = dict(base_env)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in group)
         argv = sglang_command(
-            model_path, host=host, port=port, tp_size=tp_size, module=sglang_module, extra_args=sglang_args
+            model_path, host=host, port=port, tp_size=tp_size, module=sglang_module, extra_args=sglang_args,
+            weight_version=weight_version,
         )
         url = f"http://{url_host(host)}:{port}"
         specs.append(EngineSpec(name=f"sglang-{i}", kind="sglang", url=url, argv=argv, env=env, gpu_ids=group))
