@@ -65,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", "--random-seed", dest="seed", type=int, default=0, help="RNG seed (default 0)")
     g.add_argument("--context-length", type=number(int, min=1), default=32768, help="context length (default 32768)")
     g.add_argument("--weight-version", default="default", help="initial weight_version label")
+    g.add_argument(
+        "--weight-sync-timeout",
+        type=number(float, above=0),
+        default=60.0,
+        help="seconds a weight-update group may take to form, and each broadcast to arrive (default 60)",
+    )
     g.add_argument("--model-path", "--model", dest="model_path", default="rollfleet-sim", help="reported model_path")
     g.add_argument(
         "--startup-delay",

@@ -1,8 +1,9 @@
 """SimEngine: one simulated engine, its settings, readiness and crash switch.
 
-The engine owns a :class:`~agent.sim.scheduler.Scheduler` (the request path) and an
-:class:`~agent.sim.output.OutputModel`; HTTP lives in :mod:`agent.sim.http`, the info
-endpoints' payloads in :mod:`agent.sim.info`. ``/generate`` answers 503 while the engine is
+The engine owns a :class:`~agent.sim.scheduler.Scheduler` (the request path), an
+:class:`~agent.sim.output.OutputModel` and its weights (:mod:`agent.sim.weights`: the tensors it
+holds, of which ``sim.accuracy`` sets the output model's accuracy, and its weight-update
+groups). HTTP lives in :mod:`agent.sim.http`, the info endpoints' payloads in :mod:`agent.sim.info`. ``/generate`` answers 503 while the engine is
 starting (``--startup-delay``) or ``--unhealthy``: SGLang opens its port only once ready.
 """
 
@@ -22,6 +23,7 @@ from agent.sim.output import OutputModel
 from agent.sim.params import parse_generate
 from agent.sim.sample import Sample
 from agent.sim.scheduler import Scheduler
+from agent.sim.weights import WeightGroups, WeightStore
 
 # The logger keeps the name it had when the engine was one module, so existing log filters still match.
 log = logging.getLogger("rollfleet.sim_engine")
@@ -63,6 +65,9 @@ class SimEngine:
             weight_version=str(cfg["weight_version"]),
             output_model=self.output_model,
         )
+        self.base_accuracy = float(cfg["accuracy"])
+        self.weights = WeightStore()
+        self.weight_groups = WeightGroups(timeout_s=float(cfg["weight_sync_timeout"]), tp_size=int(cfg["tp_size"]))
         self.throughput = ThroughputMeter()
         self.ok_generate_calls = 0
         self._ready_at = time.monotonic() + max(0.0, self.startup_delay)
@@ -70,6 +75,12 @@ class SimEngine:
     @property
     def weight_version(self) -> str:
         return self.scheduler.weight_version
+
+    def apply_weights(self, named: dict[str, Any], *, replace: bool) -> None:
+        """Store tensors (a checkpoint replaces all, a bucket adds) and let ``sim.accuracy`` set the accuracy."""
+        self.weights.apply(named, replace=replace)
+        accuracy = self.weights.accuracy
+        self.output_model.accuracy = self.base_accuracy if accuracy is None else accuracy
 
     def is_ready(self) -> bool:
         return not self.unhealthy and time.monotonic() >= self._ready_at
@@ -100,5 +111,6 @@ class SimEngine:
             self.crash_fn(CRASH_EXIT_CODE)
 
     def shutdown(self) -> None:
-        """Abort everything scheduled and open the pause gate, so every pending call returns."""
+        """Abort everything scheduled and open the pause gate, so every pending call returns; leave the groups."""
         self.scheduler.shutdown()
+        self.weight_groups.close()

@@ -3,15 +3,18 @@
 Endpoints: ``/generate`` (POST, PUT), ``/abort_request``, ``/health``, ``/health_generate``,
 ``/ready``, ``/model_info`` (``/get_model_info``), ``/server_info`` (``/get_server_info``),
 ``/v1/loads``, ``/flush_cache`` (GET, POST, ``?timeout=``), ``/pause_generation``,
-``/continue_generation``, ``/update_weights_from_disk``, ``/update_weight_version`` (its
-``abort_all_requests`` defaults to true, as in SGLang).
+``/continue_generation``, and the weight endpoints of :mod:`agent.sim.weight_routes`
+(``/update_weights_from_disk``, ``/init_weights_update_group``,
+``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
+``/update_weight_version``). Bodies and error shapes: :mod:`agent.sim.replies`.
 
 Streams (``"stream": true``) send cumulative SSE chunks every ``stream_interval`` tokens and end
 with ``data: [DONE]``; a request error inside a stream is an error chunk, HTTP 200. Stop strings
 are not held back from intermediate chunks. A client disconnect aborts the call's samples.
 While paused, ``/health`` blocks up to ``--health-timeout`` and then answers 503 (SGLang's
 pitfall: its probe goes through the pause gate). ``/flush_cache`` succeeds only when nothing
-runs or waits; a failed flush explains itself in the 400 text.
+runs or waits (while paused, waiting requests do not count); a failed flush explains itself in
+the 400 text.
 
 Non-SGLang fault hooks: ``POST /rollfleet/crash`` replies 200
 ``{"status":"crashing","exit_code":17}`` and then exits the process with ``os._exit(17)``
@@ -22,7 +25,6 @@ right after the response to the N-th successful ``/generate`` call has been sent
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,60 +37,13 @@ from agent.sim.config import CRASH_EXIT_CODE
 from agent.sim.engine import SimEngine
 from agent.sim.output import response_object
 from agent.sim.params import RequestError, SchemaError
+from agent.sim.replies import http_error, json_response, read_json_body, request_error, schema_error
 from agent.sim.sample import Sample
+from agent.sim.weight_routes import add_weight_routes
 
 __all__ = ["ENGINE_KEY", "make_app"]
 
 ENGINE_KEY = web.AppKey("rollfleet_sim_engine", SimEngine)
-
-_STATUS_NAMES = {400: "Bad Request", 404: "Not Found", 503: "Service Unavailable", 500: "Internal Server Error"}
-
-
-def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
-
-
-def _http_error(status: int, message: str) -> web.Response:
-    """SGLang's HTTPException body."""
-    return _json(
-        {
-            "object": "error",
-            "message": message,
-            "type": _STATUS_NAMES.get(status, str(status)),
-            "param": None,
-            "code": status,
-        },
-        status,
-    )
-
-
-def _generate_error(message: str) -> web.Response:
-    """The 400 of a rejected ``/generate`` body."""
-    return _json({"error": {"message": message}}, 400)
-
-
-def _bad_request(message: str) -> web.HTTPBadRequest:
-    return web.HTTPBadRequest(
-        body=orjson.dumps({"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}),
-        content_type="application/json",
-    )
-
-
-async def _read_json_body(request: web.Request) -> dict:
-    """The JSON object body of a control endpoint; empty or null is ``{}``."""
-    raw = await request.read()
-    if not raw.strip():
-        return {}
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise _bad_request(f"Invalid JSON body: {exc}") from exc
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise _bad_request("The request body must be a JSON object.")
-    return data
-
 
 def _client_gone(request: web.Request) -> Callable[[], bool]:
     def gone() -> bool:
@@ -124,22 +79,22 @@ class _Handlers:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         engine = self.engine
         if not engine.is_ready():
-            return _http_error(503, f"The server is not ready (status: {engine.status}).")
+            return http_error(503, f"The server is not ready (status: {engine.status}).")
         try:
             data = orjson.loads(await request.read())
         except orjson.JSONDecodeError as exc:
-            return _generate_error(f"Invalid JSON body: {exc}")
+            return schema_error(f"Invalid JSON body: {exc}")
         if not isinstance(data, dict):
-            return _generate_error("The request body must be a JSON object.")
+            return schema_error("The request body must be a JSON object.")
         stream = data.get("stream") is True
         try:
             samples, multi = engine.new_samples(data)
         except SchemaError as exc:
-            return _generate_error(str(exc))
+            return schema_error(str(exc))
         except RequestError as exc:
             if stream:
                 return await self._stream_error(request, str(exc))
-            return _generate_error(str(exc))
+            return request_error(str(exc))
 
         if stream:
             resp = await self._stream(request, samples, multi)
@@ -223,7 +178,7 @@ class _Handlers:
         return resp
 
     async def abort(self, request: web.Request) -> web.Response:
-        data = await _read_json_body(request)
+        data = await read_json_body(request)
         rid = data.get("rid") or ""
         self.scheduler.abort(rid if isinstance(rid, str) else "", bool(data.get("abort_all")))
         return web.Response(status=200)
@@ -242,22 +197,22 @@ class _Handlers:
         return web.Response(status=200 if self.engine.is_ready() and not self.scheduler.paused else 503)
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return _json(info.model_info(self.engine))
+        return json_response(info.model_info(self.engine))
 
     async def server_info(self, request: web.Request) -> web.Response:
-        return _json(info.server_info(self.engine))
+        return json_response(info.server_info(self.engine))
 
     async def loads(self, request: web.Request) -> web.Response:
-        return _json(info.loads_response(self.engine))
+        return json_response(info.loads_response(self.engine))
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         try:
             timeout = float(request.query.get("timeout") or 0.0)
         except ValueError:
-            return _http_error(400, "timeout must be a number")
+            return http_error(400, "timeout must be a number")
         scheduler = self.scheduler
         deadline = time.monotonic() + timeout
-        while not scheduler.idle and time.monotonic() < deadline:
+        while not scheduler.can_flush() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         if scheduler.flush():
             return web.Response(
@@ -270,62 +225,20 @@ class _Handlers:
         )
 
     async def pause(self, request: web.Request) -> web.Response:
-        data = await _read_json_body(request)
+        data = await read_json_body(request)
         mode = data.get("mode") or "abort"
         if mode not in ("abort", "retract", "in_place"):
-            return _http_error(400, f"mode must be one of 'abort', 'retract', 'in_place', got {mode!r}")
+            return http_error(400, f"mode must be one of 'abort', 'retract', 'in_place', got {mode!r}")
         await self.scheduler.pause(mode)
-        return _json({"message": "Generation paused successfully.", "status": "ok"})
+        return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        await _read_json_body(request)
+        await read_json_body(request)
         self.scheduler.resume()
-        return _json({"message": "Generation continued successfully.", "status": "ok"})
-
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        data = await _read_json_body(request)
-        path = data.get("model_path")
-        if not isinstance(path, str) or not path:
-            return _json({"success": False, "message": "model_path is required"}, 400)
-        version = data.get("weight_version")
-        flush_cache = data.get("flush_cache", True)
-        if data.get("abort_all_requests"):
-            self.scheduler.abort(abort_all=True)
-
-        def load() -> web.Response:
-            if not os.path.isdir(path):
-                return _json(
-                    {
-                        "success": False,
-                        "message": f"Failed to update weights: model path {path!r} is not a "
-                        "directory. The weights were not changed.",
-                        "num_paused_requests": 0,
-                    },
-                    400,
-                )
-            self.engine.model_path = path
-            if version is not None:
-                self.scheduler.weight_version = str(version)
-            if flush_cache is not False:
-                self.scheduler.clear_prefix_cache()
-            return _json({"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
-
-        return await self.scheduler.update_weights(load)
-
-    async def update_weight_version(self, request: web.Request) -> web.Response:
-        data = await _read_json_body(request)
-        new_version = data.get("new_version")
-        if not isinstance(new_version, str) or not new_version:
-            return _json({"success": False, "message": "new_version is required"}, 400)
-        if data.get("abort_all_requests", True):
-            self.scheduler.abort(abort_all=True)
-        self.scheduler.weight_version = new_version
-        return _json(
-            {"success": True, "message": f"Weight version updated to {new_version}.", "new_version": new_version}
-        )
+        return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def crash(self, request: web.Request) -> web.Response:
-        resp = _json({"status": "crashing", "exit_code": CRASH_EXIT_CODE})
+        resp = json_response({"status": "crashing", "exit_code": CRASH_EXIT_CODE})
         await resp.prepare(request)
         await resp.write_eof()
         asyncio.get_running_loop().call_soon(self.engine.crash, "POST /rollfleet/crash")
@@ -359,7 +272,6 @@ def make_app(engine: SimEngine) -> web.Application:
     r.add_post("/flush_cache", h.flush_cache)
     r.add_post("/pause_generation", h.pause)
     r.add_post("/continue_generation", h.continue_generation)
-    r.add_post("/update_weights_from_disk", h.update_weights_from_disk)
-    r.add_post("/update_weight_version", h.update_weight_version)
+    add_weight_routes(r, engine)
     r.add_post("/rollfleet/crash", h.crash)
     return app

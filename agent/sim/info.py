@@ -3,7 +3,9 @@
 Field names and shapes are SGLang's; the values describe one DP rank with a nominal KV pool
 (``max_total_num_tokens``). ``/v1/loads`` ignores its ``include``/``format`` parameters and
 answers JSON with the core fields. ``/server_info`` adds a ``sim`` section with the sim's own
-output-model settings.
+output-model settings and weights. Both ``/model_info`` and ``/server_info`` report
+``weight_digest``, the :func:`common.weights_digest.weights_digest` of the tensors the engine
+holds (not an SGLang field).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def model_info(engine: SimEngine) -> dict:
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": engine.weight_version,
+        "weight_digest": engine.weights.digest,
         "has_image_understanding": False,
         "has_audio_understanding": False,
         "model_type": "rollfleet-sim",
@@ -96,6 +99,7 @@ def server_info(engine: SimEngine) -> dict:
         "port": engine.port,
         "host": engine.host,
         "weight_version": engine.weight_version,
+        "weight_digest": engine.weights.digest,
         "max_running_requests": engine.slots,
         "max_total_num_tokens": engine.max_total_num_tokens,
         "max_req_input_len": engine.max_req_input_len,
@@ -130,5 +134,8 @@ def server_info(engine: SimEngine) -> dict:
             "output_len_sigma": output_model.len_sigma,
             "output_len_max": output_model.len_max,
             "accuracy": output_model.accuracy,
+            "num_weights": len(engine.weights.tensors),
+            "weight_groups": engine.weight_groups.names,
+            "weight_sync_timeout_s": engine.weight_groups.timeout_s,
         },
     }

@@ -259,7 +259,8 @@ def response_object(sample: Sample, k: int, final: bool, weight_version: str, in
         meta["input_token_logprobs"] = out.input_logprobs
     if final:
         meta["e2e_latency"] = time.perf_counter() - sample.started_at
-        meta["weight_versions"] = sample.weight_spans
+        # A sample that produced no token still names the version it finished on (0.5.23).
+        meta["weight_versions"] = sample.weight_spans or [{"version": weight_version, "start": 0, "end": 0}]
     obj: dict[str, Any] = {"text": text, "output_ids": ids, "meta_info": meta}
     if sample.return_prompt_ids:
         obj["prompt_token_ids"] = sample.prompt.ids

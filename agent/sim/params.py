@@ -47,6 +47,10 @@ SAMPLING_KEYS = frozenset(
         "ebnf",
         "logit_bias",
         "stop_regex",
+        "structural_tag",
+        "beam_width",
+        "watermark",
+        "choice",
     }
 )
 
@@ -70,8 +74,9 @@ def is_integer(v: Any) -> bool:
 class SamplingParams:
     """Validated sampling parameters of one batch item.
 
-    ``top_p``, ``top_k``, penalties, grammars and ``logit_bias`` are checked but do not change
-    the output, so only the fields the output model uses are kept.
+    ``top_p``, ``top_k``, penalties, grammars (``structural_tag`` too), ``logit_bias`` and
+    ``beam_width`` are checked but do not change the output, so only the fields the output model
+    uses are kept; ``watermark`` and ``choice`` are accepted (0.5.23 keys) and ignored.
     """
 
     __slots__ = (
@@ -159,7 +164,8 @@ class SamplingParams:
         stop_regex = d.get("stop_regex")
         if stop_regex is not None and not isinstance(stop_regex, (str, list)):
             raise SchemaError("sampling_params.stop_regex must be a string or a list of strings")
-        for key in ("json_schema", "regex", "ebnf"):
+        integer("beam_width", None)
+        for key in ("json_schema", "regex", "ebnf", "structural_tag"):
             if d.get(key) is not None and not isinstance(d[key], str):
                 raise SchemaError(f"sampling_params.{key} must be a string")
         for key in ("custom_params", "logit_bias"):

@@ -32,7 +32,10 @@ samples where they are (they stop producing tokens) and hold new ones, until :me
 Weight versions: every produced token is credited to the weight version current when it was
 produced; a sample's ``weight_spans`` are half-open ``[start, end)`` output-token ranges.
 
-Simplified against SGLang: ``retract`` behaves like ``in_place``; an abort of a frozen (paused)
+Cache flush: only when nothing runs or waits; while paused, waiting samples do not count, and a
+``retract`` pause counts its frozen samples as retracted (waiting), as SGLang does.
+
+Simplified against SGLang: ``retract`` behaves like ``in_place`` (but for the flush); an abort of a frozen (paused)
 running sample finishes it at once instead of after ``continue``; abort credits the tokens
 produced so far rather than "one more step"; ``cached_tokens`` comes from an exact-prompt cache
 that flush and weight updates clear.
@@ -43,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 from agent.sim.output import OutputModel
@@ -374,23 +377,31 @@ class Scheduler:
             if sample.state == SampleState.RUNNING:
                 _interrupt(sample)
 
+    def can_flush(self) -> bool:
+        """Whether a cache flush may happen now: SGLang's ``is_fully_idle(ignore_waiting=paused)``.
+
+        While paused, waiting samples do not count, and neither do the frozen running samples of
+        a ``retract`` pause (SGLang moved them to the waiting queue); an ``in_place`` pause with
+        running samples cannot flush.
+        """
+        if not self._paused:
+            return self.idle
+        return self._pause_mode == "retract" or self.num_running == 0
+
     def flush(self) -> bool:
-        """Clear the prefix cache if nothing is running or waiting; False (and nothing cleared) otherwise."""
-        if not self.idle:
+        """Clear the prefix cache if :meth:`can_flush`; False (and nothing cleared) otherwise."""
+        if not self.can_flush():
             return False
         self._prefix_cache.clear()
         return True
 
-    def clear_prefix_cache(self) -> None:
-        self._prefix_cache.clear()
-
-    async def update_weights(self, change: Callable[[], T]) -> T:
-        """Run ``change`` with the writer lock held (in-flight samples drained), or at once while paused."""
+    async def update_weights(self, change: Callable[[], Awaitable[T]]) -> T:
+        """Await ``change`` with the writer lock held (in-flight samples drained), or at once while paused."""
         if self._paused:
-            return change()
+            return await change()
         await self._lock.acquire_write()
         try:
-            return change()
+            return await change()
         finally:
             self._lock.release_write()
 
