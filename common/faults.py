@@ -64,8 +64,9 @@ class Faults:
             elif key in self.left:
                 self.left[key] = int(value)
             else:
-                raise ValueError(f"{ENV}: unknown fault {key!r}; known: kill_after_commit, hold_file, seed, "
-                                 + ", ".join(_COUNTS))
+                raise ValueError(
+                    f"{ENV}: unknown fault {key!r}; known: kill_after_commit, hold_file, seed, " + ", ".join(_COUNTS)
+                )
         self.random = random.Random(seed)
         self._held: list = []
 

@@ -69,8 +69,10 @@ def read_store(data_dir: Path) -> tuple[dict[str, bytes], dict[str, dict]]:
 
 def registrations(proc) -> list[int]:
     """Receipts recovered at each registration of this agent process, in order."""
-    return [int(n) for n in re.findall(r"registered \(session \w+, capacity \d+ samples, (\d+) receipts recovered\)",
-                                       proc.text())]
+    return [
+        int(n)
+        for n in re.findall(r"registered \(session \w+, capacity \d+ samples, (\d+) receipts recovered\)", proc.text())
+    ]
 
 
 def prompt(g) -> tuple[int, int]:
@@ -143,13 +145,17 @@ def test_agent_killed_between_commit_and_receipt_has_every_group_recovered_at_re
         external = i % 3 == 0  # every third run dies by an outside SIGKILL at a random moment instead
         spec = "seed=0" if external else f"kill_after_commit=0.3;seed={i}"
         base = len(read_store(data_dir)[0]) if data_dir.exists() else 0
-        proc = with_faults(monkeypatch, spec, lambda: cluster.start_agent("a1", concurrency=16, sim_args=FAST,
-                                                                          wait=False))
+        proc = with_faults(
+            monkeypatch, spec, lambda: cluster.start_agent("a1", concurrency=16, sim_args=FAST, wait=False)
+        )
         procs.append(proc)
         if external:
-            stored = rng.randint(1, 12)
-            wait_for(lambda: not proc.alive() or len(read_store(data_dir)[0]) >= base + stored,
-                     30, "the agent to commit groups")
+            target = base + rng.randint(1, 12)
+            wait_for(
+                lambda p=proc, n=target: not p.alive() or len(read_store(data_dir)[0]) >= n,
+                30,
+                "the agent to commit groups",
+            )
             proc.signal(signal.SIGKILL)
         try:
             proc.wait(30)
@@ -192,15 +198,22 @@ def test_agent_killed_between_commit_and_receipt_has_every_group_recovered_at_re
 def test_receipts_lost_in_flight_are_resent_and_answered_without_a_new_registration(make_cluster, monkeypatch):
     cluster = make_cluster(dynamic_filter="none")
     cluster.start_coordinator()
-    agent = with_faults(monkeypatch, "drop_receipts=3",
-                        lambda: cluster.start_agent("a1", concurrency=16, sim_args=FAST))
+    agent = with_faults(
+        monkeypatch, "drop_receipts=3", lambda: cluster.start_agent("a1", concurrency=16, sim_args=FAST)
+    )
     with cluster.client() as client:
         batches = [client.generate(0)]
-        dropped = wait_for(lambda: (keys := re.findall(r"fault injected: dropped Receipt (\S+)", agent.text()))
-                           and len(keys) == 3 and keys, 20, "three receipts to be lost")
+        dropped = wait_for(
+            lambda: (
+                (keys := re.findall(r"fault injected: dropped Receipt (\S+)", agent.text())) and len(keys) == 3 and keys
+            ),
+            20,
+            "three receipts to be lost",
+        )
         # Answered while the session lives on: the resend did it, not a Register.
-        wait_for(lambda: not set(dropped) & set(read_store(cluster.tmp / "a1")[1]), 15,
-                 "the lost receipts to be answered")
+        wait_for(
+            lambda: not set(dropped) & set(read_store(cluster.tmp / "a1")[1]), 15, "the lost receipts to be answered"
+        )
         assert registrations(agent) == [0], "the agent registered again: the resend did not answer the receipts"
         groups = read_store(cluster.tmp / "a1")[0]
         ledger = read_ledger(cluster.tmp / "coordinator").prompts
@@ -229,8 +242,9 @@ def test_messages_of_a_session_presumed_dead_are_fenced_and_the_agent_registers_
     cluster = make_cluster(dynamic_filter="none")
     cluster.start_coordinator("--agent-ttl", "3")
     hold = cluster.tmp / "hold"
-    agent = with_faults(monkeypatch, f"hold_file={hold}", lambda: cluster.start_agent("a1", concurrency=16,
-                                                                                     sim_args=SLOW))
+    agent = with_faults(
+        monkeypatch, f"hold_file={hold}", lambda: cluster.start_agent("a1", concurrency=16, sim_args=SLOW)
+    )
     trainer = Trainer(cluster.client(timeout=120), cluster.config["rollout_batch_size"])
     trainer.start()
     watch = cluster.client(attach=False)
@@ -291,16 +305,24 @@ def test_a_lost_grant_is_released_by_heartbeat_reconciliation_and_its_prompts_ge
     cluster = make_cluster(dynamic_filter="none")
     with_faults(monkeypatch, "drop_grants=1", cluster.start_coordinator)
     cluster.start_agent("a1", concurrency=32, sim_args=FAST)
-    m = wait_for(lambda: re.search(r"fault injected: dropped Grant \(session \w+\) of leases (\[.*\])",
-                                   cluster.coordinator.text()), 10, "the first Grant to be lost")
+    m = wait_for(
+        lambda: re.search(
+            r"fault injected: dropped Grant \(session \w+\) of leases (\[.*\])", cluster.coordinator.text()
+        ),
+        10,
+        "the first Grant to be lost",
+    )
     lost = {(epoch, index) for _, epoch, index in json.loads(m.group(1))}
     assert lost
     with cluster.client(attach=False) as watch:
         prefetch = watch.stats()["prefetch"]
         # No trainer: admission stops once the prefetch is ready. It fills up only if the
         # lost leases were released (the heartbeat told the agent the highest lease granted).
-        wait_for(lambda: (s := watch.stats())["ready"] == prefetch and s["leased"] == 0, 20,
-                 "the prefetch to fill despite the lost grant")
+        wait_for(
+            lambda: (s := watch.stats())["ready"] == prefetch and s["leased"] == 0,
+            20,
+            "the prefetch to fill despite the lost grant",
+        )
     with cluster.client() as client:
         delivered = {prompt(g) for rid in range(2) for g in client.generate(rid).groups}
     assert lost <= delivered, f"prompts of the lost grant never delivered: {sorted(lost - delivered)}"
@@ -311,10 +333,12 @@ def test_a_lost_pause_still_pauses_the_agent_by_heartbeat(make_cluster, monkeypa
     only through the coordinator's heartbeat (``paused``), since the Control is lost."""
     cluster = make_cluster(dynamic_filter="none")
     with_faults(monkeypatch, "drop_pauses=1", cluster.start_coordinator)
-    engine, url = cluster.start_sim_engine("--token-latency-ms", "50", "--output-len-dist", "fixed",
-                                           "--output-len-median", "200")
+    engine, url = cluster.start_sim_engine(
+        "--token-latency-ms", "50", "--output-len-dist", "fixed", "--output-len-median", "200"
+    )
     cluster.start_agent("a1", concurrency=16, engine_urls=[url])  # a url engine is never retired
     with cluster.client(attach=False) as watch:
+
         def running() -> int:
             with urllib.request.urlopen(url + "/v1/loads", timeout=5) as resp:
                 return json.loads(resp.read())["loads"][0]["num_running_reqs"]
@@ -322,10 +346,16 @@ def test_a_lost_pause_still_pauses_the_agent_by_heartbeat(make_cluster, monkeypa
         wait_for(lambda: watch.stats()["leased"] > 0 and running() > 0, 20, "groups generating")
         engine.signal(signal.SIGKILL)
         # Its groups fail over to... no engine: they wait, held by the agent, for one to come back.
-        wait_for(lambda: (s := watch.stats())["agents"]["a1"]["capacity"] == 0 and s["leased"] > 0, 20,
-                 "the agent's leases to wait for an engine")
+        wait_for(
+            lambda: (s := watch.stats())["agents"]["a1"]["capacity"] == 0 and s["leased"] > 0,
+            20,
+            "the agent's leases to wait for an engine",
+        )
         with cluster.client() as trainer:
             trainer.pause(drain=False)
-        wait_for(lambda: "fault injected: dropped pause Control" in cluster.coordinator.text(), 5,
-                 "the pause Control to be lost")
+        wait_for(
+            lambda: "fault injected: dropped pause Control" in cluster.coordinator.text(),
+            5,
+            "the pause Control to be lost",
+        )
         wait_for(lambda: watch.stats()["leased"] == 0, 5, "the paused agent to give its waiting leases back")

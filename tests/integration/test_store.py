@@ -1,6 +1,12 @@
-"""The agent's LMDB group store: commit-with-outbox, acks, identity."""
+"""The agent's LMDB group store: commit-with-outbox, acks, identity, and SIGKILL at any moment."""
 
 import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,8 +16,9 @@ from agent.store import GroupStore
 def test_commit_keeps_outbox_until_ack_and_refused_groups_are_deleted(tmp_path):
     async def run():
         store = GroupStore(tmp_path, agent_id="n1")
-        await asyncio.gather(*(store.commit(f"0:{i}:1", f"payload{i}".encode(), {"key": f"0:{i}:1", "index": i})
-                               for i in range(5)))
+        await asyncio.gather(
+            *(store.commit(f"0:{i}:1", f"payload{i}".encode(), {"key": f"0:{i}:1", "index": i}) for i in range(5))
+        )
         assert sorted(r["index"] for r in store.unacked()) == [0, 1, 2, 3, 4]
         await store.ack("0:0:1", True)
         await store.ack("0:1:1", False)
@@ -54,3 +61,75 @@ def test_a_data_dir_serves_one_process_at_a_time(tmp_path):
     finally:
         first.close()
     GroupStore(tmp_path).close()  # free again once the first one closed
+
+
+CRASH_CHILD = """
+import asyncio, sys
+from agent.store import GroupStore
+
+def payload(k):
+    return bytes([k % 251]) * (1000 + (k % 7) * 3000)
+
+async def main(path, first):
+    store = GroupStore(path, agent_id="crash")
+    print("ready", flush=True)
+
+    async def one(k):
+        key = f"0:{k}:1"
+        await store.commit(key, payload(k), {"key": key, "index": k})
+        print(key, flush=True)  # committed: the receipt would leave now
+
+    k = first
+    while True:
+        await asyncio.gather(*(one(k + j) for j in range(8)))
+        k += 8
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"""
+
+
+def _payload(k: int) -> bytes:
+    return bytes([k % 251]) * (1000 + (k % 7) * 3000)
+
+
+def test_store_sigkilled_at_random_moments_keeps_every_commit_whole(tmp_path):
+    """A child commits groups 8 at a time (group commit) and is SIGKILLed after a random number of
+    them; the reopened store holds every group whose commit had returned, each with its outbox
+    entry, every outbox entry has its group, and no payload is cut short."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    rng = random.Random(5)
+    acknowledged: set[str] = set()
+    for run in range(12):
+        child = subprocess.Popen(
+            [sys.executable, "-c", CRASH_CHILD, str(tmp_path), str(run * 100_000)],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=root,
+            env=env,
+        )
+        try:
+            assert child.stdout.readline().strip() == "ready"
+            for _ in range(rng.randint(0, 60)):
+                acknowledged.add(child.stdout.readline().strip())
+            child.send_signal(signal.SIGKILL)
+            acknowledged.update(line.strip() for line in child.stdout)  # commits that returned before it died
+        finally:
+            child.kill()
+            child.wait(10)
+            child.stdout.close()
+        store = GroupStore(tmp_path, agent_id="crash")
+        try:
+            assert store.incarnation == 2 * run + 2  # one start per child, one per reopening here
+            keys, unacked = store.snapshot()
+            outbox = {r["key"]: r for r in unacked}
+            assert acknowledged <= set(keys), f"commits lost: {sorted(acknowledged - set(keys))[:5]}"
+            assert set(outbox) == set(keys), "a group without its outbox entry, or an outbox entry without its group"
+            payloads = dict(zip(keys, asyncio.run(store.get_many(keys)), strict=True))
+            for key, data in payloads.items():
+                index = int(key.split(":")[1])
+                assert outbox[key]["index"] == index
+                assert data == _payload(index), f"group {key} is not whole ({len(data)} bytes)"
+        finally:
+            store.close()
+    assert len(acknowledged) > 50
