@@ -2,8 +2,11 @@
 
 Only what the agent needs: ``/generate`` (one request per sample, n=1, so a
 single sample can be aborted by its rid), ``/abort_request``, pause and
-continue, ``/flush_cache``, ``/update_weights_from_disk``, ``/model_info`` and
-the health probes ``/health_generate`` and ``/health``.
+continue, ``/flush_cache``, the weight-update endpoints (``/update_weights_from_disk``,
+``/init_weights_update_group``, ``/update_weights_from_distributed``,
+``/destroy_weights_update_group``, ``/update_weight_version``), ``/model_info`` and
+the health probes ``/health_generate`` and ``/health``. Control calls always send a
+JSON object body (SGLang answers an empty one with 400).
 
 One client, hence one aiohttp session and connection pool, serves an agent's
 request path and its engine supervisor's health probes.  The session is made
@@ -17,6 +20,9 @@ Errors are split the way the caller must react:
 """
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import aiohttp
 import orjson
@@ -84,20 +90,71 @@ class EngineClient:
     async def abort(self, url: str, rid: str = "", *, abort_all: bool = False) -> None:
         await self._post(url, "/abort_request", {"abort_all": True} if abort_all else {"rid": rid}, timeout=30)
 
-    async def pause(self, url: str, mode: str = "abort") -> None:
+    async def pause_generation(self, url: str, mode: str = "abort") -> None:
+        """``POST /pause_generation``; mode ``abort`` returns once every in-flight generate came back."""
         await self._post(url, "/pause_generation", {"mode": mode}, timeout=600)
 
-    async def resume(self, url: str) -> None:
+    async def continue_generation(self, url: str) -> None:
         await self._post(url, "/continue_generation", {}, timeout=600)
 
-    async def update_weights_from_disk(self, url: str, model_path: str, weight_version: str | None) -> dict:
-        body = {"model_path": model_path}
+    async def flush_cache(self, url: str, *, deadline: float = 60.0, interval: float = 0.5) -> None:
+        """``POST /flush_cache`` until it answers 200 (it refuses while requests run), within ``deadline`` s."""
+        end = time.monotonic() + deadline
+        while True:
+            try:
+                await self._post(url, "/flush_cache", {}, timeout=max(1.0, end - time.monotonic()))
+                return
+            except EngineError as exc:
+                if time.monotonic() + interval > end:
+                    raise EngineError(f"{url}/flush_cache: not flushed within {deadline:g}s: {exc}") from None
+            await asyncio.sleep(interval)
+
+    async def update_weights_from_disk(self, url: str, model_path: str, weight_version: str | None,
+                                       *, flush_cache: bool = True) -> dict:
+        body = {"model_path": model_path, "flush_cache": flush_cache, "abort_all_requests": False}
         if weight_version is not None:
             body["weight_version"] = weight_version
-        out = await self._post(url, "/update_weights_from_disk", body, timeout=3600)
+        return await self._weights_call(url, "/update_weights_from_disk", body)
+
+    async def init_weights_update_group(self, url: str, *, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> dict:
+        """Join the trainer's process group; blocks until every rank (the trainer's rank 0 too) joined."""
+        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size, "group_name": group_name, "backend": backend}
+        return await self._weights_call(url, "/init_weights_update_group", body)
+
+    async def update_weights_from_distributed(self, url: str, *, names: list[str], dtypes: list[str],
+                                              shapes: list[list], group_name: str, flush_cache: bool = False) -> dict:
+        """Receive one bucket by broadcast from rank 0; returns once the engine loaded it."""
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                "flush_cache": flush_cache, "abort_all_requests": False}
+        return await self._weights_call(url, "/update_weights_from_distributed", body)
+
+    async def destroy_weights_update_group(self, url: str, group_name: str) -> dict:
+        return await self._weights_call(url, "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weight_version(self, url: str, new_version: str) -> dict:
+        body = {"new_version": new_version, "abort_all_requests": False}
+        return await self._weights_call(url, "/update_weight_version", body)
+
+    async def _weights_call(self, url: str, path: str, body: dict) -> dict:
+        """One weight-update endpoint: ``{"success", "message"}``; EngineError with SGLang's message otherwise."""
+        try:
+            out = await self._post(url, path, body, timeout=3600)
+        except EngineError as exc:
+            raise EngineError(f"{url}{path} failed: {_message(str(exc))}") from None
         if not isinstance(out, dict) or not out.get("success", False):
-            raise EngineError(f"{url}: weight update failed: {out}")
+            message = out.get("message") if isinstance(out, dict) else out
+            raise EngineError(f"{url}{path} failed: {message}")
         return out
+
+    async def weight_version(self, url: str) -> int:
+        """The engine's ``/model_info`` ``weight_version`` as an integer (``"default"`` reads as 0)."""
+        label = (await self.model_info(url)).get("weight_version", "default")
+        version = parse_version(label)
+        if version is None:
+            raise EngineError(f"{url}/model_info: weight_version {label!r} is not an integer version")
+        return version
 
     async def health(self, url: str, *, timeout: float, generate: bool = True) -> None:
         """One health probe: ``GET /health_generate`` (``generate=False``: ``/health``).
@@ -128,6 +185,33 @@ class EngineClient:
                 return orjson.loads(await resp.read())
         except (TimeoutError, aiohttp.ClientConnectionError) as exc:
             raise EngineUnavailable(f"{url}/model_info: {type(exc).__name__}: {exc}") from None
+
+
+def parse_version(label) -> int | None:
+    """An engine's ``weight_version`` label as the fleet's integer version; None if it is not one."""
+    if label is None or label == "default":
+        return 0
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        return None
+
+
+def _message(text: str) -> str:
+    """SGLang's own message out of an error text ``url: HTTP n: {json}``, else the text."""
+    _, _, body = text.partition(": HTTP ")
+    _, _, raw = body.partition(": ")
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return text
+    if isinstance(data, dict):
+        inner = data.get("error")
+        if isinstance(inner, dict):
+            return str(inner.get("message", inner))
+        if "message" in data:
+            return str(data["message"])
+    return text
 
 
 def sample_status(finish_reason: dict | None) -> str:

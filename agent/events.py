@@ -9,6 +9,7 @@ records, so a test builds them by hand and compares them with ``==``.
 Who sends which event:
 - the coordinator link: ``Connected``, ``MessageReceived``, ``Tick``;
 - the engine supervisor: ``EnginesStarted``, ``EngineChanged``;
+- the weights executor (agent/weights.py): ``WeightsStepDone``, ``EngineVersion``;
 - a lease runner: ``EngineWanted``, ``GenerationEnded``, ``EngineFailed``,
   ``LeaseScored``, ``LeaseFiltered``, ``LeaseCommitted``, ``LeaseFailed``;
 - the agent process: ``ShutdownRequested``.
@@ -46,6 +47,24 @@ class PendingReceipt:
 
     def to_message(self, session: int) -> p.Receipt:
         return p.Receipt(session, self.lease, self.data_epoch, self.index, self.key, self.n_samples, self.stats)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsRecord:
+    """The fleet's weights as this agent knows them: ``version`` and how it was reached.
+
+    ``kind`` is ``disk`` (``path`` is the checkpoint every engine loaded), ``distributed`` (a broadcast;
+    an engine that missed it cannot get it back) or ``""`` (the launch weights, version 0).
+    """
+
+    version: int = 0
+    kind: str = ""
+    path: str = ""
+
+    @classmethod
+    def from_dict(cls, d: dict) -> WeightsRecord:
+        """From the Welcome config's ``weights`` entry; KeyError/TypeError/ValueError for a malformed one."""
+        return cls(int(d["version"]), str(d.get("kind") or ""), str(d.get("path") or ""))
 
 
 # --------------------------------------------------------------------------- events
@@ -158,8 +177,38 @@ class ShutdownRequested:
     """An orderly stop (SIGTERM/SIGINT) began."""
 
 
+@dataclass(frozen=True, slots=True)
+class WeightsStepDone:
+    """The weights executor finished one coordinator step (``RunWeightsStep``) on this agent's engines.
+
+    ``engines`` maps engine name to the version it reports now; ``error`` names the engine(s) that
+    failed. ``record``: the weights every serving engine holds after a successful ``disk`` or ``finish``
+    step, or after an ``abort``; None otherwise.
+    """
+
+    update_id: int
+    step: str
+    ok: bool
+    seq: int = 0
+    engines: dict = field(default_factory=dict)
+    error: str = ""
+    record: WeightsRecord | None = None
+    report: bool = True
+    """False for a step the agent ran on its own (no coordinator waits for it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineVersion:
+    """An engine's weight version (None: unknown) and tensor-parallel size, for its Register/heartbeat entry."""
+
+    name: str
+    version: int | None
+    tp: int = 1
+
+
 Event = (Connected | MessageReceived | Tick | EnginesStarted | EngineChanged | EngineWanted | GenerationEnded
-         | EngineFailed | LeaseScored | LeaseFiltered | LeaseCommitted | LeaseFailed | ShutdownRequested)
+         | EngineFailed | LeaseScored | LeaseFiltered | LeaseCommitted | LeaseFailed | ShutdownRequested
+         | WeightsStepDone | EngineVersion)
 
 
 # --------------------------------------------------------------------------- instructions
@@ -188,6 +237,9 @@ class AssignEngine:
     engine: str
     url: str
     request_ids: tuple[str, ...]
+    resume: bool = False
+    """A weight update interrupted the lease's generation: keep what it generated (finished samples, and
+    partial outputs when partial rollout is on) instead of starting the group over."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +309,23 @@ class Exit:
 
 
 @dataclass(frozen=True, slots=True)
+class RunWeightsStep:
+    """Run one step of a weight update (a ``Weights*`` coordinator message) on this agent's engines;
+    the executor answers with ``WeightsStepDone``. Steps run one at a time, in order; an abort cancels
+    the step of its update that is still running."""
+
+    msg: p.Message
+    report: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class SetWeights:
+    """The fleet's current weights (from the Welcome): engines behind them leave the pool until they hold them."""
+
+    record: WeightsRecord
+
+
+@dataclass(frozen=True, slots=True)
 class Log:
     """A line for the agent's log (``level`` as in :mod:`logging`)."""
 
@@ -265,4 +334,4 @@ class Log:
 
 
 Instruction = (Send | StartLease | AssignEngine | CancelLease | AbortRequests | AckReceipt | TrimGroups
-               | ReportEngineFailure | Configure | Reconnect | CloseLink | Exit | Log)
+               | ReportEngineFailure | Configure | Reconnect | CloseLink | Exit | RunWeightsStep | SetWeights | Log)

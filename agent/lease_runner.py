@@ -17,7 +17,8 @@ Invariants:
 - No await between ``LeaseScored`` and queueing the commit: a shutdown either
   cancels the lease before it (and releases it) or lets it commit and report.
 - Cancellation (the core forgot the lease, or the agent stops) is re-raised.
-- The per-token work is two C-level ``map(itemgetter)`` passes per sample.
+- The per-token work is two C-level ``map(itemgetter)`` passes per sample
+  (agent/spans.py); only a sample a weight update interrupted has several answers to join.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any
 
 from agent.engine_client import EngineClient, sample_status
@@ -42,6 +42,8 @@ from agent.events import (
     LeaseScored,
     PendingReceipt,
 )
+from agent.spans import continuation, held_tokens
+from agent.spans import join as spans_join
 from agent.store import GroupStore
 from common import faults
 from common.config import RolloutConfig
@@ -55,8 +57,6 @@ log = logging.getLogger("rollfleet.agent")
 
 RETRY_DELAY = 0.1
 """Seconds between an engine failing under a group and the group asking for another engine."""
-
-_first, _second = itemgetter(0), itemgetter(1)  # per-token hot path: C-level, no Python frames
 
 
 def _failure_kind(exc: RolloutError) -> str:
@@ -138,7 +138,7 @@ class LeaseRunner:
         started = time.monotonic()
         results = await self._generate(input_ids)
         gen_seconds = time.monotonic() - started
-        samples = [self._sample(out, input_ids, label, metadata) for out in results]
+        samples = [self._sample(answers, input_ids, label, metadata) for answers in results]
         for sample, reward in zip(samples, await ctx.reward.score(samples), strict=True):
             sample.reward = float(reward)
         verdict = await ctx.filter.check(samples)
@@ -163,17 +163,13 @@ class LeaseRunner:
             faults.INJECTED.after_commit(receipt.key)
         self._dispatch(LeaseCommitted(lease, receipt))
 
-    def _sample(self, out: dict, input_ids: list[int], label, metadata: dict) -> Sample:
-        meta = out["meta_info"]
-        logprobs = meta.get("output_token_logprobs") or []
-        tokens = out.get("output_ids")
-        if tokens is None:
-            tokens = list(map(_second, logprobs))
-        response_logprobs = list(map(_first, logprobs))
-        if len(response_logprobs) != len(tokens):
-            raise EngineError(f"engine returned {len(tokens)} tokens but {len(response_logprobs)} logprobs "
-                              f"for lease {self.lease:x}")
-        spans = meta.get("weight_versions") or []
+    def _sample(self, answers: list[dict], input_ids: list[int], label, metadata: dict) -> Sample:
+        """One sample from its ``/generate`` answers (several when a weight update interrupted it)."""
+        try:
+            tokens, response_logprobs, text, spans = spans_join(answers)
+        except EngineError as exc:
+            raise EngineError(f"{exc} for lease {self.lease:x}") from None
+        meta = answers[-1]["meta_info"]
         return Sample(
             prompt_tokens=input_ids,
             response_tokens=tokens,
@@ -181,20 +177,28 @@ class LeaseRunner:
             loss_mask=[1] * len(tokens),
             reward=0.0,
             status=sample_status(meta.get("finish_reason")),
-            weight_version=str(meta.get("weight_version", "")),
+            weight_version=str(spans[-1][0] if spans else meta.get("weight_version", "")),
             label=label,
             metadata=metadata,
-            response_text=out.get("text", ""),
-            weight_versions=[[s.get("version"), s.get("start"), s.get("end")] for s in spans if isinstance(s, dict)],
+            response_text=text,
+            weight_versions=spans,
         )
 
-    async def _generate(self, input_ids: list[int]) -> list[dict]:
-        """All samples of the group on one engine; on another one if that engine dies."""
+    async def _generate(self, input_ids: list[int]) -> list[list[dict]]:
+        """All samples of the group on one engine (on another one if that engine dies): each sample's answers.
+
+        A sample a weight update aborted (the core's answer says ``resume``) keeps its answer and is
+        continued from it with partial rollout on, or generated again from its prompt with it off;
+        samples that finished are kept. Any other abort, or a failed engine, starts the group over.
+        """
         client, params = self.ctx.client, self.ctx.config.sampling_params()
+        partial = self.ctx.config.partial_rollout
         assignment = await self._ask(EngineWanted(self.lease))
+        answers: list[list[dict]] = [[] for _ in assignment.request_ids]
+        todo = list(range(len(answers)))  # samples without a final answer
         while True:
-            calls = [asyncio.ensure_future(client.generate(assignment.url, input_ids, params, request_id))
-                     for request_id in assignment.request_ids]
+            calls = [asyncio.ensure_future(client.generate(assignment.url, *continuation(input_ids, answers[i], params),
+                                                           assignment.request_ids[i])) for i in todo]
             try:
                 results = await asyncio.gather(*calls)
             except EngineUnavailable as exc:
@@ -209,10 +213,24 @@ class LeaseRunner:
                 self._dispatch(EngineFailed(self.lease, str(failure)))
                 await asyncio.sleep(RETRY_DELAY)
                 assignment = await self._ask(EngineWanted(self.lease))
+                answers, todo = [[] for _ in answers], list(range(len(answers)))
                 continue
-            if any(sample_status(r["meta_info"].get("finish_reason")) == "aborted" for r in results):
-                # Ours (a pause with abort: the core gives the lease back) or the engine's own.
-                assignment = await self._ask(GenerationEnded(self.lease, aborted=True))
+            aborted = []
+            for i, out in zip(todo, results, strict=True):
+                answers[i].append(out)
+                if sample_status(out["meta_info"].get("finish_reason")) == "aborted":
+                    aborted.append(i)
+            if not aborted:
+                self._dispatch(GenerationEnded(self.lease))
+                return answers
+            # A weight update's (the core answers resume), a pause with abort (it gives the lease back) or the engine's.
+            assignment = await self._ask(GenerationEnded(self.lease, aborted=True))
+            if not assignment.resume:
+                answers, todo = [[] for _ in answers], list(range(len(answers)))
                 continue
-            self._dispatch(GenerationEnded(self.lease))
-            return results
+            todo = []
+            for i in aborted:
+                if not partial:
+                    answers[i] = []
+                if held_tokens(answers[i]) < params["max_new_tokens"]:
+                    todo.append(i)

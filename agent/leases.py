@@ -48,12 +48,15 @@ class LeaseRecord:
     samples: int = 0  # pool slots held on ``engine``
     attempts: int = 0  # engine assignments so far (they name the request ids)
     aborting: bool = False  # a pause-with-abort aborted its requests
+    epoch: int = 0  # weight updates begun when it was last put on an engine
+    resume: bool = False  # a weight update interrupted it: the next assignment keeps what it generated
 
 
 class LeaseTable:
     def __init__(self, concurrency_per_engine: int):
         self.pool = GenerationPool(concurrency_per_engine)
         self.engine_states: dict[str, str] = {}
+        self.engine_info: dict[str, dict] = {}  # name -> {"tp", "version"} for Register/heartbeat entries
         self.all_retired = False
         self._records: dict[int, LeaseRecord] = {}
 
@@ -104,19 +107,23 @@ class LeaseTable:
         return self.pool.capacity()
 
     def engines(self) -> list[dict]:
-        return self.pool.describe({name: self.engine_states.get(name, "healthy") for name in self.pool.engines})
+        """Each engine's entry: name, url, state, in_flight, tp (1 unless known) and weight version (None: unknown)."""
+        entries = self.pool.describe({name: self.engine_states.get(name, "healthy") for name in self.pool.engines})
+        for entry in entries:
+            entry.update(self.engine_info.get(entry["name"]) or {"tp": 1, "version": None})
+        return entries
 
-    def assign(self, rec: LeaseRecord, n: int) -> AssignEngine | None:
+    def assign(self, rec: LeaseRecord, n: int, epoch: int = 0) -> AssignEngine | None:
         """Put the lease's ``n`` samples on the least-loaded healthy engine; None if none is healthy."""
         slot = self.pool.pick()
         if slot is None:
             return None
         rec.request_ids = tuple(f"rf-{rec.lease:016x}-{rec.attempts:03d}-{i:04d}" for i in range(n))
         rec.attempts += 1
-        rec.engine, rec.url, rec.samples = slot.name, slot.url, n
+        rec.engine, rec.url, rec.samples, rec.epoch = slot.name, slot.url, n, epoch
         rec.state = LeaseState.GENERATING
         self.pool.start(slot, n)
-        return AssignEngine(rec.lease, slot.name, slot.url, rec.request_ids)
+        return AssignEngine(rec.lease, slot.name, slot.url, rec.request_ids, rec.resume)
 
     def free(self, rec: LeaseRecord) -> None:
         """Give back the lease's pool slots, if it holds any."""

@@ -38,6 +38,10 @@ Invariants:
   for them); leases on an engine finish, unless the pause aborts them.
 - Shutdown: capacity 0; every lease not yet past scoring is cancelled and
   released in one message; leases committing finish and report.
+- Weight updates (agent/weight_state.py): while one is under way no lease is
+  put on an engine (it waits, ``WAITING``); a lease whose generation an update
+  aborted is assigned again with ``resume`` once it is over, keeping what it
+  generated. A pause still gives such a lease back.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from agent.events import (
     EngineChanged,
     EngineFailed,
     EnginesStarted,
+    EngineVersion,
     EngineWanted,
     Exit,
     GenerationEnded,
@@ -75,9 +80,11 @@ from agent.events import (
     StartLease,
     Tick,
     TrimGroups,
+    WeightsStepDone,
 )
 from agent.leases import NOT_ON_ENGINE, LeaseRecord, LeaseState, LeaseTable
 from agent.outbox import Outbox
+from agent.weight_state import OPENS, WeightState
 from common import protocol as p
 from common.config import RolloutConfig
 
@@ -126,6 +133,7 @@ class AgentSession:
         self.paused = False
         self.stopping = False
         self.counters = Counters()
+        self.weights = WeightState()
         self.welcomes = 0  # sessions begun so far
         self._register: p.Register | None = None
         self._register_wait = FIRST_REGISTER_WAIT
@@ -136,10 +144,12 @@ class AgentSession:
             EngineWanted: self._on_engine_wanted, GenerationEnded: self._on_generation_ended,
             EngineFailed: self._on_engine_failed, LeaseScored: self._on_scored, LeaseFiltered: self._on_filtered,
             LeaseCommitted: self._on_committed, LeaseFailed: self._on_failed, ShutdownRequested: self._on_shutdown,
+            WeightsStepDone: self._on_weights_done, EngineVersion: self._on_engine_version,
         }
         self._messages = {
             p.Grant: self._on_grant, p.ReceiptAck: self._on_ack, p.Control: self._on_control, p.Trim: self._on_trim,
             p.Heartbeat: self._on_heartbeat, p.Fence: self._on_fence, p.Error: self._on_error,
+            **{kind: self._on_weights_step for kind in OPENS},
         }
 
     def handle(self, event, now: float) -> list[Instruction]:
@@ -219,8 +229,8 @@ class AgentSession:
         if self.phase is not Phase.ACTIVE:
             return
         if now >= self.next_beat:
-            out.append(Send(p.Heartbeat(self.session, self.stats(ev.stored_groups), list(self.leases),
-                                        self.max_lease)))
+            stats = {**self.stats(ev.stored_groups), "engines": self.engines()}
+            out.append(Send(p.Heartbeat(self.session, stats, list(self.leases), self.max_lease)))
             self.next_beat = now + self.heartbeat_interval
             for receipt in self.outbox.due(now, self.ttl):  # a lost ReceiptAck
                 out.append(Send(receipt.to_message(self.session)))
@@ -253,7 +263,9 @@ class AgentSession:
         # A second Welcome (an answer to a resent Register) is ignored: our session is the first one's.
 
     def _on_welcome(self, msg: p.Welcome, now: float, out: list) -> None:
-        config = RolloutConfig.from_dict(msg.config)
+        raw = dict(msg.config)
+        weights = raw.pop("weights", None)
+        config = RolloutConfig.from_dict(raw)
         if config != self.config:
             out.append(Configure(config))
             self.config = config
@@ -274,6 +286,7 @@ class AgentSession:
         for lease in msg.cancel:
             self._forget(lease, out)
         self._set_paused(msg.paused, False, out)
+        self.weights.on_welcome(weights, out)
         out.append(Log(logging.INFO, f"agent {self.agent_id}: registered (session {self.session:x}, capacity "
                                      f"{self.leases.capacity()} samples, {len(msg.acks)} receipts recovered)"))
 
@@ -325,6 +338,17 @@ class AgentSession:
     def _on_engines_started(self, ev: EnginesStarted, now: float, out: list) -> None:
         for name, url in ev.engines:
             self.leases.set_engine(name, "healthy", url)
+
+    def _on_weights_step(self, msg: p.Message, now: float, out: list) -> None:
+        self.weights.on_step(msg, out)
+
+    def _on_weights_done(self, ev: WeightsStepDone, now: float, out: list) -> None:
+        if self.weights.on_done(ev, self.session, lambda msg: self._send(msg, out), out):
+            for rec in self.leases.records(LeaseState.WAITING):
+                self._next_engine(rec, out)
+
+    def _on_engine_version(self, ev: EngineVersion, now: float, out: list) -> None:
+        self.leases.engine_info[ev.name] = {"tp": ev.tp, "version": ev.version}
 
     def _on_engine_changed(self, ev: EngineChanged, now: float, out: list) -> None:
         self.leases.all_retired = ev.all_retired
@@ -384,11 +408,13 @@ class AgentSession:
         if rec.aborting or self.paused:
             # Not on an engine while paused: give it back, a pause(drain=True) must not wait for it.
             self._release(rec, "aborted by pause", out)
+        elif self.weights.updating:
+            rec.state = LeaseState.WAITING  # assigned when the update is over
         else:
             self._assign(rec, out)
 
     def _assign(self, rec: LeaseRecord, out: list) -> None:
-        assignment = self.leases.assign(rec, self.config.n_samples_per_prompt)
+        assignment = self.leases.assign(rec, self.config.n_samples_per_prompt, self.weights.begun)
         if assignment is not None:
             out.append(assignment)
         elif self.leases.all_retired:
@@ -400,6 +426,7 @@ class AgentSession:
         rec = self.leases.get(ev.lease)
         if rec is None or rec.state is not LeaseState.GENERATING:
             return
+        rec.resume = ev.aborted and self.weights.interrupted(rec.epoch)
         self.leases.free(rec)
         if ev.aborted:
             self._next_engine(rec, out)  # aborted by the engine itself (e.g. its own pause): generate again
@@ -412,7 +439,7 @@ class AgentSession:
             return
         engine = rec.engine
         self.leases.free(rec)
-        rec.state = LeaseState.RETRYING
+        rec.state, rec.resume = LeaseState.RETRYING, False
         self.counters.engine_retries += 1
         out.append(Log(logging.WARNING,
                        f"lease {rec.lease:x}: engine {engine} failed ({ev.reason}); retrying on another engine"))

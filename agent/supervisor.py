@@ -8,12 +8,14 @@ probes go through the agent's one :class:`~agent.engine_client.EngineClient`.
 Invariants
 ----------
 * Every engine is in exactly one state: ``starting`` (only before its first readiness
-  outcome), ``healthy``, ``down`` (broken, being restarted or probed) or ``retired`` (given up
-  on, never touched again).  ``on_change(name, state)`` is called on every transition into
-  ``healthy``, ``down`` and ``retired``.
+  outcome), ``healthy``, ``stale`` (up, but not on the fleet's weights: out of the pool, still
+  health-checked), ``down`` (broken, being restarted or probed) or ``retired`` (given up on,
+  never touched again).  ``on_change(name, state)`` is called on every transition into
+  ``healthy``, ``stale``, ``down`` and ``retired``.
 * :meth:`healthy` lists an engine exactly while its state is ``healthy``, with its *current*
-  URL.  A restarted engine has its launch-time weights; the agent must bring it up to date when
-  it sees ``on_change(name, "healthy")`` after a ``down``.
+  URL.  A (re)started engine has its launch-time weights: before it is ``healthy`` the
+  ``prepare(name, url)`` hook (agent/weights.py) brings it to the fleet's version and says
+  whether it is ``healthy`` or ``stale``; :meth:`mark` moves it between the two later.
 * Readiness is an event, not a sleep (:func:`~agent.engine_process.wait_ready`): a child that
   exits during start fails at once with its exit code and log tail.
 * An engine whose *first* start fails (exit, or not healthy within ``start_timeout``) is
@@ -29,7 +31,8 @@ Invariants
   group.  Cancellation is always re-raised.  All timing uses ``time.monotonic()``.
 * Health checks can be paused around weight updates (a paused SGLang server fails
   ``/health_generate``); results of checks that overlapped a pause are discarded.
-  Process-exit detection keeps running while paused.
+  Process-exit detection keeps running while paused; resuming with ``force`` checks every
+  engine at once.
 
 All methods must be called from the event loop thread that ran :meth:`start`.
 """
@@ -40,54 +43,21 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from agent.engine_client import EngineClient
 from agent.engine_plan import EngineSpec, RestartBudget, check_positive, check_specs, reprobe_delay
 from agent.engine_process import KILL_GRACE, EngineProcess, wait_ready
+from agent.task_owner import TaskOwner
 from common.errors import Closed, EngineStartError, EngineUnavailable, StateError
 
 __all__ = ["EngineSupervisor"]
 
 log = logging.getLogger("rollfleet.agent.supervisor")
 
-STATES = ("starting", "healthy", "down", "retired")
-
-
-class _TaskOwner:
-    """A task group whose life spans two calls, :meth:`EngineSupervisor.start` to ``stop``.
-
-    Every task is named and kept here; an unexpected exception is logged and handed to
-    ``on_failure`` (for :meth:`EngineSupervisor.run` to re-raise); :meth:`aclose` cancels
-    and awaits them all, and a cancellation of its own caller propagates.
-    """
-
-    def __init__(self, on_failure: Callable[[BaseException], None]):
-        self._tasks: set[asyncio.Task] = set()
-        self._on_failure = on_failure
-
-    def spawn(self, coro: Coroutine, name: str) -> asyncio.Task:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-        return task
-
-    def _done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("engine task %s crashed", task.get_name(), exc_info=task.exception())
-            self._on_failure(task.exception())
-
-    async def aclose(self) -> None:
-        tasks = [t for t in self._tasks if t is not asyncio.current_task()]
-        for t in tasks:
-            t.cancel()
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
-                log.error("engine task failed: %r", r)
+STATES = ("starting", "healthy", "stale", "down", "retired")
 
 
 @dataclass(eq=False)
@@ -102,6 +72,7 @@ class _Engine:
     settled: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     report: str | None = None
     error: str | None = None
+    forced: bool = False  # check at once, whatever the interval
 
     @property
     def name(self) -> str:
@@ -141,6 +112,7 @@ class EngineSupervisor:
         restart_window: float = 600.0,
         on_change: Callable[[str, str], None] | None = None,
         client: EngineClient | None = None,
+        prepare: Callable[[str, str], Awaitable[str]] | None = None,
     ):
         specs = list(specs)
         check_specs(specs)
@@ -150,6 +122,7 @@ class EngineSupervisor:
         self._health_interval = float(health_interval)
         self._health_timeout = float(health_timeout)
         self._on_change = on_change
+        self.prepare = prepare
         self._engines: dict[str, _Engine] = {
             s.name: _Engine(
                 spec=s, log_path=self._log_dir / f"{s.name}.log", budget=RestartBudget(max_restarts, restart_window)
@@ -158,7 +131,7 @@ class EngineSupervisor:
         }
         self._client = client
         self._own_client = client is None
-        self._tasks: _TaskOwner | None = None
+        self._tasks: TaskOwner | None = None
         self._started = False
         self._stopping = False
         self._stopped: asyncio.Event | None = None
@@ -186,7 +159,7 @@ class EngineSupervisor:
         self._log_dir.mkdir(parents=True, exist_ok=True)
         if self._client is None:
             self._client = EngineClient()
-        self._tasks = _TaskOwner(self._task_failed)
+        self._tasks = TaskOwner(self._task_failed)
         for eng in self._engines.values():
             eng.url = eng.spec.url if eng.spec.kind != "sim" else None
             task = self._tasks.spawn(self._engine_main(eng), name=f"engine-{eng.name}")
@@ -266,8 +239,12 @@ class EngineSupervisor:
         self._paused = True
         self._pause_epoch += 1
 
-    def resume_health_checks(self) -> None:
-        """Resume health probes; overdue or reported checks run at once.  Idempotent."""
+    def resume_health_checks(self, *, force: bool = False) -> None:
+        """Resume health probes; overdue or reported checks (every one, with ``force``) run at once.  Idempotent."""
+        for eng in self._engines.values():
+            eng.forced = eng.forced or force
+            if force:
+                eng.wake.set()
         if not self._paused:
             return
         self._paused = False
@@ -284,6 +261,25 @@ class EngineSupervisor:
             for e in self._engines.values()
             if e.state == "healthy"
         ]
+
+    def urls(self, *states: str) -> dict[str, str]:
+        """``{name: current url}`` of the engines in ``states`` (default: healthy or stale), in plan order."""
+        states = states or ("healthy", "stale")
+        if self._stopping:
+            return {}
+        return {e.name: e.url for e in self._engines.values() if e.state in states and e.url}
+
+    def tp(self, name: str) -> int:
+        """The engine's tensor-parallel size (its GPUs; 1 for sim and url engines)."""
+        return max(1, len(self._engines[name].spec.gpu_ids))
+
+    def mark(self, name: str, state: str) -> bool:
+        """Move a ``healthy`` or ``stale`` engine to ``state`` (one of the two); False if it is in neither."""
+        eng = self._engines[name]
+        if state not in ("healthy", "stale") or eng.state not in ("healthy", "stale") or self._stopping:
+            return False
+        self._set_state(eng, state)
+        return True
 
     def state(self, name: str) -> str:
         """``starting``, ``healthy``, ``down`` or ``retired``; KeyError for unknown names."""
@@ -339,9 +335,9 @@ class EngineSupervisor:
             await self._kill(eng)
             self._retire(eng, str(e))
             return
-        self._set_state(eng, "healthy")
+        self._set_state(eng, await self._prepared(eng))
         eng.settled.set()
-        log.info("engine %s healthy at %s (pid %d)", eng.name, eng.url, eng.proc.pid)
+        log.info("engine %s %s at %s (pid %d)", eng.name, eng.state, eng.url, eng.proc.pid)
         while True:
             reason = await self._watch(eng)
             log.warning("engine %s down: %s (log: %s)", eng.name, reason, eng.log_path)
@@ -350,8 +346,8 @@ class EngineSupervisor:
             await self._kill(eng)
             if not await self._restart(eng):
                 return
-            log.info("engine %s healthy again at %s (pid %d)", eng.name, eng.url, eng.proc.pid)
-            self._set_state(eng, "healthy")
+            self._set_state(eng, await self._prepared(eng))
+            log.info("engine %s %s again at %s (pid %d)", eng.name, eng.state, eng.url, eng.proc.pid)
 
     async def _restart(self, eng: _Engine) -> bool:
         """Relaunch ``eng`` within its restart budget: True once healthy, False once retired."""
@@ -387,18 +383,24 @@ class EngineSupervisor:
             self._set_state(eng, "down")
             eng.settled.set()
             await self._probe_until_up(eng)
-        else:
-            eng.settled.set()
-        self._set_state(eng, "healthy")
-        log.info("engine %s healthy at %s", eng.name, eng.url)
+        self._set_state(eng, await self._prepared(eng))
+        eng.settled.set()
+        log.info("engine %s %s at %s", eng.name, eng.state, eng.url)
         while True:
             reason = await self._watch(eng)
             eng.error = reason
             log.warning("engine %s down: %s", eng.name, reason)
             self._set_state(eng, "down")
             await self._probe_until_up(eng)
-            log.info("engine %s healthy again at %s", eng.name, eng.url)
-            self._set_state(eng, "healthy")
+            self._set_state(eng, await self._prepared(eng))
+            log.info("engine %s %s again at %s", eng.name, eng.state, eng.url)
+
+    async def _prepared(self, eng: _Engine) -> str:
+        """The state a (re)started engine enters: ``prepare`` brings it to the fleet's weights first."""
+        if self.prepare is None:
+            return "healthy"
+        assert eng.url is not None
+        return await self.prepare(eng.name, eng.url)
 
     async def _probe_until_up(self, eng: _Engine) -> None:
         assert eng.url is not None
@@ -439,8 +441,8 @@ class EngineSupervisor:
             if eng.exited:
                 return f"process exited with {eng.proc.describe_exit()}"
             now = time.monotonic()
-            if not self._paused and (eng.report is not None or now >= next_check):
-                reported, eng.report = eng.report, None
+            if not self._paused and (eng.report is not None or eng.forced or now >= next_check):
+                reported, eng.report, eng.forced = eng.report, None, False
                 epoch = self._pause_epoch
                 assert eng.url is not None
                 ok, detail = await self._probe(eng.url, self._health_timeout)

@@ -14,6 +14,7 @@ A pure core and a thin shell, as dask splits ``WorkerState`` from ``BaseWorker``
 Tasks (all owned by one TaskGroup, all named): ``link``; ``lease-<id>`` per
 leased prompt; ``abort-<request id>`` per request a pause-with-abort cancels;
 ``payloads`` (the data-plane endpoint trainers fetch groups from);
+``weights`` (weight-update steps, one at a time: agent/weights.py);
 ``engines`` (the supervisor's monitor: restart, health, retirement);
 ``stop-signal``.
 
@@ -46,7 +47,9 @@ from agent.events import (
     Log,
     Reconnect,
     ReportEngineFailure,
+    RunWeightsStep,
     Send,
+    SetWeights,
     ShutdownRequested,
     StartLease,
     TrimGroups,
@@ -57,6 +60,7 @@ from agent.payload_server import PayloadServer
 from agent.session import AgentSession
 from agent.store import GroupStore
 from agent.supervisor import EngineSupervisor
+from agent.weights import WeightsExecutor
 from common.errors import EngineError
 from common.filters import load_filter
 from common.rewards import load_reward
@@ -92,8 +96,12 @@ class Agent:
         options = {"log_dir": Path(data_dir) / "logs", **(supervisor_options or {})}
         # One HTTP client to the engines: generation, aborts and the supervisor's health probes.
         self.client = EngineClient()
-        self.supervisor = EngineSupervisor(engine_specs, on_change=self._on_engine_change, client=self.client, **options)
+        self.supervisor = EngineSupervisor(engine_specs, on_change=self._on_engine_change, client=self.client,
+                                           **options)
         self.agent_id = self.store.agent_id
+        # Weight updates (agent/weights.py); it also brings every (re)started engine to the fleet's weights.
+        self.weights = WeightsExecutor(self.supervisor, self.client, self.handle, agent_id=self.agent_id)
+        self.supervisor.prepare = self.weights.prepare
         self.ctx = zmq.asyncio.Context()
         self.payloads = PayloadServer(self.ctx, self.store, payload_bind)
         port = self.payloads.endpoint.rsplit(":", 1)[1]
@@ -129,6 +137,8 @@ class Agent:
             Reconnect: self.link.end,
             CloseLink: self.link.end,
             Exit: self.link.end,
+            RunWeightsStep: lambda ins: self.weights.submit(ins),
+            SetWeights: lambda ins: self.weights.set_current(ins.record),
             Log: lambda ins: log.log(ins.level, "%s", ins.text),
         }
 
@@ -160,6 +170,7 @@ class Agent:
                 self._services = [
                     tg.create_task(self.supervisor.run(), name="engines"),
                     tg.create_task(self.payloads.serve(), name="payloads"),
+                    tg.create_task(self.weights.run(), name="weights"),
                     link,
                 ]
                 stopper = tg.create_task(stop.wait(), name="stop-signal")

@@ -1,0 +1,324 @@
+"""The weights executor: runs each weight-update step of docs/weights.md on this agent's engines.
+
+The I/O half of agent/weight_state.py. The core hands it ``RunWeightsStep`` (one coordinator
+``Weights*`` message) and ``SetWeights`` (the fleet's weights from a Welcome); it answers every
+step with exactly one ``WeightsStepDone`` (the core sends the ``WeightsReport``).
+
+Steps run one at a time, in arrival order (a bucket must follow its group's init on every
+engine); within a step every engine is driven concurrently, each under ``step_deadline``.
+A ``WeightsAbort`` cancels the step of its update still running and drops those queued.
+
+Per step (engines are those ``healthy`` or ``stale``; an error names the engine):
+
+- ``begin``: health checks paused; every engine paused (mode ``abort``: in-flight samples
+  come back partial).
+- ``disk``: health checks paused; per engine pause, ``/update_weights_from_disk`` (label
+  ``str(version)``, cache flushed), continue, and ``/model_info`` must say ``str(version)``;
+  then health checks resume with one forced check.
+- ``init``: each engine named in ``rank_offsets`` joins the group (the call blocks until the
+  trainer's rank 0 joins too). The group is kept for later updates until an abort or a restart.
+- ``bucket``: each engine of the group receives the bucket (``flush_cache`` false).
+- ``finish``: each engine of the group gets the label, a cache flush, continue, and the check;
+  engines left out of the update are behind.
+- ``abort``: engines that received part of the update re-load the last disk checkpoint (the
+  abort's ``path``) or stay out of the pool; the group is destroyed; every paused engine
+  continues; health checks resume with one forced check.
+
+Invariant: after every step that ends an update (and after ``SetWeights``) each engine is
+either ``healthy`` holding ``current.version`` or ``stale`` (out of the pool): an engine behind
+is re-loaded from ``current.path`` when the fleet's weights came from disk, else it stays
+stale until an update reaches it. ``prepare`` (the supervisor's hook) applies the same rule to
+every engine that (re)starts, before it serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from agent.engine_client import EngineClient, parse_version
+from agent.events import EngineVersion, RunWeightsStep, WeightsRecord, WeightsStepDone
+from agent.supervisor import EngineSupervisor
+from common import protocol as p
+from common.errors import EngineError
+
+log = logging.getLogger("rollfleet.agent.weights")
+
+STEP_DEADLINE = 600.0
+"""Seconds one engine may take for one step (an init waits for the trainer to join)."""
+
+STEPS = {p.WeightsBegin: "begin", p.WeightsFromDisk: "disk", p.WeightsInitGroup: "init", p.WeightsBucket: "bucket",
+         p.WeightsFinish: "finish", p.WeightsAbort: "abort"}
+
+
+class WeightsExecutor:
+    def __init__(self, supervisor: EngineSupervisor, client: EngineClient, dispatch: Callable[[object], None], *,
+                 agent_id: str = "", step_deadline: float = STEP_DEADLINE, flush_deadline: float = 60.0):
+        self.supervisor = supervisor
+        self.client = client
+        self.agent_id = agent_id
+        self.step_deadline = step_deadline
+        self.flush_deadline = flush_deadline
+        self._dispatch = dispatch
+        self.current = WeightsRecord()
+        self.versions: dict[str, int | None] = {}
+        self.stale: set[str] = set()  # up, but not on current's weights (partial, or behind)
+        self.group: dict[str, str] = {}  # engines in the trainer's update group: name -> url
+        self.group_name = ""
+        self._paused: dict[str, str] = {}  # engines the open update paused
+        self._touched: set[str] = set()  # engines the open update sent weights to
+        self._queue: asyncio.Queue[RunWeightsStep | WeightsRecord] = asyncio.Queue()
+        self._step: tuple[RunWeightsStep, asyncio.Task] | None = None
+        self._steps = {"begin": self._begin, "disk": self._disk, "init": self._init, "bucket": self._bucket,
+                       "finish": self._finish, "abort": self._abort}
+
+    # ------------------------------------------------------------------ from the core
+
+    def submit(self, ins: RunWeightsStep) -> None:
+        msg = ins.msg
+        if isinstance(msg, p.WeightsAbort):
+            kept = []
+            while not self._queue.empty():
+                job = self._queue.get_nowait()
+                if isinstance(job, RunWeightsStep) and job.msg.update_id == msg.update_id:
+                    self._done(job, False, "aborted before it ran")
+                else:
+                    kept.append(job)
+            for job in kept:
+                self._queue.put_nowait(job)
+            if self._step is not None and self._step[0].msg.update_id == msg.update_id:
+                self._step[1].cancel()
+        self._queue.put_nowait(ins)
+
+    def set_current(self, record: WeightsRecord) -> None:
+        """The fleet's weights (a Welcome): engines behind are brought up to them, in turn with the steps."""
+        self._queue.put_nowait(record)
+
+    async def run(self) -> None:
+        """The executor's life: one job at a time until cancelled."""
+        while True:
+            job = await self._queue.get()
+            if isinstance(job, WeightsRecord):
+                self.current = job
+                await self._sweep()
+                continue
+            task = asyncio.ensure_future(self._run_step(job))
+            self._step = (job, task)
+            try:
+                await asyncio.wait([task])
+            finally:
+                self._step = None
+                if not task.done():  # we are cancelled: so is the step
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+            if task.cancelled():
+                # The abort that cancelled it continues the engines and resumes health checks.
+                self._done(job, False, "aborted while it ran")
+            else:
+                task.result()
+
+    async def prepare(self, name: str, url: str) -> str:
+        """The supervisor's hook for an engine that (re)started: ``healthy`` once it holds ``current``."""
+        self.group.pop(name, None)
+        self.stale.discard(name)
+        try:
+            self.versions[name] = await self.client.weight_version(url)
+        except EngineError as exc:
+            log.warning("engine %s: cannot read its weight version: %s", name, exc)
+            self.versions[name] = None
+        self._dispatch(EngineVersion(name, self.versions[name], self.supervisor.tp(name)))
+        if self.versions[name] == self.current.version:
+            return "healthy"
+        return "healthy" if await self._bring_up(name, url, mark=False) else "stale"
+
+    # ------------------------------------------------------------------ steps
+
+    async def _run_step(self, ins: RunWeightsStep) -> None:
+        step = STEPS[type(ins.msg)]
+        errors, record = await self._steps[step](ins.msg)
+        error = "; ".join(f"engine {name} of agent {self.agent_id}: {why}" for name, why in errors.items())
+        self._done(ins, not errors, error, record)
+
+    def _done(self, ins: RunWeightsStep, ok: bool, error: str, record: WeightsRecord | None = None) -> None:
+        msg = ins.msg
+        serving = {name: self.versions.get(name) for name in self.supervisor.urls("healthy")}
+        self._dispatch(WeightsStepDone(msg.update_id, STEPS[type(msg)], ok, getattr(msg, "seq", 0), serving, error,
+                                       record, ins.report))
+
+    async def _begin(self, msg: p.WeightsBegin) -> tuple[dict, None]:
+        self.supervisor.pause_health_checks()
+        engines = self.supervisor.urls()
+        self._paused.update(engines)
+        self._touched.clear()
+        return await self._each(engines, lambda name, url: self.client.pause_generation(url, "abort")), None
+
+    async def _disk(self, msg: p.WeightsFromDisk) -> tuple[dict, WeightsRecord | None]:
+        self.supervisor.pause_health_checks()
+        engines = self.supervisor.urls()
+        self._paused.update(engines)
+        self._touched.update(engines)
+
+        async def load(name: str, url: str) -> None:
+            await self.client.pause_generation(url, "abort")
+            try:
+                await self.client.update_weights_from_disk(url, msg.path, str(msg.version), flush_cache=True)
+            finally:
+                await self.client.continue_generation(url)
+            await self._verify(name, url, msg.version)
+
+        errors = await self._each(engines, load)
+        for name in engines:
+            self._paused.pop(name, None)
+            self._set_serving(name, name not in errors)
+        record = None
+        if not errors:
+            record = self.current = WeightsRecord(msg.version, "disk", msg.path)
+            self._touched.clear()
+            await self._sweep()
+        self.supervisor.resume_health_checks(force=True)
+        return errors, record
+
+    async def _init(self, msg: p.WeightsInitGroup) -> tuple[dict, None]:
+        engines = self.supervisor.urls()
+        offsets = {}
+        for name in engines:
+            offset = msg.rank_offsets.get(f"{self.agent_id}/{name}", msg.rank_offsets.get(name))
+            if offset is not None:
+                offsets[name] = int(offset)
+        self.group, self.group_name = {}, msg.group_name
+        members = {name: engines[name] for name in offsets}
+
+        async def join(name: str, url: str) -> None:
+            await self.client.init_weights_update_group(
+                url, master_address=msg.master_address, master_port=msg.master_port, rank_offset=offsets[name],
+                world_size=msg.world_size, group_name=msg.group_name, backend=msg.backend)
+            self.group[name] = url
+
+        errors = await self._each(members, join)
+        if not members:
+            errors = {"*": "none of this agent's engines is in rank_offsets"}
+        return errors, None
+
+    async def _bucket(self, msg: p.WeightsBucket) -> tuple[dict, None]:
+        if not self.group:
+            return {"*": "no update group on this agent (no init step succeeded)"}, None
+        self._touched.update(self.group)
+        return await self._each(dict(self.group), lambda name, url: self.client.update_weights_from_distributed(
+            url, names=msg.names, dtypes=msg.dtypes, shapes=msg.shapes, group_name=msg.group_name)), None
+
+    async def _finish(self, msg: p.WeightsFinish) -> tuple[dict, WeightsRecord | None]:
+        updated = dict(self.group)
+
+        async def label(name: str, url: str) -> None:
+            await self.client.update_weight_version(url, str(msg.version))
+            await self.client.flush_cache(url, deadline=self.flush_deadline)
+            await self.client.continue_generation(url)
+            await self._verify(name, url, msg.version)
+
+        errors = await self._each(updated, label)
+        for name in updated:
+            self._paused.pop(name, None)
+            self._set_serving(name, name not in errors)
+        errors.update(await self._continue_paused())
+        record = None
+        if not errors:
+            record = self.current = WeightsRecord(msg.version, "distributed", "")
+            self._touched.clear()
+            await self._sweep()  # engines left out of the update are behind it now
+        self.supervisor.resume_health_checks(force=True)
+        return errors, record
+
+    async def _abort(self, msg: p.WeightsAbort) -> tuple[dict, WeightsRecord]:
+        if msg.path:
+            self.current = WeightsRecord(msg.version, "disk", msg.path)
+        elif self.current.version != msg.version:
+            self.current = WeightsRecord(msg.version, "distributed", "")
+        for name in self._touched:
+            self.stale.add(name)  # partial weights: out of the pool until re-loaded or updated
+        self._touched.clear()
+        group, self.group = self.group, {}
+        destroy = await self._each(group, lambda name, url: self.client.destroy_weights_update_group(
+            url, self.group_name))
+        for name, why in destroy.items():
+            log.info("engine %s: destroying the update group: %s", name, why)  # 400 when it never formed
+        errors = await self._continue_paused()
+        await self._sweep()
+        self.supervisor.resume_health_checks(force=True)
+        return errors, self.current
+
+    # ------------------------------------------------------------------ helpers
+
+    async def _each(self, engines: dict[str, str], fn: Callable[[str, str], Awaitable]) -> dict[str, str]:
+        """Run ``fn(name, url)`` on every engine at once, each within the step deadline; ``{name: error}``."""
+
+        async def one(name: str, url: str) -> tuple[str, str | None]:
+            try:
+                async with asyncio.timeout(self.step_deadline):
+                    await fn(name, url)
+            except TimeoutError:
+                return name, f"no answer from {url} within {self.step_deadline:g}s"
+            except EngineError as exc:
+                return name, str(exc)
+            return name, None
+
+        results = await asyncio.gather(*(one(name, url) for name, url in engines.items()))
+        return {name: why for name, why in results if why is not None}
+
+    async def _continue_paused(self) -> dict[str, str]:
+        paused, self._paused = self._paused, {}
+        return await self._each(paused, lambda name, url: self.client.continue_generation(url))
+
+    async def _verify(self, name: str, url: str, version: int) -> None:
+        """``/model_info`` must say ``str(version)``; EngineError naming the engine otherwise."""
+        label = (await self.client.model_info(url)).get("weight_version")
+        self._set_version(name, parse_version(label))
+        if label != str(version):
+            raise EngineError(f"{url} reports weight version {label!r} after the update, expected {str(version)!r}")
+
+    def _set_version(self, name: str, version: int | None) -> None:
+        if self.versions.get(name, -1) != version:
+            self.versions[name] = version
+            self._dispatch(EngineVersion(name, version, self.supervisor.tp(name)))
+
+    def _set_serving(self, name: str, serving: bool) -> None:
+        (self.stale.discard if serving else self.stale.add)(name)
+        self.supervisor.mark(name, "healthy" if serving else "stale")
+
+    async def _sweep(self) -> None:
+        """Every engine not on ``current`` (or holding partial weights) is brought up to it or left stale."""
+        for name, url in self.supervisor.urls().items():
+            if name in self.stale or self.versions.get(name) != self.current.version:
+                await self._bring_up(name, url, mark=True)
+
+    async def _bring_up(self, name: str, url: str, *, mark: bool) -> bool:
+        """Re-load ``current`` from disk on one engine if the fleet's weights came from disk; True if it holds them.
+
+        ``mark``: move it in the supervisor (``stale`` while it loads); otherwise the caller decides its state.
+        """
+        record = self.current
+        if mark:
+            self._set_serving(name, False)
+        else:
+            self.stale.add(name)
+        if record.kind != "disk" or not record.path:
+            log.warning("engine %s is not on weight version %d (%s): out of the pool until an update reaches it",
+                        name, record.version, record.kind or "launch weights")
+            return False
+        try:
+            async with asyncio.timeout(self.step_deadline):
+                await self.client.pause_generation(url, "abort")
+                try:
+                    await self.client.update_weights_from_disk(url, record.path, str(record.version))
+                finally:
+                    await self.client.continue_generation(url)
+                await self._verify(name, url, record.version)
+        except (EngineError, TimeoutError) as exc:
+            log.error("engine %s: re-loading weight version %d from %s failed: %s", name, record.version,
+                      record.path, exc)
+            return False
+        log.info("engine %s re-loaded weight version %d from %s", name, record.version, record.path)
+        self.stale.discard(name)
+        if mark:
+            self._set_serving(name, True)
+        return True
