@@ -1,7 +1,7 @@
 """Starvation: every recent group failed, so no batch can ever be assembled.
 
-A reward or filter that raises on every sample (a bug in user code, a module
-missing on the nodes) makes every group fail. Left alone, each prompt would
+A reward or filter that raises on every sample (a bug in user code, a dependency
+it lacks on the nodes) makes every group fail. Left alone, each prompt would
 fail ``MAX_FAILURES`` times, be filtered, and the next one leased: the dataset
 burns through into "filtered" while ``generate()`` waits forever.
 
