@@ -35,8 +35,10 @@ EMPTY_DIGEST = hashlib.sha256().hexdigest()[:DIGEST_CHARS]
 
 
 def _is_torch_tensor(value: Any) -> bool:
-    return hasattr(value, "data_ptr") and hasattr(value, "element_size") and str(getattr(value, "dtype", "")).startswith(
-        "torch."
+    return (
+        hasattr(value, "data_ptr")
+        and hasattr(value, "element_size")
+        and str(getattr(value, "dtype", "")).startswith("torch.")
     )
 
 

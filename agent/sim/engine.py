@@ -3,8 +3,9 @@
 The engine owns a :class:`~agent.sim.scheduler.Scheduler` (the request path), an
 :class:`~agent.sim.output.OutputModel` and its weights (:mod:`agent.sim.weights`: the tensors it
 holds, of which ``sim.accuracy`` sets the output model's accuracy, and its weight-update
-groups). HTTP lives in :mod:`agent.sim.http`, the info endpoints' payloads in :mod:`agent.sim.info`. ``/generate`` answers 503 while the engine is
-starting (``--startup-delay``) or ``--unhealthy``: SGLang opens its port only once ready.
+groups). HTTP lives in :mod:`agent.sim.http`, the info endpoints' payloads in
+:mod:`agent.sim.info`. ``/generate`` answers 503 while the engine is starting
+(``--startup-delay``) or ``--unhealthy``: SGLang opens its port only once ready.
 """
 
 from __future__ import annotations

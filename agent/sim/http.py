@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
 
 import orjson
 from aiohttp import web
@@ -44,6 +43,7 @@ from agent.sim.weight_routes import add_weight_routes
 __all__ = ["ENGINE_KEY", "make_app"]
 
 ENGINE_KEY = web.AppKey("rollfleet_sim_engine", SimEngine)
+
 
 def _client_gone(request: web.Request) -> Callable[[], bool]:
     def gone() -> bool:

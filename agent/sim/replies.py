@@ -53,7 +53,9 @@ def weights_reply(success: bool, message: str, **extra: Any) -> web.Response:
 
 def _bad_request(message: str) -> web.HTTPBadRequest:
     return web.HTTPBadRequest(
-        body=orjson.dumps({"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}),
+        text=orjson.dumps(
+            {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+        ).decode(),
         content_type="application/json",
     )
 

@@ -96,9 +96,7 @@ def load_checkpoint(path: str) -> dict[str, Any] | None:
         try:
             from safetensors import safe_open
         except ImportError:
-            raise WeightError(
-                f"{safetensors_file} needs the safetensors package (pip install safetensors)"
-            ) from None
+            raise WeightError(f"{safetensors_file} needs the safetensors package (pip install safetensors)") from None
         try:
             with safe_open(safetensors_file, framework="pt") as f:
                 return {name: f.get_tensor(name) for name in f.keys()}
@@ -133,9 +131,7 @@ def parse_bucket(data: dict, torch: Any) -> list[tuple[str, Any, list[int]]]:
     dtypes = _required(data, "dtypes", list)
     shapes = _required(data, "shapes", list)
     if not len(names) == len(dtypes) == len(shapes):
-        raise WeightError(
-            f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)} and {len(shapes)}"
-        )
+        raise WeightError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)} and {len(shapes)}")
     load_format = data.get("load_format")
     if load_format not in (None, "auto"):
         raise WeightError(f"load_format {load_format!r} is not supported by rollfleet-sim (use null)")
@@ -149,8 +145,9 @@ def parse_bucket(data: dict, torch: Any) -> list[tuple[str, Any, list[int]]]:
         dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
         if not isinstance(dtype, torch.dtype):
             raise WeightError(f"tensor {name!r}: unknown dtype {dtype_name!r} (a torch dtype name without 'torch.')")
-        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
-                                                  for s in shape):
+        if not isinstance(shape, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+        ):
             raise WeightError(f"tensor {name!r}: shape must be a list of non-negative integers, got {shape!r}")
         if name == ACCURACY_KEY and math.prod(shape) != 1:
             raise WeightError(f"{ACCURACY_KEY} must hold one number, got shape {shape}")
