@@ -158,8 +158,10 @@ class LeaseRunner:
         group = Group(index=index, samples=samples, data_epoch=epoch, rollout_id=grant["rollout_id"], label=label,
                       metadata=metadata, agent_id=ctx.agent_id, gen_seconds=gen_seconds)
         receipt = PendingReceipt(lease, epoch, index, f"{epoch}:{index}:{lease:x}", len(samples), stats)
+        if faults.INJECTED is not None:  # tests only: die before the commit, or between it and the receipt
+            faults.INJECTED.before_commit(receipt.key)
         await ctx.store.commit(receipt.key, group.to_wire(), receipt.to_dict())
-        if faults.INJECTED is not None:  # tests only: die between the commit and the receipt
+        if faults.INJECTED is not None:
             faults.INJECTED.after_commit(receipt.key)
         self._dispatch(LeaseCommitted(lease, receipt))
 

@@ -12,6 +12,9 @@ Points (``key=value``, ``;``-separated; unknown keys are refused):
     kill_after_commit=P  agent: SIGKILL itself with probability P after a
                          group's store commit returned and before its receipt
                          is sent (agent/lease_runner.py)
+    kill_before_commit=P agent: SIGKILL itself with probability P once a group
+                         is scored, before its commit; it first lets what it
+                         already sent leave (a receipt sent too early would)
     drop_receipts=N      agent: the next N outgoing Receipts are lost in
                          flight (agent/link.py)
     hold_file=PATH       agent: while PATH exists, nothing it sends leaves:
@@ -33,6 +36,7 @@ import logging
 import os
 import random
 import signal
+import time
 from pathlib import Path
 
 from common import protocol as p
@@ -43,10 +47,14 @@ ENV = "ROLLFLEET_FAULTS"
 
 _COUNTS = ("drop_receipts", "drop_grants", "drop_pauses")
 
+SEND_GRACE = 0.1
+"""Seconds a ``kill_before_commit`` waits so the messages it already queued leave the process."""
+
 
 class Faults:
     def __init__(self, spec: str):
         self.kill_after_commit = 0.0
+        self.kill_before_commit = 0.0
         self.hold_file: Path | None = None
         self.left = dict.fromkeys(_COUNTS, 0)
         seed = None
@@ -55,8 +63,8 @@ class Faults:
             key, value = key.strip(), value.strip()
             if not sep:
                 raise ValueError(f"{ENV}: {item!r} is not key=value")
-            if key == "kill_after_commit":
-                self.kill_after_commit = float(value)
+            if key in ("kill_after_commit", "kill_before_commit"):
+                setattr(self, key, float(value))
             elif key == "hold_file":
                 self.hold_file = Path(value)
             elif key == "seed":
@@ -64,9 +72,8 @@ class Faults:
             elif key in self.left:
                 self.left[key] = int(value)
             else:
-                raise ValueError(
-                    f"{ENV}: unknown fault {key!r}; known: kill_after_commit, hold_file, seed, " + ", ".join(_COUNTS)
-                )
+                known = ("kill_after_commit", "kill_before_commit", "hold_file", "seed", *_COUNTS)
+                raise ValueError(f"{ENV}: unknown fault {key!r}; known: {', '.join(known)}")
         self.random = random.Random(seed)
         self._held: list = []
 
@@ -77,6 +84,13 @@ class Faults:
         return True
 
     # ---------------------------------------------------------------- agent
+
+    def before_commit(self, key: str) -> None:
+        """A group is scored, not yet committed: maybe die here. Messages already queued leave first."""
+        if self.kill_before_commit and self.random.random() < self.kill_before_commit:
+            log.warning("fault injected: SIGKILL before committing %s", key)
+            time.sleep(SEND_GRACE)  # blocks the loop on purpose: nothing more happens before the kill
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def after_commit(self, key: str) -> None:
         """Between a group's commit and its receipt: maybe die here, as a SIGKILL would."""

@@ -2,9 +2,10 @@
 ``ROLLFLEET_FAULTS`` set for the one process that must misbehave), and the test asserts what
 only the mechanism under test can produce.
 
-- Commit before receipt, recovery at registration (1, 2): an agent that SIGKILLs itself between
-  a commit and its receipt, restarted again and again with the coordinator running: every group
-  it held unacknowledged is recorded under its own key and trained on, never regenerated.
+- Commit before receipt, recovery at registration (1, 2): an agent that SIGKILLs itself before a
+  commit or between a commit and its receipt, restarted again and again with the coordinator
+  running: the ledger never refers to a group the agent did not store, and every group it held
+  unacknowledged is recorded under its own key and trained on, never regenerated.
 - Receipts lost in flight (2): answered by the agent's resend, not by a re-registration.
 - Fencing (5): messages of a session presumed dead are refused (the coordinator counts each
   ``Fence`` it sends, by message type) and the agent registers again because it was fenced.
@@ -126,7 +127,9 @@ def assert_ledger_refers_only_to_stored_groups(cluster, agent: str) -> None:
 
 
 def test_agent_killed_between_commit_and_receipt_has_every_group_recovered_at_registration(make_cluster, monkeypatch):
-    """The coordinator is never stopped: a receipt the agent never sent can only arrive in its next Register."""
+    """The agent dies right before a commit, between a commit and its receipt, or (every third run) at a
+    random moment; the coordinator is never stopped, so a receipt the agent never sent can only arrive in
+    its next Register. After every death the ledger refers only to groups the agent stored."""
     cluster = make_cluster(dynamic_filter="none")
     cluster.start_coordinator()
     data_dir = cluster.tmp / "a1"
@@ -143,7 +146,7 @@ def test_agent_killed_between_commit_and_receipt_has_every_group_recovered_at_re
         assert i < 40, f"the agent killed itself only {fault_kills} times in {i} runs"
         i += 1
         external = i % 3 == 0  # every third run dies by an outside SIGKILL at a random moment instead
-        spec = "seed=0" if external else f"kill_after_commit=0.3;seed={i}"
+        spec = "seed=0" if external else f"kill_after_commit=0.3;kill_before_commit=0.1;seed={i}"
         base = len(read_store(data_dir)[0]) if data_dir.exists() else 0
         proc = with_faults(
             monkeypatch, spec, lambda: cluster.start_agent("a1", concurrency=16, sim_args=FAST, wait=False)
@@ -162,10 +165,11 @@ def test_agent_killed_between_commit_and_receipt_has_every_group_recovered_at_re
         except subprocess.TimeoutExpired:
             proc.signal(signal.SIGKILL)
             proc.wait(10)
-        if "fault injected: SIGKILL after committing" in proc.text():
+        if "fault injected: SIGKILL" in proc.text():
             fault_kills += 1
         elif external and proc.popen.returncode == -signal.SIGKILL:
             external_kills += 1
+        assert_ledger_refers_only_to_stored_groups(cluster, "a1")
         groups, outbox = read_store(data_dir)
         assert set(outbox) <= set(groups), "an outbox entry without its group"
         for key in outbox:
