@@ -18,10 +18,11 @@ and early (a shuffled plan), then at random:
 
 A failure counts only when it happened: a live pid was signalled, a partition
 was seen by the coordinator. After the trainer's last batch the fleet is
-quiesced (survivors registered, the lost node retired, admission paused, no
-lease in flight, the coordinator's counts steady), its statistics taken,
-every process stopped, and ``harness.chaos_check.check`` compares the consumed
-stream, those statistics, the ledger and every agent's store. A run that
+quiesced (survivors registered, the lost node retired, a few more batches if
+prompts that came back to pending are still behind the cursor, admission
+paused, no lease in flight, the coordinator's counts steady), its statistics
+taken, every process stopped, and ``harness.chaos_check.check`` compares the
+consumed stream, those statistics, the ledger and every agent's store. A run that
 missed a failure kind, or broke an invariant, lists it in ``problems``.
 """
 
@@ -39,10 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import lmdb
-import msgpack
 
 from coordinator.ledger import read_ledger
-from harness.chaos_check import KINDS, Findings, RunEvidence, StoreContents, check
+from harness.chaos_check import KINDS, Findings, RunEvidence, batch_record, check
+from harness.chaos_evidence import pending_behind_cursor, read_consumed, read_store, unfetched_by_agent
 from harness.cluster import ROOT, Cluster
 from harness.polling import wait_for
 from harness.proxy import TcpProxy
@@ -86,6 +87,8 @@ class ChaosRun:
         self.trainer_runs = 0
         self.trainer_killed_at = -(10**9)
         self.report = ChaosReport()
+        self.extra_batches = 0  # pulled at quiesce to settle every prompt behind the cursor
+        self.never_reissued: set[tuple[int, int]] = set()
         self.started = time.monotonic()
 
     # ------------------------------------------------------------ processes
@@ -103,28 +106,25 @@ class ChaosRun:
         resume = self.trainer_runs > 0
         self.trainer_runs += 1
         self.trainer_log = self.workdir / f"trainer-{self.trainer_runs}.log"
-        argv = [
-            sys.executable,
-            "-m",
-            "harness.chaos_trainer",
-            "--coordinator",
-            self.cluster.address,
-            "--batches",
-            str(self.batches),
-            "--consumed",
-            str(self.consumed),
-            "--checkpoint",
-            str(self.ckpt),
-            "--checkpoint-every",
-            "4",
-        ] + (["--resume"] if resume else [])
+        flags = {
+            "coordinator": self.cluster.address,
+            "batches": self.batches,
+            "consumed": self.consumed,
+            "checkpoint": self.ckpt,
+            "checkpoint-every": 4,
+        }
+        argv = [sys.executable, "-m", "harness.chaos_trainer"] + [
+            x for k, v in flags.items() for x in (f"--{k}", str(v))
+        ]
+        argv += ["--resume"] if resume else []
         with open(self.trainer_log, "ab") as out:
             self.trainer = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
             )
 
     def n_consumed(self) -> int:
-        return len(_read_consumed(self.consumed))
+        """Distinct batches the trainer has returned so far (a batch fetched again after a resume counts once)."""
+        return len({rec["rid"] for rec in read_consumed(self.consumed)})
 
     def survivors(self) -> list[str]:
         return [n for n in self.names if n not in self.lost]
@@ -136,6 +136,12 @@ class ChaosRun:
         """Engine pids of ``name``'s current process that are running (not exited, not someone else's)."""
         parent = self.cluster.agents[name].pid
         return [pid for pid in self.cluster.engine_pids_of(name) if _running_child(pid, parent)]
+
+    def unfetched(self) -> Counter:
+        try:
+            return unfetched_by_agent(read_ledger(self.cluster.tmp / "coordinator"))
+        except lmdb.Error:
+            return Counter()
 
     def agent_status(self, name: str) -> str | None:
         try:
@@ -159,8 +165,9 @@ class ChaosRun:
             return self.ckpt.exists() and self.trainer.poll() is None and room
         if kind == "partition":
             return self.proxied in self.live_agents() and self.agent_status(self.proxied) == "alive"
-        if kind == "node_lost":
-            return not self.lost and any(n != self.proxied for n in self.live_agents())
+        if kind == "node_lost":  # a node holding groups no trainer fetched yet: they must be made again
+            held = self.unfetched()
+            return not self.lost and any(held[n] for n in self.live_agents() if n != self.proxied)
         raise ValueError(kind)
 
     def next_kind(self, plan: list[str]) -> tuple[str | None, bool]:
@@ -182,9 +189,8 @@ class ChaosRun:
         if not live:
             return None
         name = self.rng.choice(live)
-        if not _kill_group(self.cluster.agents[name].pid):
+        if not _kill(self.cluster.agents[name].popen):
             return None
-        self.cluster.agents[name].wait(10)
         time.sleep(self.rng.uniform(0.2, 1.5))  # down for a while, then back on the same data dir
         self.start_agent(name, wait=False)
         return name
@@ -202,17 +208,15 @@ class ChaosRun:
 
     def _coordinator(self) -> str | None:
         proc = self.cluster.coordinator
-        if not _kill_group(proc.pid):
+        if not _kill(proc.popen):
             return None
-        proc.wait(10)
         time.sleep(self.rng.uniform(0.1, 1.0))
         self.start_coordinator()
         return "coordinator"
 
     def _trainer(self) -> str | None:
-        if not _kill_group(self.trainer.pid):
+        if not _kill(self.trainer):
             return None
-        self.trainer.wait(10)
         self.trainer_killed_at = self.n_consumed()
         self.start_trainer()
         return f"trainer (resumes from {json.loads(self.ckpt.read_text())['rollout_id']})"
@@ -236,15 +240,15 @@ class ChaosRun:
         return f"{self.proxied} for {time.monotonic() - cut:.1f}s" if seen else None
 
     def _node_lost(self) -> str | None:
+        held = self.unfetched()
         live = [n for n in self.live_agents() if n != self.proxied]
         if not live:
             return None
-        name = self.rng.choice(live)
-        if not _kill_group(self.cluster.agents[name].pid):
+        name = max(live, key=lambda n: (held[n], self.rng.random()))
+        if not _kill(self.cluster.agents[name].popen):
             return None
-        self.cluster.agents[name].wait(10)
         self.lost.add(name)  # never restarted
-        return name
+        return f"{name} holding {held[name]} unfetched group(s)"
 
     # ------------------------------------------------------------ the run
 
@@ -257,23 +261,25 @@ class ChaosRun:
             self.start_trainer()
             self.drive()
             stats = self.quiesce()
+            record = {"stats": stats, "actions": self.report.actions, "lost_agents": sorted(self.lost)}
+            (self.workdir / "quiesced.json").write_text(json.dumps(record, indent=1))  # for a post-mortem
         finally:
-            if self.trainer is not None and self.trainer.poll() is None:
-                _kill_group(self.trainer.pid)
-                self.trainer.wait(10)
+            if self.trainer is not None:
+                _kill(self.trainer)
             leaks = self.cluster.stop_all()
             if self.proxy is not None:
                 self.proxy.close()
         evidence = RunEvidence(
-            batches=self.batches,
+            batches=self.batches + self.extra_batches,
             batch_size=BATCH_SIZE,
             dataset_size=ROWS,
-            consumed=_read_consumed(self.consumed),
+            consumed=read_consumed(self.consumed),
             stats=stats,
             ledger=read_ledger(self.cluster.tmp / "coordinator"),
-            stores={name: _read_store(self.cluster.tmp / name) for name in self.names},
+            stores={name: read_store(self.cluster.tmp / name) for name in self.names},
             lost_agents=set(self.lost),
             kills=self.report.kills,
+            never_reissued=self.never_reissued,
         )
         findings = check(evidence)
         for name in Findings.__dataclass_fields__:
@@ -309,6 +315,24 @@ class ChaosRun:
                 f"trainer failed with {self.trainer.returncode}: {self.trainer_log.read_text()[-3000:]}"
             )
 
+    def pending_behind_cursor(self) -> set[tuple[int, int]]:
+        return pending_behind_cursor(read_ledger(self.cluster.tmp / "coordinator"), order=range(ROWS))  # unshuffled
+
+    def reissue(self, client) -> set[tuple[int, int]]:
+        """No prompt forgotten: a prompt that came back to pending is leased again before any fresh one, so a few
+        more batches settle every prompt now behind the cursor. Returns those that never were (none, unless a
+        requeue lost them). The extra batches join the consumed stream like the trainer's."""
+        behind = self.pending_behind_cursor()
+        deadline = time.monotonic() + 60
+        with open(self.consumed, "a") as log:
+            while behind and self.extra_batches < 10 and time.monotonic() < deadline:
+                batch = client.generate(self.batches + self.extra_batches)
+                log.write(json.dumps(batch_record(batch, "reissue")) + "\n")
+                log.flush()
+                self.extra_batches += 1
+                behind &= self.pending_behind_cursor()
+        return behind
+
     def quiesce(self) -> dict:
         """Bring the fleet to rest; the coordinator's statistics then (what ``check`` compares the ledger with)."""
         self.proxy.heal()
@@ -324,6 +348,7 @@ class ChaosRun:
             except AssertionError as exc:
                 self.log(f"chaos: {exc}")  # the checker reports it
         with self.cluster.client(timeout=60) as client:
+            self.never_reissued = self.reissue(client)
             client.pause(drain=False)  # admission off; what is in flight finishes
         last: list[dict] = []
 
@@ -338,6 +363,7 @@ class ChaosRun:
             wait_for(settled, 60, "the fleet to come to rest (no lease in flight, counts steady)", interval=0.5)
         except AssertionError as exc:
             self.log(f"chaos: {exc}")  # the checker reports what stayed in flight
+        self.never_reissued &= self.pending_behind_cursor()  # one leased by the last extra batch has settled now
         return last[-1]
 
 
@@ -360,13 +386,16 @@ def _at_rest(stats: dict) -> tuple:
     return (stats["leased"], stats["ready"], tuple(sorted(stats["prompts"].items())), stats["data_epochs"])
 
 
-def _kill_group(pid: int) -> bool:
-    """SIGKILL a process group we started; True if it was there to kill."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-        return True
-    except ProcessLookupError:
+def _kill(popen: subprocess.Popen) -> bool:
+    """SIGKILL the process group of a process we started and reap it; True only if our signal ended it
+    (not if it had exited by itself, even a moment before)."""
+    if popen.poll() is not None:
         return False
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return popen.wait(10) == -signal.SIGKILL
 
 
 def _running_child(pid: int, parent: int) -> bool:
@@ -376,26 +405,3 @@ def _running_child(pid: int, parent: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return fields[0] != "Z" and int(fields[1]) == parent
-
-
-def _read_consumed(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _read_store(data_dir: Path) -> StoreContents:
-    """An agent's committed groups and unacknowledged receipts, read after it stopped."""
-    if not (data_dir / "store").exists():
-        return StoreContents(frozenset(), {})
-    env = lmdb.open(str(data_dir / "store"), readonly=True, lock=False, max_dbs=4)
-    try:
-        with env.begin() as txn:
-            groups = frozenset(k.decode() for k, _ in txn.cursor(db=env.open_db(b"groups", txn=txn, create=False)))
-            outbox = {
-                k.decode(): msgpack.unpackb(v, raw=False)
-                for k, v in txn.cursor(db=env.open_db(b"outbox", txn=txn, create=False))
-            }
-        return StoreContents(groups, outbox)
-    finally:
-        env.close()

@@ -71,6 +71,19 @@ class RunEvidence:
     stores: dict[str, StoreContents]
     lost_agents: set[str] = field(default_factory=set)
     kills: Counter = field(default_factory=Counter)
+    never_reissued: set[tuple[int, int]] = field(default_factory=set)
+    """Prompts behind the cursor still without a record after the extra batches pulled at quiesce."""
+
+
+def batch_record(batch, run: str) -> dict:
+    """One consumed-stream record of a ``RolloutBatch`` (what the trainers write, one JSON line each)."""
+    return {
+        "rid": batch.rollout_id,
+        "run": run,
+        "groups": [[g.data_epoch, g.index, g.agent_id] for g in batch.groups],
+        "lengths_ok": all(len(s.response_tokens) == len(s.response_logprobs) for s in batch.samples),
+        "replaced": batch.metrics.get("rollout/replaced_groups", 0),
+    }
 
 
 @dataclass
@@ -89,6 +102,8 @@ def check(ev: RunEvidence) -> Findings:
     final, ever = _check_stream(ev, out)
     _check_accounting(ev, final, ever, out)
     _check_stores(ev, out)
+    for prompt in sorted(ev.never_reissued):
+        _unaccounted(out, f"prompt {prompt} came back to pending and was never leased again (forgotten)")
     for kind in KINDS:
         if ev.kills[kind] < 1:
             out.problems.append(f"schedule: no {kind} failure happened")

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from coordinator.client import RolloutClient
+from harness.chaos_check import batch_record
 
 
 def main() -> int:
@@ -45,13 +46,7 @@ def main() -> int:
             print(f"resumed at rollout {start}", flush=True)
         for rid in range(start, args.batches):
             batch = client.generate(rid)
-            record = {
-                "rid": rid,
-                "run": "resumed" if args.resume else "first",
-                "groups": [[g.data_epoch, g.index, g.agent_id] for g in batch.groups],
-                "lengths_ok": all(len(s.response_tokens) == len(s.response_logprobs) for s in batch.samples),
-                "replaced": batch.metrics.get("rollout/replaced_groups", 0),
-            }
+            record = batch_record(batch, "resumed" if args.resume else "first")
             log.write(json.dumps(record) + "\n")
             log.flush()
             os.fsync(log.fileno())

@@ -113,8 +113,8 @@ class Cluster:
 
         return wait_for(answering, timeout, "the coordinator to answer status")
 
-    def start_agent(self, name: str, *extra: str, engines: int = 1, concurrency: int = 32, sim_args: str = "", engine_urls=(), wait: bool = True,
-                    coordinator: str | None = None) -> Proc:
+    def start_agent(self, name: str, *extra: str, engines: int = 1, concurrency: int = 32, sim_args: str = "",
+                    engine_urls=(), wait: bool = True, coordinator: str | None = None) -> Proc:
         """``coordinator``: the address it joins (default the cluster's; e.g. a ``TcpProxy`` in front of it)."""
         argv = [sys.executable, "-m", "agent.cli", "join", "--coordinator", coordinator or self.address,
                 "--data-dir", str(self.tmp / name), "--agent-id", name, "--concurrency", str(concurrency),

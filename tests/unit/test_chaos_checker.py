@@ -168,3 +168,9 @@ def test_a_failure_kind_that_never_happened_is_reported(kind):
     ev = _evidence()
     ev.kills[kind] = 0
     assert check(ev).problems == [f"schedule: no {kind} failure happened"]
+
+
+def test_a_prompt_never_reissued_is_reported():
+    ev = _evidence()
+    ev.never_reissued = {(0, 6)}
+    _problems(ev, "prompt (0, 6) came back to pending and was never leased again")
