@@ -177,8 +177,8 @@ class Ledger:
     def _check_config(self, txn, config: dict, allow_change: bool, generation: int) -> None:
         raw = txn.get(b"config", db=self.meta)
         known = _unpack(raw) if raw is not None else config  # a ledger from before configs were kept
-        changed = {k: [known.get(k), config.get(k)] for k in sorted(set(known) | set(config))
-                   if known.get(k) != config.get(k)}  # fmt: skip
+        # Only settings both starts know: a field added to the config since is taken as it comes.
+        changed = {k: [known[k], config[k]] for k in sorted(set(known) & set(config)) if known[k] != config[k]}
         if changed and not allow_change:
             listed = ", ".join(f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in changed.items())
             raise ConfigError(

@@ -44,3 +44,16 @@ def test_an_allowed_change_is_recorded_and_becomes_the_new_setting(tmp_path):
     with pytest.raises(ConfigError, match="--rollout-batch-size 8 -> 4"):
         _open(tmp_path, RolloutConfig(rollout_batch_size=4, reward="exact"))
     assert len(read_config_changes(tmp_path)) == 1
+
+
+def test_a_setting_the_stored_config_does_not_know_is_not_a_change(tmp_path):
+    """A ledger written before a config field existed restarts without --allow-config-change."""
+    ledger = Ledger(tmp_path, sync=False)
+    try:
+        shape = {**RolloutConfig().batch_shape(), "shuffle_seed": None}
+        older = {k: v for k, v in shape.items() if k != "top_k"}
+        ledger.open_run(10, "f" * 16, config=older)
+        ledger.open_run(10, "f" * 16, config=shape)
+    finally:
+        ledger.close()
+    assert read_config_changes(tmp_path) == []
