@@ -186,9 +186,6 @@ class WeightGroups:
     def names(self) -> list[str]:
         return sorted(self._groups)
 
-    def __contains__(self, group_name: str) -> bool:
-        return group_name in self._groups
-
     async def _blocking(self, calls: list[tuple[Any, ...]]) -> list[Any]:
         """Run each ``(fn, *args)`` in its own thread; results or exceptions, in order.
 
