@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import aiohttp
@@ -89,18 +88,10 @@ def free_port() -> int:
 
 
 def trainer_group(port: int, world_size: int, timeout_s: float = 30.0):
-    """Rank 0's group, formed as slime forms it with SGLang (its ``init_process_group`` helper). Blocking."""
-    from torch.distributed import PrefixStore, rendezvous
-    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
+    """Rank 0's group, formed as a trainer forms it with SGLang (common.weight_group). Blocking."""
+    from common.weight_group import join_as_trainer
 
-    timeout = timedelta(seconds=timeout_s)
-    store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    pg, _ = _new_process_group_helper(
-        world_size, 0, [], "gloo", PrefixStore(GROUP, store), group_name=GROUP, timeout=timeout
-    )
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
+    return join_as_trainer("127.0.0.1", port, world_size, backend="gloo", group_name=GROUP, timeout_s=timeout_s)
 
 
 def broadcast_all(pg, tensors) -> None:
