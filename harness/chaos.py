@@ -89,6 +89,7 @@ class ChaosRun:
         self.report = ChaosReport()
         self.extra_batches = 0  # pulled at quiesce to settle every prompt behind the cursor
         self.never_reissued: set[tuple[int, int]] = set()
+        self.stuck: list[str] = []  # seen while the schedule ran: a dead agent still holding leases
         self.started = time.monotonic()
 
     # ------------------------------------------------------------ processes
@@ -149,6 +150,23 @@ class ChaosRun:
         except Exception:  # the coordinator is restarting
             return None
         return entry["status"] if entry else None
+
+    def presumed_dead(self, name: str, why: str) -> bool:
+        """Wait until the coordinator presumes ``name`` dead; False if it never does. A dead agent's leases are
+        back to pending at that moment (reissued, never left leased): one it still holds is a problem."""
+
+        def dead():
+            entry = self.cluster.status(timeout=2)["agents"].get(name)
+            return entry if entry and entry["status"] in ("dead", "retired") else None
+
+        try:
+            entry = wait_for(dead, TTL * 4 + 2, f"the coordinator to presume {name} dead ({why})")
+        except AssertionError as exc:
+            self.log(f"chaos: {exc}")
+            return False
+        if entry["leases"]:
+            self.stuck.append(f"{name}, presumed dead ({why}), still holds {entry['leases']} lease(s): never reissued")
+        return True
 
     # ------------------------------------------------------------ the schedule
 
@@ -225,16 +243,7 @@ class ChaosRun:
         hold = self.rng.uniform(TTL + 1.0, TTL + 2.5)
         cut = time.monotonic()
         self.proxy.partition()
-        try:
-            wait_for(
-                lambda: self.agent_status(self.proxied) in ("dead", "retired"),
-                TTL * 4 + 2,
-                f"the coordinator to presume {self.proxied} dead behind the partition",
-            )
-            seen = True
-        except AssertionError as exc:
-            self.log(f"chaos: partition not seen: {exc}")
-            seen = False
+        seen = self.presumed_dead(self.proxied, "behind a partition")
         time.sleep(max(0.0, cut + hold - time.monotonic()))  # the fault's duration, not a wait for a condition
         self.proxy.heal()
         return f"{self.proxied} for {time.monotonic() - cut:.1f}s" if seen else None
@@ -248,6 +257,8 @@ class ChaosRun:
         if not _kill(self.cluster.agents[name].popen):
             return None
         self.lost.add(name)  # never restarted
+        if not self.presumed_dead(name, "lost for good"):
+            self.stuck.append(f"{name} was SIGKILLed but the coordinator never presumed it dead")
         return f"{name} holding {held[name]} unfetched group(s)"
 
     # ------------------------------------------------------------ the run
@@ -284,7 +295,8 @@ class ChaosRun:
         findings = check(evidence)
         for name in Findings.__dataclass_fields__:
             setattr(self.report, name, getattr(findings, name))
-        self.report.problems += [f"leak: {leak}" for leak in leaks]
+        self.report.problems += self.stuck + [f"leak: {leak}" for leak in leaks]
+        self.report.unaccounted_prompts += len(self.stuck)
         return self.report
 
     def drive(self) -> None:
