@@ -63,6 +63,8 @@ class ChaosReport(Findings):
     """``(seconds since start, kind, target, batches consumed)`` per failure caused."""
     kills: Counter = field(default_factory=Counter)
     """Failures caused, by kind."""
+    extra_batches: int = 0
+    """Batches pulled at quiesce, after the trainer's, to settle prompts back to pending behind the cursor."""
 
 
 class ChaosRun:
@@ -295,6 +297,7 @@ class ChaosRun:
         findings = check(evidence)
         for name in Findings.__dataclass_fields__:
             setattr(self.report, name, getattr(findings, name))
+        self.report.extra_batches = self.extra_batches
         self.report.problems += self.stuck + [f"leak: {leak}" for leak in leaks]
         self.report.unaccounted_prompts += len(self.stuck)
         return self.report

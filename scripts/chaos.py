@@ -51,6 +51,7 @@ def main() -> int:
             "ok": ok,
             "seconds": round(time.monotonic() - started, 1),
             "batches": report.batches,
+            "extra_batches": report.extra_batches,
             "kills": {kind: report.kills[kind] for kind in KINDS},
             "lost": report.lost,
             "duplicated": report.duplicated,
