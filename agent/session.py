@@ -5,7 +5,8 @@ loop, no clock (``now`` is passed in, ``time.monotonic()`` in production). The
 shell feeds it the events of agent/events.py and carries out the instructions
 it returns, in order. It keeps the lease table (agent/leases.py: one
 ``LeaseRecord`` per lease, the generation pool) and the receipts the
-coordinator has not answered yet (the outbox).
+coordinator has not answered yet (the outbox). The lease handlers live in
+agent/lease_flow.py, weight-update bookkeeping in agent/weight_state.py.
 
 Link phases::
 
@@ -54,7 +55,6 @@ from dataclasses import dataclass
 from agent.events import (
     AbortRequests,
     AckReceipt,
-    CancelLease,
     CloseLink,
     Configure,
     Connected,
@@ -74,15 +74,14 @@ from agent.events import (
     MessageReceived,
     PendingReceipt,
     Reconnect,
-    ReportEngineFailure,
     Send,
     ShutdownRequested,
-    StartLease,
     Tick,
     TrimGroups,
     WeightsStepDone,
 )
-from agent.leases import NOT_ON_ENGINE, LeaseRecord, LeaseState, LeaseTable
+from agent.lease_flow import LeaseFlow
+from agent.leases import NOT_ON_ENGINE, LeaseState, LeaseTable
 from agent.outbox import Outbox
 from agent.weight_state import OPENS, WeightState
 from common import protocol as p
@@ -111,7 +110,7 @@ class Counters:
     engine_retries: int = 0
 
 
-class AgentSession:
+class AgentSession(LeaseFlow):
     def __init__(self, *, agent_id: str, incarnation: int, payload_address: str, concurrency_per_engine: int,
                  coordinator: str = "", dataset_fingerprint: str = "", dataset_size: int = -1):
         self.agent_id = agent_id
@@ -370,95 +369,7 @@ class AgentSession:
         if generating:
             self._send(p.Release(self.session, generating, "agent shutting down"), out)
 
-    # ------------------------------------------------------------------ leases
-
-    def _on_grant(self, msg: p.Grant, now: float, out: list) -> None:
-        if msg.session != self.session:
-            return
-        grants = []
-        for grant in msg.leases:
-            try:
-                lease, epoch, index = grant["lease"], grant["data_epoch"], grant["index"]
-            except (KeyError, TypeError):
-                out.append(Log(logging.ERROR, f"malformed grant from the coordinator: {grant!r}"))
-                continue
-            self.max_lease = max(self.max_lease, lease)
-            grants.append((lease, epoch, index, grant))
-        if self.stopping:
-            if grants:
-                self._send(p.Release(self.session, [g[0] for g in grants], "agent shutting down"), out)
-            return
-        for lease, epoch, index, grant in grants:
-            if lease in self.leases:
-                continue  # a duplicate grant: the lease already runs
-            if self.paused:
-                # Generating now would stall a pause(drain=True); the coordinator reissues it on resume.
-                self.counters.groups_released += 1
-                self._send(p.Release(self.session, [lease], "aborted by pause"), out)
-                continue
-            self.leases.add(lease, epoch, index)
-            out.append(StartLease(lease, grant))
-
-    def _on_engine_wanted(self, ev: EngineWanted, now: float, out: list) -> None:
-        rec = self.leases.get(ev.lease)
-        if rec is not None and rec.state in NOT_ON_ENGINE:
-            self._next_engine(rec, out)
-
-    def _next_engine(self, rec: LeaseRecord, out: list) -> None:
-        if rec.aborting or self.paused:
-            # Not on an engine while paused: give it back, a pause(drain=True) must not wait for it.
-            self._release(rec, "aborted by pause", out)
-        elif self.weights.updating:
-            rec.state = LeaseState.WAITING  # assigned when the update is over
-        else:
-            self._assign(rec, out)
-
-    def _assign(self, rec: LeaseRecord, out: list) -> None:
-        assignment = self.leases.assign(rec, self.config.n_samples_per_prompt, self.weights.begun)
-        if assignment is not None:
-            out.append(assignment)
-        elif self.leases.all_retired:
-            self._release(rec, f"no engine left on agent {self.agent_id}", out)
-        else:
-            rec.state = LeaseState.WAITING
-
-    def _on_generation_ended(self, ev: GenerationEnded, now: float, out: list) -> None:
-        rec = self.leases.get(ev.lease)
-        if rec is None or rec.state is not LeaseState.GENERATING:
-            return
-        rec.resume = ev.aborted and self.weights.interrupted(rec.epoch)
-        self.leases.free(rec)
-        if ev.aborted:
-            self._next_engine(rec, out)  # aborted by the engine itself (e.g. its own pause): generate again
-        else:
-            rec.state = LeaseState.SCORING
-
-    def _on_engine_failed(self, ev: EngineFailed, now: float, out: list) -> None:
-        rec = self.leases.get(ev.lease)
-        if rec is None or rec.state is not LeaseState.GENERATING:
-            return
-        engine = rec.engine
-        self.leases.free(rec)
-        rec.state, rec.resume = LeaseState.RETRYING, False
-        self.counters.engine_retries += 1
-        out.append(Log(logging.WARNING,
-                       f"lease {rec.lease:x}: engine {engine} failed ({ev.reason}); retrying on another engine"))
-        out.append(ReportEngineFailure(engine, ev.reason))
-        if self.leases.mark_failed(engine):
-            self._send(p.Capacity(self.session, self.capacity(), self.engines()), out)
-
-    def _on_scored(self, ev: LeaseScored, now: float, out: list) -> None:
-        rec = self.leases.get(ev.lease)
-        if rec is not None:
-            rec.state = LeaseState.COMMITTING
-            self.counters.samples += ev.n_samples
-
-    def _on_filtered(self, ev: LeaseFiltered, now: float, out: list) -> None:
-        rec = self.leases.pop(ev.lease)
-        if rec is None:
-            return
-        self.counters.groups_filtered += 1
-        self._send(p.Filtered(self.session, rec.lease, rec.data_epoch, rec.index, ev.reason, ev.stats), out)
+    # ------------------------------------------------------------------ receipts
 
     def _on_committed(self, ev: LeaseCommitted, now: float, out: list) -> None:
         # Reported even if the lease was forgotten meanwhile: the group is durable, the coordinator decides.
@@ -469,20 +380,3 @@ class AgentSession:
             self.outbox.add(ev.receipt, now)
         else:
             self.outbox.add(ev.receipt, None)
-
-    def _on_failed(self, ev: LeaseFailed, now: float, out: list) -> None:
-        rec = self.leases.pop(ev.lease)
-        if rec is None:
-            return
-        # "failed" tells the coordinator to count it: a prompt that keeps failing is filtered.
-        self._send(p.Release(self.session, [rec.lease], f"failed: {ev.error}"), out)
-
-    def _release(self, rec: LeaseRecord, reason: str, out: list) -> None:
-        """Give an unfinished lease back to the coordinator and stop its runner."""
-        self._forget(rec.lease, out)
-        self.counters.groups_released += 1
-        self._send(p.Release(self.session, [rec.lease], reason), out)
-
-    def _forget(self, lease: int, out: list) -> None:
-        if self.leases.pop(lease) is not None:
-            out.append(CancelLease(lease))

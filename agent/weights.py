@@ -101,7 +101,11 @@ class WeightsExecutor:
             job = await self._queue.get()
             if isinstance(job, WeightsRecord):
                 self.current = job
-                await self._sweep()
+                self.supervisor.pause_health_checks()  # a paused engine fails its health check
+                try:
+                    await self._sweep()
+                finally:
+                    self.supervisor.resume_health_checks(force=True)
                 continue
             task = asyncio.ensure_future(self._run_step(job))
             self._step = (job, task)
@@ -287,9 +291,9 @@ class WeightsExecutor:
 
     async def _sweep(self) -> None:
         """Every engine not on ``current`` (or holding partial weights) is brought up to it or left stale."""
-        for name, url in self.supervisor.urls().items():
-            if name in self.stale or self.versions.get(name) != self.current.version:
-                await self._bring_up(name, url, mark=True)
+        behind = [(name, url) for name, url in self.supervisor.urls().items()
+                  if name in self.stale or self.versions.get(name) != self.current.version]
+        await asyncio.gather(*(self._bring_up(name, url, mark=True) for name, url in behind))
 
     async def _bring_up(self, name: str, url: str, *, mark: bool) -> bool:
         """Re-load ``current`` from disk on one engine if the fleet's weights came from disk; True if it holds them.

@@ -1,0 +1,133 @@
+"""The lease half of the agent's core: grants, engine assignment, generation outcomes, releases.
+
+``LeaseFlow`` is mixed into ``AgentSession`` (agent/session.py), which owns the state it works on
+(``leases``, ``config``, ``paused``, ``stopping``, ``weights``, ``counters``, ``session``) and
+routes these events and messages here. Pure like the rest of the core: every method takes the
+event, ``now`` and the list of instructions to append to. The invariants are the session's.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from agent.events import (
+    CancelLease,
+    EngineFailed,
+    EngineWanted,
+    GenerationEnded,
+    LeaseFailed,
+    LeaseFiltered,
+    LeaseScored,
+    Log,
+    ReportEngineFailure,
+    StartLease,
+)
+from agent.leases import NOT_ON_ENGINE, LeaseRecord, LeaseState
+from common import protocol as p
+
+
+class LeaseFlow:
+    def _on_grant(self, msg: p.Grant, now: float, out: list) -> None:
+        if msg.session != self.session:
+            return
+        grants = []
+        for grant in msg.leases:
+            try:
+                lease, epoch, index = grant["lease"], grant["data_epoch"], grant["index"]
+            except (KeyError, TypeError):
+                out.append(Log(logging.ERROR, f"malformed grant from the coordinator: {grant!r}"))
+                continue
+            self.max_lease = max(self.max_lease, lease)
+            grants.append((lease, epoch, index, grant))
+        if self.stopping:
+            if grants:
+                self._send(p.Release(self.session, [g[0] for g in grants], "agent shutting down"), out)
+            return
+        for lease, epoch, index, grant in grants:
+            if lease in self.leases:
+                continue  # a duplicate grant: the lease already runs
+            if self.paused:
+                # Generating now would stall a pause(drain=True); the coordinator reissues it on resume.
+                self.counters.groups_released += 1
+                self._send(p.Release(self.session, [lease], "aborted by pause"), out)
+                continue
+            self.leases.add(lease, epoch, index)
+            out.append(StartLease(lease, grant))
+
+    def _on_engine_wanted(self, ev: EngineWanted, now: float, out: list) -> None:
+        rec = self.leases.get(ev.lease)
+        if rec is not None and rec.state in NOT_ON_ENGINE:
+            self._next_engine(rec, out)
+
+    def _next_engine(self, rec: LeaseRecord, out: list) -> None:
+        if rec.aborting or self.paused:
+            # Not on an engine while paused: give it back, a pause(drain=True) must not wait for it.
+            self._release(rec, "aborted by pause", out)
+        elif self.weights.updating:
+            rec.state = LeaseState.WAITING  # assigned when the update is over
+        else:
+            self._assign(rec, out)
+
+    def _assign(self, rec: LeaseRecord, out: list) -> None:
+        assignment = self.leases.assign(rec, self.config.n_samples_per_prompt, self.weights.begun)
+        if assignment is not None:
+            out.append(assignment)
+        elif self.leases.all_retired:
+            self._release(rec, f"no engine left on agent {self.agent_id}", out)
+        else:
+            rec.state = LeaseState.WAITING
+
+    def _on_generation_ended(self, ev: GenerationEnded, now: float, out: list) -> None:
+        rec = self.leases.get(ev.lease)
+        if rec is None or rec.state is not LeaseState.GENERATING:
+            return
+        rec.resume = ev.aborted and self.weights.interrupted(rec.epoch)
+        self.leases.free(rec)
+        if ev.aborted:
+            self._next_engine(rec, out)  # aborted by the engine itself (e.g. its own pause): generate again
+        else:
+            rec.state = LeaseState.SCORING
+
+    def _on_engine_failed(self, ev: EngineFailed, now: float, out: list) -> None:
+        rec = self.leases.get(ev.lease)
+        if rec is None or rec.state is not LeaseState.GENERATING:
+            return
+        engine = rec.engine
+        self.leases.free(rec)
+        rec.state, rec.resume = LeaseState.RETRYING, False
+        self.counters.engine_retries += 1
+        out.append(Log(logging.WARNING,
+                       f"lease {rec.lease:x}: engine {engine} failed ({ev.reason}); retrying on another engine"))
+        out.append(ReportEngineFailure(engine, ev.reason))
+        if self.leases.mark_failed(engine):
+            self._send(p.Capacity(self.session, self.capacity(), self.engines()), out)
+
+    def _on_scored(self, ev: LeaseScored, now: float, out: list) -> None:
+        rec = self.leases.get(ev.lease)
+        if rec is not None:
+            rec.state = LeaseState.COMMITTING
+            self.counters.samples += ev.n_samples
+
+    def _on_filtered(self, ev: LeaseFiltered, now: float, out: list) -> None:
+        rec = self.leases.pop(ev.lease)
+        if rec is None:
+            return
+        self.counters.groups_filtered += 1
+        self._send(p.Filtered(self.session, rec.lease, rec.data_epoch, rec.index, ev.reason, ev.stats), out)
+
+    def _on_failed(self, ev: LeaseFailed, now: float, out: list) -> None:
+        rec = self.leases.pop(ev.lease)
+        if rec is None:
+            return
+        # "failed" tells the coordinator to count it: a prompt that keeps failing is filtered.
+        self._send(p.Release(self.session, [rec.lease], f"failed: {ev.error}"), out)
+
+    def _release(self, rec: LeaseRecord, reason: str, out: list) -> None:
+        """Give an unfinished lease back to the coordinator and stop its runner."""
+        self._forget(rec.lease, out)
+        self.counters.groups_released += 1
+        self._send(p.Release(self.session, [rec.lease], reason), out)
+
+    def _forget(self, lease: int, out: list) -> None:
+        if self.leases.pop(lease) is not None:
+            out.append(CancelLease(lease))
