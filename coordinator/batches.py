@@ -84,9 +84,12 @@ class Batches:
             self.ready_info[prompt] = st
             self._seq = max(self._seq, st.seq)
 
-    def add_ready(self, epoch: int, index: int, agent_id: str, key: str, stats: dict, ops: list) -> None:
+    def add_ready(
+        self, epoch: int, index: int, agent_id: str, key: str, stats: dict, ops: list, start: int = 0
+    ) -> None:
+        """A group was accepted; ``start``: weight updates pushed when its lease was granted."""
         self._seq += 1
-        st = PromptState(READY, agent_id, key, stats, self._seq)
+        st = PromptState(READY, agent_id, key, stats, self._seq, start=start)
         self.ready.append((epoch, index))
         self.ready_info[(epoch, index)] = st
         self.drops.record_kept()
@@ -148,6 +151,14 @@ class Batches:
         return GroupRef(epoch, index, st.agent_id, st.key)
 
     def _pop_ready(self) -> tuple[Prompt, PromptState | None]:
+        if self.core.staleness.bounded:
+            # Oldest weights first (docs/weights.md, staleness rule 2), then acceptance order.
+            oldest = min(self.ready_info.items(), key=lambda kv: (kv[1].start, kv[1].seq), default=None)
+            if oldest is not None:
+                del self.ready_info[oldest[0]]
+                if len(self.ready) > 2 * len(self.ready_info) + 64:  # drop the entries popped out of order
+                    self.ready = deque(prompt for prompt in self.ready if prompt in self.ready_info)
+                return oldest
         prompt = self.ready.popleft()
         return prompt, self.ready_info.pop(prompt, None)  # None: reopened after its node was retired
 
@@ -161,6 +172,7 @@ class Batches:
         ops: list = []
         groups = tuple(self._deliver(prompt, st, g.rollout_id, ops) for prompt, st in chosen)
         metrics = batch_metrics([st.stats for _, st in chosen], [prompt[0] for prompt, _ in chosen], self.drops)
+        metrics.update(self.core.staleness.metrics(g.rollout_id, [st.start for _, st in chosen], self.core.now))
         batch = RecordedBatch(groups, metrics)
         self.recorded[g.rollout_id] = batch
         self.last_rollout_id = max(self.last_rollout_id, g.rollout_id)
@@ -306,6 +318,9 @@ class Batches:
         out: list = self._fill_repairs() if self.repairs else []
         size = self.core.config.rollout_batch_size
         while self.pending and not self.repairs and len(self.ready_info) >= size:
+            leased = (lease.start for lease in self.core.admission.leases.values())
+            if self.core.staleness.holds_batch(self.pending[0].rollout_id, leased):
+                break  # a lease that must join this batch is still in flight
             out.append(self.assemble(self.pending.pop(0)))
         if (self.pending or self.repairs) and len(self.ready_info) < size:
             hopeless = self._hopeless()

@@ -17,6 +17,9 @@ routes; each role lives in its own module:
     trainer.py     trainer sessions: attach, generate, pause/resume,
                    state dict, consumed, missing, detach
     starvation.py  the streak of failed groups that stops admission
+    weights.py     weight updates: the weight lock, each update's steps,
+                   the weight log
+    staleness.py   bounded staleness: admission and assembly rules
 
 Invariants kept across them:
 - Exactly once: a prompt ``(data_epoch, index)`` is accepted at most once
@@ -34,6 +37,10 @@ Invariants kept across them:
   ``generate`` calls get ``starved`` with the dominant failure, and the
   prompts filtered for those failures are pending again (admission.py,
   starvation.py). The next ``generate`` starts over.
+- One weight update at a time: while the weight lock is held no prompt is
+  leased; versions never move backwards (weights.py).
+- Bounded staleness (``--max-staleness``): no batch holds a group started
+  more than ETA updates before it (staleness.py).
 - Bounded: leased + ready <= demand + prefetch, where demand is
   ``rollout_batch_size`` per waiting ``generate``. With no trainer pulling,
   admission stops once ``prefetch`` groups are in flight or ready.
@@ -60,8 +67,10 @@ from coordinator.effects import Persist, Send
 from coordinator.frontier import Frontier
 from coordinator.membership import Membership
 from coordinator.records import AgentStats, CoordinatorStats, LedgerSnapshot, SetCursors
+from coordinator.staleness import Staleness
 from coordinator.starvation import default_starve_after
 from coordinator.trainer import TrainerSessions
+from coordinator.weights import WeightUpdates
 
 __all__ = ["CoordinatorCore", "Persist", "Send", "range_order"]
 
@@ -92,10 +101,14 @@ class CoordinatorCore:
         restored = restored or LedgerSnapshot()
         self.membership = Membership(restored.generation)
         self.frontier = Frontier(dataset_size, lambda e: order_for_epoch(dataset_size, e))
+        self.staleness = Staleness(config.max_staleness, config.rollout_batch_size)
+        self.weights = WeightUpdates(self, restored)
         self.batches = Batches(self, restored)
         self.trainer = TrainerSessions(self, restored)
         self.admission = Admission(self, now)
-        a, t = self.admission, self.trainer
+        self.now = now
+        """The time of the event being handled (batch metrics read it)."""
+        a, t, w = self.admission, self.trainer, self.weights
         self._routes: dict[type, Callable[[bytes, Any, float], list]] = {
             p.Register: a.on_register,
             p.Heartbeat: a.on_heartbeat,
@@ -106,6 +119,10 @@ class CoordinatorCore:
             p.Attach: t.on_attach,
             p.Generate: t.on_generate,
             p.Stats: self._on_stats,
+            p.UpdateWeights: w.on_update,
+            p.WeightBucket: w.on_bucket,
+            p.FinishWeights: w.on_finish,
+            p.WeightsReport: w.on_report,
             **{cls: t.on_request for cls in p.TRAINER_REQUESTS},
         }
         self._restore(restored, now)
@@ -129,17 +146,20 @@ class CoordinatorCore:
         if route is None:
             why = f"the coordinator does not accept {msg.TYPE!r} messages"
             return [Send(peer, p.Error("unexpected", why, getattr(msg, "req", 0)))]
+        self.now = now
         return route(peer, msg, now)
 
     def tick(self, now: float) -> list:
-        """The clock: agents silent past the TTL lose their leases, past ``retire_after`` their groups."""
-        return self.admission.tick(now)
+        """The clock: agents silent past the TTL lose their leases, past ``retire_after`` their groups;
+        a weight update past its deadline is aborted."""
+        self.now = now
+        return self.admission.tick(now) + self.weights.tick(now)
 
     def heartbeats(self) -> list[Send]:
         return self.admission.heartbeats()
 
     def _on_stats(self, peer: bytes, msg: p.Stats, now: float) -> list:
-        return [Send(peer, p.Ok(msg.req, asdict(self.statistics())))]
+        return [Send(peer, p.Ok(msg.req, asdict(self.statistics(now))))]
 
     # ------------------------------------------------------------------ shared
 
@@ -150,12 +170,20 @@ class CoordinatorCore:
 
     def pump(self, now: float) -> list:
         """Assemble what can be assembled, then admit new prompts up to demand + prefetch."""
+        self.now = now
         out = self.batches.pump()
         if self.trainer.paused:
             return out + self.trainer.answer_drained()
         if self.admission.starvation.starved:
             return out  # every recent group failed: leasing more prompts would only burn them
-        budget = self.batches.demand(self.trainer.prefetch) - len(self.admission.leases) - len(self.batches.ready_info)
+        if self.weights.locked:
+            return out  # a weight update runs: no lease may start on weights about to change
+        outstanding = len(self.admission.leases) + len(self.batches.ready_info)
+        budget = self.batches.demand(self.trainer.prefetch) - outstanding
+        allowed = self.staleness.budget(outstanding, self.batches.current_rollout_id, self.weights.log.updates)
+        self.staleness.note_admission(budget, allowed, now)
+        if allowed is not None:
+            budget = min(budget, allowed)
         if budget <= 0:
             return out
         granted = self.admission.grant(budget, self.batches.current_rollout_id, now)
@@ -174,7 +202,7 @@ class CoordinatorCore:
         rec = self.membership.agents.get(agent_id)
         return rec.payload_address if rec is not None else ""
 
-    def statistics(self) -> CoordinatorStats:
+    def statistics(self, now: float | None = None) -> CoordinatorStats:
         batches, trainer = self.batches, self.trainer
         agents = {
             r.agent_id: AgentStats(r.status, r.capacity, len(r.leases), tuple(dict(e) for e in r.engines), r.session)
@@ -197,4 +225,5 @@ class CoordinatorCore:
             consumed_upto=batches.consumed_upto,
             filtered_total=self.admission.filtered_total,
             fenced_messages=dict(self.admission.fenced),
+            weights=self.weights.statistics(self.now if now is None else now),
         )

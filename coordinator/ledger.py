@@ -4,8 +4,9 @@ Layout (one environment, three named databases), every value msgpack:
 - ``meta``: ``generation`` (bumped at every start; fences pre-restart
   sessions and lease ids), ``dataset`` (size + fingerprint), ``cursors``,
   the marks ``trimmed_upto``, ``consumed_upto`` (highest batch a trainer
-  fetched), ``last_checkpoint`` and ``last_rollout_id``, and ``paused`` (the
-  trainer's pause outlives a coordinator restart).
+  fetched), ``last_checkpoint`` and ``last_rollout_id``, ``paused`` (the
+  trainer's pause outlives a coordinator restart) and ``weights`` (the weight
+  log: version, updates pushed, kind, path, recent lease-id boundaries).
 - ``prompts``: ``(data_epoch, index)`` -> a ``PromptState`` for every prompt
   of an open epoch that is READY, DELIVERED or FILTERED. A closed epoch's
   records are deleted, so the ledger does not grow with run length.
@@ -47,6 +48,8 @@ from coordinator.records import (
     SetCursors,
     SetMark,
     SetPaused,
+    SetWeights,
+    WeightLog,
 )
 
 _PROMPT = struct.Struct(">QQ")
@@ -63,12 +66,23 @@ def _unpack(b: bytes):
 
 
 def _encode_prompt(st: PromptState) -> bytes:
-    return _pack([st.status, st.agent_id, st.key, st.stats, st.seq, st.rollout_id, st.reason])
+    return _pack([st.status, st.agent_id, st.key, st.stats, st.seq, st.rollout_id, st.reason, st.start])
 
 
 def _decode_prompt(raw: bytes) -> PromptState:
-    status, agent_id, key, stats, seq, rollout_id, reason = _unpack(raw)
-    return PromptState(status, agent_id, key, stats, seq, rollout_id, reason)
+    # Seven fields in a ledger written before weight updates: start 0.
+    status, agent_id, key, stats, seq, rollout_id, reason, *start = _unpack(raw)
+    return PromptState(status, agent_id, key, stats, seq, rollout_id, reason, start[0] if start else 0)
+
+
+def _encode_weights(log: WeightLog) -> bytes:
+    return _pack({"version": log.version, "updates": log.updates, "kind": log.kind, "path": log.path,
+                  "boundaries": list(log.boundaries)})
+
+
+def _decode_weights(raw: bytes) -> WeightLog:
+    d = _unpack(raw)
+    return WeightLog(d["version"], d["updates"], d["kind"], d["path"], tuple(d["boundaries"]))
 
 
 def _encode_batch(batch: RecordedBatch) -> bytes:
@@ -95,6 +109,9 @@ def _snapshot(txn, meta, prompts, batches) -> LedgerSnapshot:
     raw = txn.get(b"paused", db=meta)
     if raw is not None:
         snap.paused = bool(_unpack(raw))
+    raw = txn.get(b"weights", db=meta)
+    if raw is not None:
+        snap.weights = _decode_weights(raw)
     for name in MARKS:
         raw = txn.get(name.encode(), db=meta)
         if raw is not None:
@@ -210,6 +227,8 @@ class Ledger:
                     txn.put(b"paused", _pack(op.paused), db=self.meta)
                 elif isinstance(op, SetMark):
                     txn.put(op.name.encode(), _pack(op.rollout_id), db=self.meta)
+                elif isinstance(op, SetWeights):
+                    txn.put(b"weights", _encode_weights(op.log), db=self.meta)
                 elif isinstance(op, CloseEpoch):
                     cur = txn.cursor(db=self.prompts)
                     prefix = _EPOCH.pack(op.data_epoch)

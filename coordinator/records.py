@@ -10,9 +10,12 @@ Records:
                     or FILTERED (the frontier's durable states).
     RecordedBatch   a trainer batch as recorded: group refs, metrics, and the
                     prompts of groups lost with a retired node.
+    WeightLog       the fleet's weights: current version, how it was reached,
+                    updates pushed, and the lease-id boundary of each recent
+                    update (so a lease's ``start`` is known after a restart).
 
 Ledger operations (``PutPrompt``, ``DropPrompt``, ``PutBatch``, ``DropBatch``,
-``SetCursors``, ``SetPaused``, ``SetMark``, ``CloseEpoch``) are what a
+``SetCursors``, ``SetPaused``, ``SetMark``, ``CloseEpoch``, ``SetWeights``) are what a
 ``Persist`` effect carries. ``coordinator/ledger.py`` alone encodes them for
 LMDB; ``LedgerSnapshot.apply`` folds them in memory with the same meaning, so
 the ledger's reader, the core's restore and the tests share one definition.
@@ -65,6 +68,8 @@ class Lease:
     index: int
     rollout_id: int
     """The rollout being collected when the prompt was leased."""
+    start: int = 0
+    """Weight updates pushed when it was granted (docs/weights.md, staleness)."""
 
     @property
     def prompt(self) -> Prompt:
@@ -87,6 +92,8 @@ class PromptState:
     """The batch it was delivered in (DELIVERED)."""
     reason: str = ""
     """Why the filter rejected it (FILTERED)."""
+    start: int = 0
+    """Weight updates pushed when its lease was granted (READY): batches take the oldest first."""
 
     def __post_init__(self):
         if self.status not in (READY, DELIVERED, FILTERED):
@@ -120,6 +127,42 @@ class RecordedBatch:
         object.__setattr__(self, "groups", tuple(self.groups))
         object.__setattr__(self, "metrics", MappingProxyType(dict(self.metrics)))
         object.__setattr__(self, "lost", tuple(tuple(p) for p in self.lost))
+
+
+BOUNDARIES_KEPT = 256
+"""Recent updates whose lease-id boundary the weight log keeps; a lease older than all of them
+counts as granted just before the oldest kept one (its staleness is far past any bound anyway)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WeightLog:
+    """The fleet's weights as recorded (docs/weights.md): versions only move forward.
+
+    ``boundaries`` holds, for each of the last ``BOUNDARIES_KEPT`` updates, the highest lease id
+    granted before it completed (lease ids grow across restarts: ``generation << 32 | n``), so
+    the updates pushed before lease ``L`` was granted are ``start_of(L)``.
+    """
+
+    version: int = 0
+    updates: int = 0
+    """Updates pushed so far (staleness is counted in these, not in version labels)."""
+    kind: str = ""
+    """``disk``, ``distributed``, or ``""`` for the launch weights."""
+    path: str = ""
+    """The checkpoint of a ``disk`` update."""
+    boundaries: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "boundaries", tuple(self.boundaries)[-BOUNDARIES_KEPT:])
+
+    def start_of(self, lease_id: int) -> int:
+        """Updates pushed before ``lease_id`` was granted (admission stops while an update runs)."""
+        before = sum(1 for b in self.boundaries if b < lease_id)
+        return self.updates - len(self.boundaries) + before
+
+    def entry(self) -> dict:
+        """The Welcome config's ``weights`` entry: what every engine must serve."""
+        return {"version": self.version, "kind": self.kind, "path": self.path}
 
 
 # ---------------------------------------------------------------------- ledger operations
@@ -180,7 +223,14 @@ class CloseEpoch:
     data_epoch: int
 
 
-LedgerOp = PutPrompt | DropPrompt | PutBatch | DropBatch | SetCursors | SetPaused | SetMark | CloseEpoch
+@dataclass(frozen=True, slots=True)
+class SetWeights:
+    """Record the weight log (a completed update, or a higher version engines reported)."""
+
+    log: WeightLog
+
+
+LedgerOp = PutPrompt | DropPrompt | PutBatch | DropBatch | SetCursors | SetPaused | SetMark | CloseEpoch | SetWeights
 
 
 @dataclass(slots=True)
@@ -192,7 +242,7 @@ class LedgerSnapshot:
     the recorded batches a trainer may still ask for. Marks: ``trimmed_upto``
     (batches up to it were trimmed behind a checkpoint), ``last_rollout_id``,
     ``consumed_upto`` (highest batch a trainer fetched) and
-    ``last_checkpoint``. ``paused`` is the trainer's pause.
+    ``last_checkpoint``. ``paused`` is the trainer's pause; ``weights`` the weight log.
     """
 
     generation: int = 1
@@ -206,6 +256,7 @@ class LedgerSnapshot:
     consumed_upto: int = -1
     last_checkpoint: int = -1
     paused: bool = False
+    weights: WeightLog = field(default_factory=WeightLog)
 
     def apply(self, ops: list[LedgerOp]) -> None:
         """Fold ``ops`` in, with the meaning ``Ledger.apply`` gives them on disk."""
@@ -227,6 +278,8 @@ class LedgerSnapshot:
             elif isinstance(op, CloseEpoch):
                 for prompt in [p for p in self.prompts if p[0] == op.data_epoch]:
                     del self.prompts[prompt]
+            elif isinstance(op, SetWeights):
+                self.weights = op.log
             else:
                 raise TypeError(f"not a ledger operation: {op!r}")
 
@@ -279,3 +332,6 @@ class CoordinatorStats:
     filtered_total: int
     fenced_messages: dict[str, int]
     """Agent messages refused (answered with ``Fence``) for a dead or superseded session, by type."""
+    weights: dict = field(default_factory=dict)
+    """``{"version", "updates", "kind", "path", "lock": {...} | None, "engines": {"agent/engine": version}}``
+    (docs/weights.md, Status)."""

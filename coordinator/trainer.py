@@ -4,7 +4,8 @@ One trainer session at a time. Pure: events in, effects out.
 
 Invariants kept here:
 - Fencing: ``Attach`` opens a new session and fences the previous one (its
-  waiting calls are answered with ``fenced``, never dropped); every other
+  waiting calls are answered with ``fenced``, never dropped, and a broadcast
+  weight update it left in flight is aborted); every other
   trainer request names its session, and a superseded or unknown session
   gets an error and changes nothing.
 - Idempotent: a resent ``Attach`` (same client id and request id) gets the
@@ -13,6 +14,9 @@ Invariants kept here:
 - Pause is durable: it is acknowledged only once the ledger holds it, so a
   restarted coordinator stays paused (and a drain waits for it).
 - A checkpoint (``state_dict``) is taken only while paused and drained.
+- An ``Attach`` whose expected configuration (``config_check``) differs from
+  the fleet's in any field, or names a field the fleet does not have, is
+  refused (``config_mismatch``) with every such field listed.
 - A starved rollout (``coordinator/starvation.py``) answers waiting calls with
   ``starved``; the next new ``generate`` clears it and admission resumes.
 """
@@ -28,6 +32,18 @@ from coordinator.records import LedgerSnapshot, SetPaused
 
 if TYPE_CHECKING:
     from coordinator.core import CoordinatorCore
+
+
+def config_differences(fleet: dict, expected: dict) -> str:
+    """Why a trainer expecting ``expected`` may not attach to a fleet running ``fleet``; "" if it may."""
+    unknown = sorted(k for k in expected if k not in fleet)
+    differ = sorted(k for k in expected if k in fleet and fleet[k] != expected[k])
+    parts = [f"{k}: the fleet runs {fleet[k]!r}, the trainer expects {expected[k]!r}" for k in differ]
+    if unknown:
+        parts.append(f"not rollout config fields: {unknown}")
+    if not parts:
+        return ""
+    return f"rollout config differs from the running fleet's in {differ + unknown}: " + "; ".join(parts)
 
 
 class TrainerSessions:
@@ -54,18 +70,17 @@ class TrainerSessions:
     def on_attach(self, peer: bytes, msg: p.Attach, now: float) -> list:
         if (msg.client_id, msg.req) == self._last_attach and self.session:
             return [Send(peer, p.Ok(msg.req, self._attach_result()))]  # a resent Attach: same session
-        config = self.core.config.to_dict()
-        mismatch = [k for k, v in msg.config_check.items() if config.get(k, v) != v]
-        if mismatch:
-            why = f"rollout config differs from the running fleet's in {mismatch}"
+        why = config_differences(self.core.config.to_dict(), msg.config_check)
+        if why:
             return [Send(peer, p.Error("config_mismatch", why, msg.req))]
         self._last_attach = (msg.client_id, msg.req)
-        self.session = self.core.membership.new_session()
+        previous, self.session = self.session, self.core.membership.new_session()
         self.client = msg.client_id
         # A replaced trainer's waiting calls are answered with an error, never silently dropped.
         pending = self.core.batches.pending
         out = [Send(g.peer, p.Error("fenced", "a newer trainer session attached", g.req)) for g in pending]
         pending.clear()
+        out += self.core.weights.trainer_gone(previous, f"its trainer was replaced by {msg.client_id}", now)
         return out + [Send(peer, p.Ok(msg.req, self._attach_result()))]
 
     def _attach_result(self) -> dict:
@@ -93,8 +108,9 @@ class TrainerSessions:
         return self._session_error(peer, msg.session, msg.req) or self._requests[type(msg)](peer, msg, now)
 
     def on_detach(self, peer: bytes, msg: p.Detach, now: float) -> list:
-        self.session = 0
-        return [Send(peer, p.Ok(msg.req, {}))]
+        previous, self.session = self.session, 0
+        out = self.core.weights.trainer_gone(previous, "its trainer detached", now)
+        return out + [Send(peer, p.Ok(msg.req, {}))]
 
     # ------------------------------------------------------------------ generate
 
