@@ -95,7 +95,8 @@ class Admission:
                 if taken is None:
                     break
                 self._lease_counter += 1
-                lease = Lease((membership.generation << 32) | self._lease_counter, agent_id, *taken, rollout_id)
+                lease_id = (membership.generation << 32) | self._lease_counter
+                lease = Lease(lease_id, agent_id, *taken, rollout_id, self.core.weights.log.updates)
                 self._hold(lease, rec)
                 rec.max_granted = lease.lease_id
                 leases.append(
@@ -144,6 +145,7 @@ class Admission:
         if old is not None:
             self.release_agent_leases(old, keep=set(reported))
         engines = [e for e in msg.engines if isinstance(e, dict)]
+        ops: list = core.weights.note_engines(engines)  # before the Welcome, which names the weights
         rec = core.membership.register(
             msg.agent_id, msg.incarnation, peer, msg.capacity // n, msg.payload_address, engines, now
         )
@@ -154,10 +156,10 @@ class Admission:
             if owner is not None and owner.agent_id == msg.agent_id:
                 rec.leases.add(lease_id)
             elif owner is None and core.frontier.adopt(epoch, index):
-                self._hold(Lease(lease_id, msg.agent_id, epoch, index, core.batches.current_rollout_id), rec)
+                start = core.weights.log.start_of(lease_id)
+                self._hold(Lease(lease_id, msg.agent_id, epoch, index, core.batches.current_rollout_id, start), rec)
             else:
                 cancel.append(lease_id)
-        ops: list = []
         acks = []
         for receipt in msg.unacked:
             try:
@@ -171,14 +173,14 @@ class Admission:
             acks.append([key, accepted])
         welcome = p.Welcome(
             session=rec.session,
-            config=core.config.to_dict(),
+            config={**core.config.to_dict(), "weights": core.weights.log.entry()},
             heartbeat_interval=core.liveness.heartbeat_interval,
             ttl=core.liveness.ttl,
             acks=acks,
             cancel=cancel,
             paused=core.trainer.paused,
         )
-        then: list = [Send(msg.agent_id, welcome)]
+        then: list = [Send(msg.agent_id, welcome), *core.weights.on_register(msg.agent_id, now)]
         # Storage reconciliation: whatever the agent stores that no batch, ready group
         # or pending receipt refers to was consumed behind a checkpoint, refused, or
         # belongs to a closed epoch, and a Trim for it was lost (agent down, restart).
@@ -208,6 +210,9 @@ class Admission:
         rec = self._agent(peer, msg.session, now)
         if rec is None:
             return self._fence(peer, msg)
+        engines = msg.stats.get("engines")
+        if isinstance(engines, list):  # states, tp and weight versions (docs/weights.md: the update group)
+            rec.engines = [e for e in engines if isinstance(e, dict)]
         held = set(msg.leases)
         lost = [lease_id for lease_id in rec.leases if lease_id <= msg.max_lease and lease_id not in held]
         for lease_id in lost:
@@ -242,7 +247,8 @@ class Admission:
         if other is not None:
             self.end_lease(other)
         frontier.set(epoch, index, READY)
-        batches.add_ready(epoch, index, rec.agent_id, key, stats, ops)
+        start = lease.start if lease is not None else self.core.weights.log.start_of(lease_id)
+        batches.add_ready(epoch, index, rec.agent_id, key, stats, ops, start)
         return True, ""
 
     def on_receipt(self, peer: bytes, msg: p.Receipt, now: float) -> list:
