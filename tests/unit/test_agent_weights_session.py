@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from agent.engine_client import _message, parse_version
+from agent.engine_plan import plan_engines, sglang_command
 from agent.events import (
     AbortRequests,
     AssignEngine,
@@ -169,3 +171,26 @@ def test_a_continuation_sends_prompt_plus_output_with_the_budget_reduced():
     ids, budget = continuation([7, 8], [answer([1, 2, 3], "0", "abort")], params)
     assert ids == [7, 8, 1, 2, 3] and budget == {"max_new_tokens": 7, "temperature": 1.0}
     assert params["max_new_tokens"] == 10
+
+
+# ---------------------------------------------------------------------------- labels and launch
+
+
+def test_labels_read_as_integer_versions_and_default_is_zero():
+    assert [parse_version(label) for label in ("default", None, "0", "12", "step-3")] == [0, 0, 0, 12, None]
+
+
+def test_sglang_messages_are_taken_out_of_error_bodies():
+    body = '{"success": false, "message": "Failed to update weights: no such file"}'
+    assert _message(f"http://e:1/x: HTTP 400: {body}") == "Failed to update weights: no such file"
+    assert _message('http://e:1/x: HTTP 400: {"error": {"message": "bad"}}') == "bad"
+    text = "http://e:1/flush_cache: HTTP 400: Cache not flushed"
+    assert _message(text) == text
+
+
+def test_engines_can_be_launched_with_a_weight_version_label():
+    [sim] = plan_engines("sim", weight_version=3)
+    assert sim.argv[sim.argv.index("--weight-version") + 1] == "3"
+    assert "--weight-version" not in plan_engines("sim")[0].argv, "no flag: SGLang's own default label"
+    argv = sglang_command("/m", host="127.0.0.1", port=30000, tp_size=2, weight_version=0)
+    assert argv[argv.index("--weight-version") + 1] == "0"
