@@ -12,8 +12,10 @@
     ├── RemoteError                   the coordinator or an agent answered with an error reply
     │   ├── Fenced                    our lease or session was superseded by a newer one
     │   ├── NoCapacity                no agent or engine is left to generate on
-    │   └── Starved                   every recent group failed in user code (reward or filter
-    │                                 raised, generation failed): no batch can come; says why
+    │   ├── Starved                   every recent group failed in user code (reward or filter
+    │   │                             raised, generation failed): no batch can come; says why
+    │   └── WeightUpdateError         a weight update failed or was aborted (names agent and engine,
+    │                                 or the deadline missed); the fleet stays on its last version
     ├── StateError                    call not allowed now (e.g. state_dict while running)
     └── Closed                        the object was closed by us; further calls are refused
 
@@ -93,6 +95,12 @@ class Starved(RemoteError):
     Nothing is lost: the prompts that failed are pending again and admission stops until the next
     ``generate()``, which starts over (e.g. after the agents were restarted with a fixed reward).
     """
+
+
+class WeightUpdateError(RemoteError):
+    """A weight update failed: an engine's step failed (the message names agent and engine), the
+    update missed its deadline, or it was aborted (its trainer replaced, a group member lost).
+    Every serving engine is still on the fleet's last recorded version (docs/weights.md)."""
 
 
 class StateError(RolloutError):

@@ -17,6 +17,13 @@ answer (e.g. while the coordinator restarts) and re-attaches transparently
 when the coordinator no longer knows its session. If another trainer
 attached meanwhile, calls raise ``Fenced`` instead.
 
+``RolloutClient(addr, expect={...})`` attaches only to a fleet whose rollout
+configuration has those values (``StateError`` listing the fields otherwise).
+Weight updates (docs/weights.md): ``update_weights_from_disk(path, version)``
+and ``update_weights(named_tensors, version, backend=..., bucket_bytes=...)``
+(this process is rank 0 of the engines' update group; coordinator/client_weights.py)
+return once every engine serves ``version``; ``weight_version()`` reads it.
+
 ``AsyncRolloutClient`` is the same API for asyncio code; ``RolloutClient``
 runs one on a private event-loop thread.
 """
@@ -24,156 +31,28 @@ runs one on a private event-loop thread.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import random
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 
 from common import protocol as p
-from common.errors import Closed, Fenced, NoCapacity, ProtocolError, RemoteError, RolloutError, Starved, StateError
-from common.transport import dealer, validate_endpoint
+from common.errors import Closed, RemoteError, RolloutError, StateError
+from common.transport import validate_endpoint
 from common.types import Group
+from coordinator.batch import RolloutBatch
+from coordinator.client_weights import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, WeightSender
+from coordinator.endpoint import FetchFailed, _Endpoint, _raise_remote
 from coordinator.records import GroupRef
+
+__all__ = ["AsyncRolloutClient", "FetchFailed", "RolloutBatch", "RolloutClient"]
 
 log = logging.getLogger("rollfleet.client")
 
 FETCH_CHUNK = 64
-
-
-@dataclass
-class RolloutBatch:
-    rollout_id: int
-    groups: list[Group]
-    metrics: dict = field(default_factory=dict)
-
-    @property
-    def samples(self):
-        return [s for g in self.groups for s in g.samples]
-
-    def to_tensors(self, pad_token_id: int = 0) -> dict:
-        """Padded torch tensors, one row per sample (prompt + response, right-padded).
-
-        Keys: ``tokens``, ``attention_mask``, ``loss_mask`` (response tokens the
-        loss sees), ``rollout_logprobs`` (aligned with ``tokens``; 0 on prompt
-        and padding), ``rewards``, ``prompt_lengths``, ``response_lengths``,
-        ``group_index`` (dataset index of each row).
-        """
-        try:
-            import torch
-        except ImportError as exc:
-            raise RolloutError("to_tensors() needs torch: pip install 'rollfleet[torch]'") from exc
-        samples = self.samples
-        width = max((len(s.prompt_tokens) + len(s.response_tokens) for s in samples), default=0)
-        n = len(samples)
-        tokens = torch.full((n, width), pad_token_id, dtype=torch.long)
-        attention = torch.zeros((n, width), dtype=torch.long)
-        loss_mask = torch.zeros((n, width), dtype=torch.float32)
-        logprobs = torch.zeros((n, width), dtype=torch.float32)
-        for row, s in enumerate(samples):
-            lp, lr = len(s.prompt_tokens), len(s.response_tokens)
-            tokens[row, :lp] = torch.tensor(s.prompt_tokens, dtype=torch.long)
-            if lr:
-                tokens[row, lp : lp + lr] = torch.tensor(s.response_tokens, dtype=torch.long)
-                loss_mask[row, lp : lp + lr] = torch.tensor(s.loss_mask, dtype=torch.float32)
-                logprobs[row, lp : lp + lr] = torch.tensor(s.response_logprobs, dtype=torch.float32)
-            attention[row, : lp + lr] = 1
-        return {
-            "tokens": tokens,
-            "attention_mask": attention,
-            "loss_mask": loss_mask,
-            "rollout_logprobs": logprobs,
-            "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),
-            "prompt_lengths": torch.tensor([len(s.prompt_tokens) for s in samples], dtype=torch.long),
-            "response_lengths": torch.tensor([len(s.response_tokens) for s in samples], dtype=torch.long),
-            "group_index": torch.tensor([g.index for g in self.groups for _ in g.samples], dtype=torch.long),
-        }
-
-
-# Refusals of a call that is not allowed now (a checkpoint not drained, refused or never delivered).
-_STATE_CODES = ("not_drained", "bad_state", "bad_request", "resumed")
-
-
-def _raise_remote(err: p.Error) -> None:
-    if err.code == "fenced":
-        raise Fenced(err.message, code=err.code)
-    if err.code == "no_capacity":
-        raise NoCapacity(err.message, code=err.code)
-    if err.code == "starved":
-        raise Starved(err.message, code=err.code)
-    if err.code in _STATE_CODES:
-        exc = StateError(err.message)
-        exc.code = err.code
-        raise exc
-    raise RemoteError(f"[{err.code}] {err.message}", code=err.code)
-
-
-class _Endpoint:
-    """One DEALER socket with request/reply correlation by ``req``."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, name: str):
-        self.address = address
-        self.sock = dealer(ctx, address)
-        self.waiting: dict[int, asyncio.Future] = {}
-        self.task = asyncio.create_task(self._recv(), name=f"recv-{name}")
-
-    async def _recv(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart()
-            try:
-                msg = p.decode(frames[0])
-            except ProtocolError as exc:
-                log.error("undecodable reply from %s: %s", self.address, exc)
-                continue
-            fut = self.waiting.get(getattr(msg, "req", 0))
-            if fut is not None and not fut.done():
-                fut.set_result((msg, frames[1:]))
-
-    async def request(self, make, *, retry_interval: float, timeout: float | None, what: str):
-        """Send ``make(req)`` and resend it every ``retry_interval`` until a reply arrives."""
-        req = next(_REQ)
-        frame = p.encode(make(req))
-        fut = asyncio.get_running_loop().create_future()
-        self.waiting[req] = fut
-        started = time.monotonic()
-        warned = False
-        try:
-            while True:
-                await self.sock.send(frame)
-                try:
-                    return await asyncio.wait_for(asyncio.shield(fut), retry_interval)
-                except TimeoutError:
-                    waited = time.monotonic() - started
-                    if timeout is not None and waited > timeout:
-                        raise RolloutError(f"{what}: no answer from {self.address} in {timeout:.0f}s") from None
-                    if waited > 30 and not warned:
-                        warned = True
-                        log.warning("%s: still waiting for %s after %.0fs (retrying)", what, self.address, waited)
-        finally:
-            self.waiting.pop(req, None)
-
-    async def close(self) -> None:
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
-        self.sock.close(linger=0)
-
-
-# Random start: a restarted trainer process must not reuse its predecessor's
-# request ids (the coordinator deduplicates a resent Attach on them).
-_REQ = itertools.count(random.randrange(1, 1 << 40))
-
-
-class FetchFailed(RolloutError):
-    """Some payloads of a batch could not be fetched from their node (yet)."""
-
-    def __init__(self, message: str, missing: list[str] = ()):
-        super().__init__(message)
-        self.missing = list(missing)
 
 
 class AsyncRolloutClient:
@@ -186,8 +65,11 @@ class AsyncRolloutClient:
         retry_interval: float = 2.0,
         fetch_timeout: float = 10.0,
         attach: bool = True,
+        expect: dict | None = None,
     ):
         self.address = validate_endpoint(address, "coordinator address")
+        self.expect = dict(expect or {})
+        """Rollout config fields the fleet must run with (``Attach.config_check``)."""
         self.client_id = client_id or f"trainer-{uuid.uuid4().hex[:8]}"
         self.timeout = timeout
         self.retry_interval = retry_interval
@@ -200,6 +82,7 @@ class AsyncRolloutClient:
         self._coord: _Endpoint | None = None
         self._agents: dict[str, _Endpoint] = {}
         self._closed = False
+        self._weights = WeightSender(self)
 
     async def __aenter__(self) -> AsyncRolloutClient:
         await self.connect()
@@ -219,7 +102,7 @@ class AsyncRolloutClient:
 
     async def _attach(self) -> None:
         msg, _ = await self._coord.request(
-            lambda req: p.Attach(req, self.client_id),
+            lambda req: p.Attach(req, self.client_id, self.expect),
             retry_interval=self.retry_interval,
             timeout=self.timeout,
             what="attach",
@@ -372,10 +255,43 @@ class AsyncRolloutClient:
             _raise_remote(msg)
         return msg.result
 
+    # ---------------------------------------------------------------- weights
+
+    async def update_weights_from_disk(self, path: str, version: int, *, timeout: float = DEFAULT_TIMEOUT) -> dict:
+        """Every engine loads the checkpoint at ``path`` and serves ``version`` (greater than the fleet's);
+        returns ``{"update_id", "version", "engines": {"agent/engine": version}}`` once they all do.
+
+        Raises ``WeightUpdateError`` naming the agent and engine that failed (or the deadline missed),
+        ``StateError`` when another trainer's update runs or ``version`` is not above the current one.
+        """
+        return await self._weights.from_disk(path, version, timeout)
+
+    async def update_weights(
+        self,
+        named_tensors,
+        version: int,
+        *,
+        backend: str = "nccl",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> dict:
+        """Broadcast ``named_tensors`` (a mapping or ``(name, tensor)`` pairs) to every engine as rank 0,
+        in buckets of up to ``bucket_bytes``; returns as ``update_weights_from_disk`` does.
+
+        ``backend="gloo"`` works on CPU tensors. ``timeout`` is the update's deadline (restarted by each
+        bucket) and the process group's. Errors as ``update_weights_from_disk``.
+        """
+        return await self._weights.broadcast(named_tensors, version, backend, bucket_bytes, timeout)
+
+    async def weight_version(self) -> int:
+        """The fleet's current weight version (the last update recorded)."""
+        return (await self.stats())["weights"]["version"]
+
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        await self._weights.close()
         if self.session and self._coord is not None:
             # Leave the fleet for the next trainer; best effort, a dead coordinator must not block close().
             try:
@@ -438,6 +354,27 @@ class RolloutClient:
 
     def stats(self) -> dict:
         return self._run(self._async.stats())
+
+    def update_weights_from_disk(self, path: str, version: int, *, timeout: float = DEFAULT_TIMEOUT) -> dict:
+        return self._run(self._async.update_weights_from_disk(path, version, timeout=timeout))
+
+    def update_weights(
+        self,
+        named_tensors,
+        version: int,
+        *,
+        backend: str = "nccl",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> dict:
+        return self._run(
+            self._async.update_weights(
+                named_tensors, version, backend=backend, bucket_bytes=bucket_bytes, timeout=timeout
+            )
+        )
+
+    def weight_version(self) -> int:
+        return self._run(self._async.weight_version())
 
     def close(self) -> None:
         if self._loop.is_closed():

@@ -1,0 +1,57 @@
+"""A trainer batch as ``generate()`` returns it, and its padded tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.errors import RolloutError
+from common.types import Group
+
+
+@dataclass
+class RolloutBatch:
+    rollout_id: int
+    groups: list[Group]
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def samples(self):
+        return [s for g in self.groups for s in g.samples]
+
+    def to_tensors(self, pad_token_id: int = 0) -> dict:
+        """Padded torch tensors, one row per sample (prompt + response, right-padded).
+
+        Keys: ``tokens``, ``attention_mask``, ``loss_mask`` (response tokens the
+        loss sees), ``rollout_logprobs`` (aligned with ``tokens``; 0 on prompt
+        and padding), ``rewards``, ``prompt_lengths``, ``response_lengths``,
+        ``group_index`` (dataset index of each row).
+        """
+        try:
+            import torch
+        except ImportError as exc:
+            raise RolloutError("to_tensors() needs torch: pip install 'rollfleet[torch]'") from exc
+        samples = self.samples
+        width = max((len(s.prompt_tokens) + len(s.response_tokens) for s in samples), default=0)
+        n = len(samples)
+        tokens = torch.full((n, width), pad_token_id, dtype=torch.long)
+        attention = torch.zeros((n, width), dtype=torch.long)
+        loss_mask = torch.zeros((n, width), dtype=torch.float32)
+        logprobs = torch.zeros((n, width), dtype=torch.float32)
+        for row, s in enumerate(samples):
+            lp, lr = len(s.prompt_tokens), len(s.response_tokens)
+            tokens[row, :lp] = torch.tensor(s.prompt_tokens, dtype=torch.long)
+            if lr:
+                tokens[row, lp : lp + lr] = torch.tensor(s.response_tokens, dtype=torch.long)
+                loss_mask[row, lp : lp + lr] = torch.tensor(s.loss_mask, dtype=torch.float32)
+                logprobs[row, lp : lp + lr] = torch.tensor(s.response_logprobs, dtype=torch.float32)
+            attention[row, : lp + lr] = 1
+        return {
+            "tokens": tokens,
+            "attention_mask": attention,
+            "loss_mask": loss_mask,
+            "rollout_logprobs": logprobs,
+            "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),
+            "prompt_lengths": torch.tensor([len(s.prompt_tokens) for s in samples], dtype=torch.long),
+            "response_lengths": torch.tensor([len(s.response_tokens) for s in samples], dtype=torch.long),
+            "group_index": torch.tensor([g.index for g in self.groups for _ in g.samples], dtype=torch.long),
+        }

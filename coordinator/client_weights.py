@@ -1,0 +1,162 @@
+"""The trainer's side of weight updates (docs/weights.md): rank 0 of the update group.
+
+``WeightSender`` runs inside ``AsyncRolloutClient``. A disk update is one request. A broadcast:
+
+1. pick ``master_address`` (the trainer's address as the coordinator's host sees it: 127.0.0.1
+   when the coordinator is on loopback, else the local address of a UDP socket connected to the
+   coordinator's host) and a free ``master_port``; send ``UpdateWeights(kind="distributed")``;
+2. if the answer says ``init``, destroy the old group and form the new one as rank 0
+   (``common/weight_group.py``: the layout SGLang's engines expect; a plain
+   ``init_process_group`` would never meet them);
+3. per bucket (tensors grouped up to ``bucket_bytes`` in iteration order): ``WeightBucket``,
+   wait for its ``Ok``, then ``broadcast(src=0)`` each tensor in order;
+4. ``FinishWeights``, answered once every engine serves the version.
+
+Every blocking torch call runs in a worker thread, so the client's event loop keeps serving
+(heartbeats, resends). torch is imported only by these calls. Any failure destroys the local
+group (its other ends are destroyed by the abort): the next update forms a new one. The group
+is kept between updates otherwise, and destroyed by ``close()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from common import protocol as p
+from common import weight_group
+from common.errors import WeightUpdateError
+
+if TYPE_CHECKING:
+    from coordinator.client import AsyncRolloutClient
+
+log = logging.getLogger("rollfleet.client.weights")
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+DEFAULT_TIMEOUT = 300.0
+
+
+def coordinator_host(address: str) -> str:
+    """The host of a ``tcp://host:port`` endpoint."""
+    host = urlsplit(address).hostname
+    if not host:
+        raise ValueError(f"coordinator address {address!r} has no host")
+    return host
+
+
+def master_address(address: str) -> str:
+    """This process's address as seen from the coordinator's host (rank 0's rendezvous address)."""
+    host = coordinator_host(address)
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return "127.0.0.1"
+    except ValueError:
+        if host == "localhost":
+            return "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # no packet is sent: this only picks the route and its local address
+        return s.getsockname()[0]
+
+
+def free_port(address: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def buckets(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int) -> list[list[tuple[str, Any]]]:
+    """Consecutive tensors grouped up to ``bucket_bytes`` (a larger tensor is a bucket of its own)."""
+    out: list[list[tuple[str, Any]]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if not out or (size + nbytes > bucket_bytes and out[-1]):
+            out.append([])
+            size = 0
+        out[-1].append((name, tensor))
+        size += nbytes
+    return out
+
+
+class WeightSender:
+    def __init__(self, client: AsyncRolloutClient):
+        self.client = client
+        self.group: Any = None
+        self.group_name = ""
+        self.version: int | None = None
+
+    async def from_disk(self, path: str, version: int, timeout: float) -> dict:
+        result = await self.client._request(
+            lambda s, req: p.UpdateWeights(s, req, int(version), "disk", str(path), timeout=float(timeout)),
+            f"update_weights_from_disk({version})",
+        )
+        self.version = result["version"]
+        return result
+
+    async def broadcast(self, named_tensors, version: int, backend: str, bucket_bytes: int, timeout: float) -> dict:
+        items = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        if not items:
+            raise ValueError("update_weights needs at least one named tensor")
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        address = master_address(self.client.address)
+        port = free_port(address)
+        what = f"update_weights({version})"
+        begun = await self.client._request(
+            lambda s, req: p.UpdateWeights(s, req, int(version), "distributed", "", address, port, backend,
+                                           float(timeout)),
+            what,
+        )
+        update_id = begun["update_id"]
+        try:
+            if begun["init"]:
+                await self._destroy()
+                log.info("forming weight-update group %s (world size %d) on %s:%d", begun["group_name"],
+                         begun["world_size"], address, port)
+                self.group = await asyncio.to_thread(
+                    weight_group.join_as_trainer, address, port, begun["world_size"], backend=backend,
+                    group_name=begun["group_name"], timeout_s=timeout)
+                self.group_name = begun["group_name"]
+            elif self.group is None or self.group_name != begun["group_name"]:
+                raise WeightUpdateError(f"{what}: the coordinator kept group {begun['group_name']!r}, which this "
+                                        "trainer no longer holds; the update ends at its deadline", code="weights")
+            for seq, bucket in enumerate(buckets(items, bucket_bytes)):
+                tensors = [_sendable(t, backend) for _, t in bucket]
+                await self.client._request(
+                    lambda s, req, seq=seq, bucket=bucket, tensors=tensors: p.WeightBucket(
+                        s, req, update_id, seq, [name for name, _ in bucket],
+                        [str(t.dtype).removeprefix("torch.") for t in tensors], [list(t.shape) for t in tensors]),
+                    f"{what} bucket {seq}",
+                )
+                await asyncio.to_thread(weight_group.broadcast, self.group, tensors)
+            result = await self.client._request(lambda s, req: p.FinishWeights(s, req, update_id), what)
+        except BaseException:
+            await asyncio.shield(self._destroy())  # broken or aborted: the next update forms a new group
+            raise
+        self.version = result["version"]
+        return result
+
+    async def _destroy(self) -> None:
+        group, self.group, self.group_name = self.group, None, ""
+        if group is not None:
+            try:
+                await asyncio.to_thread(weight_group.destroy, group)
+            except Exception as exc:  # a group broken by a failed collective may refuse to go quietly
+                log.warning("destroying the weight-update group: %s", exc)
+
+    async def close(self) -> None:
+        await self._destroy()
+
+
+def _sendable(tensor: Any, backend: str) -> Any:
+    """A contiguous tensor the backend can send (gloo sends from CPU memory)."""
+    tensor = tensor.detach()
+    if backend == "gloo" and tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    return tensor.contiguous()
