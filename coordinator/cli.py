@@ -33,6 +33,18 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--prefetch", type=number(int, min=-1), default=d.prefetch, help="ready groups beyond demand (-1: one batch)"
     )
+    sp.add_argument(
+        "--max-staleness",
+        type=number(int, min=0),
+        default=d.max_staleness,
+        help="most weight updates a batch's groups may lag behind it (docs/weights.md; default: unbounded)",
+    )
+    sp.add_argument(
+        "--partial-rollout",
+        action=argparse.BooleanOptionalAction,
+        default=d.partial_rollout,
+        help="continue samples a weight update interrupts from their partial output (else generate them again)",
+    )
     sp.add_argument("--shuffle-seed", type=int, default=None, help="shuffle prompts per data epoch with this seed")
     sp.add_argument("--heartbeat-interval", type=seconds, default=Liveness.heartbeat_interval, help="seconds")
     sp.add_argument(
@@ -84,6 +96,8 @@ def serve(args) -> int:
         reward=args.reward,
         dynamic_filter=args.dynamic_filter,
         prefetch=args.prefetch,
+        max_staleness=args.max_staleness,
+        partial_rollout=args.partial_rollout,
     )
     liveness = Liveness(args.heartbeat_interval, args.agent_ttl, args.retire_after)
     validate_endpoint(args.bind, "--bind")
