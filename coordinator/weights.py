@@ -160,7 +160,8 @@ class WeightUpdates:
         if msg.kind == "disk" and not msg.path:
             return bad("bad_request", "a disk weight update needs a checkpoint path")
         if msg.kind == "distributed" and not (msg.master_address and 0 < msg.master_port < 65536 and msg.backend):
-            why = f"a distributed weight update needs master_address, master_port and backend, got {msg.master_address!r}:{msg.master_port} {msg.backend!r}"  # noqa: E501
+            why = ("a distributed weight update needs master_address, master_port and backend, got "
+                   f"{msg.master_address!r}:{msg.master_port} {msg.backend!r}")
             return bad("bad_request", why)
         out: list = []
         if lock is not None:

@@ -1,0 +1,132 @@
+"""Weight updates on a real loopback cluster (docs/weights.md): coordinator, agents, sim engines, a trainer."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+import pytest
+
+from common.errors import StateError
+from common.weights_digest import weights_digest
+from harness.polling import wait_for
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def model_info(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/model_info", timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def engine_urls(status: dict) -> dict[str, str]:
+    return {f"{a}/{e['name']}": e["url"] for a, entry in status["agents"].items() for e in entry["engines"]
+            if entry["status"] == "alive" and e.get("state") == "healthy"}
+
+
+def check_spans(batch) -> None:
+    for s in batch.samples:
+        spans = s.weight_versions
+        assert spans and spans[0][1] == 0 and spans[-1][2] == len(s.response_tokens), spans
+        for (v0, _, e0), (v1, b1, _) in zip(spans, spans[1:]):
+            assert e0 == b1 and int(v0) <= int(v1), spans
+
+
+def test_disk_updates_while_generation_runs_reach_every_engine(make_cluster, tmp_path):
+    cluster = make_cluster()
+    cluster.start_coordinator()
+    cluster.start_agent("a1", engines=2)
+    cluster.start_agent("a2", engines=2)
+    with cluster.client() as client:
+        failures = []
+
+        def generate():
+            try:
+                for rollout_id in range(4):
+                    check_spans(client.generate(rollout_id))
+            except Exception as exc:  # reported by the main thread
+                failures.append(exc)
+
+        thread = threading.Thread(target=generate)
+        thread.start()
+        for version in (1, 2):
+            ckpt = tmp_path / f"ckpt{version}"
+            ckpt.mkdir()
+            result = client.update_weights_from_disk(str(ckpt), version)
+            assert result["version"] == version and len(result["engines"]) == 4
+            assert set(result["engines"].values()) == {version}
+        thread.join(120)
+        assert not failures, failures
+        assert client.weight_version() == 2
+        status = cluster.status()
+        assert status["weights"]["kind"] == "disk" and status["weights"]["lock"] is None
+        for url in engine_urls(status).values():
+            assert model_info(url)["weight_version"] == "2"
+        with pytest.raises(StateError, match="not greater"):
+            client.update_weights_from_disk(str(tmp_path / "ckpt1"), 2)
+
+
+def test_gloo_broadcasts_reach_every_engine_with_the_same_digest(make_cluster):
+    torch = pytest.importorskip("torch")
+    cluster = make_cluster()
+    cluster.start_coordinator()
+    cluster.start_agent("a1", engines=2)
+    cluster.start_agent("a2", engines=1)
+    with cluster.client() as client:
+        for version in (1, 2, 3):
+            tensors = {f"layer{i}.weight": torch.full((640, 1024), float(version + i)) for i in range(4)}
+            tensors["sim.accuracy"] = torch.tensor([0.5])
+            result = client.update_weights(tensors, version, backend="gloo", bucket_bytes=4 << 20, timeout=60)
+            assert set(result["engines"].values()) == {version} and len(result["engines"]) == 3
+            digest = weights_digest(tensors.items())
+            for url in engine_urls(cluster.status()).values():
+                info = model_info(url)
+                assert (info["weight_version"], info["weight_digest"]) == (str(version), digest)
+            check_spans(client.generate(version - 1))
+        assert cluster.status()["weights"]["updates"] == 3
+
+
+def test_staleness_bound_holds_with_an_update_every_step(make_cluster):
+    cluster = make_cluster(rollout_batch_size=4, max_staleness=1)
+    cluster.start_coordinator()
+    cluster.start_agent("a1", engines=2, sim_args="--token-latency-ms 2")
+    with cluster.client(expect={"max_staleness": 1, "partial_rollout": True}) as client:
+        for step in range(20):
+            batch = client.generate(step)
+            assert batch.metrics["rollout/staleness_max"] <= 1.0, batch.metrics
+            assert "rollout/admission_stall_s" in batch.metrics
+            ckpt = cluster.tmp / f"ckpt{step}"
+            ckpt.mkdir(exist_ok=True)
+            client.update_weights_from_disk(str(ckpt), step + 1)
+
+
+def test_attaching_with_another_config_is_refused_naming_the_fields(make_cluster):
+    cluster = make_cluster(max_staleness=2)
+    cluster.start_coordinator()
+    with pytest.raises(StateError) as err:
+        cluster.client(expect={"max_staleness": 1, "partial_rollout": False, "rollout_batch_size": 8})
+    assert "max_staleness" in str(err.value) and "partial_rollout" in str(err.value)
+    assert "rollout_batch_size:" not in str(err.value)
+
+
+def test_a_new_trainer_replaces_one_that_left_an_update_in_flight(make_cluster):
+    torch = pytest.importorskip("torch")
+    cluster = make_cluster()
+    cluster.start_coordinator()
+    cluster.start_agent("a1", engines=2)
+    pids = cluster.engine_pids_of("a1")
+    from common import protocol as p
+
+    first = cluster.client()
+    # Begin a broadcast and leave it in flight (a trainer that died after its UpdateWeights).
+    first._run(first._async._request(
+        lambda s, req: p.UpdateWeights(s, req, 1, "distributed", "", "127.0.0.1", 1, "gloo", 30.0), "begin"))
+    assert cluster.status()["weights"]["lock"] is not None
+    second = cluster.client()
+    wait_for(lambda: cluster.status()["weights"]["lock"] is None, 10, "the abandoned update to be aborted")
+    result = second.update_weights({"w": torch.ones(8)}, 1, backend="gloo", timeout=60)
+    assert set(result["engines"].values()) == {1}
+    assert cluster.engine_pids_of("a1") == pids
+    first.close()
+    second.close()
