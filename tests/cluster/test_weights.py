@@ -29,7 +29,7 @@ def check_spans(batch) -> None:
     for s in batch.samples:
         spans = s.weight_versions
         assert spans and spans[0][1] == 0 and spans[-1][2] == len(s.response_tokens), spans
-        for (v0, _, e0), (v1, b1, _) in zip(spans, spans[1:]):
+        for (v0, _, e0), (v1, b1, _) in zip(spans, spans[1:], strict=False):
             assert e0 == b1 and int(v0) <= int(v1), spans
 
 
