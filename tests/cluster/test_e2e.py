@@ -84,14 +84,15 @@ def test_trainer_that_stops_pulling_holds_work_at_the_bound(make_cluster):
     cluster.start_agent("a1", concurrency=64, sim_args="--token-latency-ms 1 --output-len-dist fixed --output-len-median 32")
     cluster.start_agent("a2", concurrency=64, sim_args="--token-latency-ms 1 --output-len-dist fixed --output-len-median 32")
     with cluster.client() as client:
-        client.generate(0)
-        client.generate(1)
+        delivered = {g.index for rid in (0, 1) for g in client.generate(rid).groups}
+
         # The trainer stops pulling. Admission must stop at demand (0) + prefetch.
         def settled():
             s = cluster.stats()
             return s if s["ready"] == prefetch and s["leased"] == 0 else None
 
-        wait_for(settled, 30, "ready groups to reach the prefetch bound")
+        held = wait_for(settled, 30, "ready groups to reach the prefetch bound")
+        admitted = held["prompts"]["ready"] + held["prompts"]["delivered"]
         produced = []
         for _ in range(8):
             s = cluster.stats()
@@ -105,9 +106,15 @@ def test_trainer_that_stops_pulling_holds_work_at_the_bound(make_cluster):
         time.sleep(2.0)
         after = [rss_kib(proc.pid) for proc in procs]
         assert all(a - b < 8 * 1024 for a, b in zip(after, before)), f"RSS grew while idle: {before} -> {after} KiB"
-        # And pulling again resumes generation.
-        batch = client.generate(2)
-        assert len(batch.groups) == 4
+        # Pulling again resumes, and the groups held back are delivered, not dropped: the prompts admitted
+        # before the pause (leased in dataset order, no shuffle) all reach the next two batches, none twice.
+        for rid in (2, 3):
+            batch = client.generate(rid)
+            assert len(batch.groups) == 4
+            assert not delivered & {g.index for g in batch.groups}, "a prompt delivered twice"
+            delivered |= {g.index for g in batch.groups}
+        assert set(range(admitted)) <= delivered, f"held-back groups lost: {sorted(set(range(admitted)) - delivered)}"
+        assert cluster.stats()["filtered_total"] == 0
 
 
 def rss_kib(pid: int) -> int:
