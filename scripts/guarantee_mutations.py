@@ -1,0 +1,158 @@
+"""The deliberate bugs ``scripts/check_guarantees.py`` plants, one per row: each breaks one
+guarantee of the README's table, and the named test must fail with it in place.
+
+A mutation replaces ``old`` (which must occur exactly once in ``path``) by ``new``. When the code
+moves, a mutation stops applying and the check reports it STALE: update the snippet, keeping the
+bug the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutation:
+    guarantee: str
+    name: str
+    what: str
+    path: str
+    old: str
+    new: str
+    test: str
+
+
+G = "tests/cluster/test_guarantees.py::"
+
+MUTATIONS = [
+    Mutation(
+        "1", "receipt-before-commit", "the receipt leaves before the group is committed",
+        "agent/lease_runner.py",
+        "        receipt = PendingReceipt(lease, epoch, index, f\"{epoch}:{index}:{lease:x}\", len(samples), stats)\n",
+        "        receipt = PendingReceipt(lease, epoch, index, f\"{epoch}:{index}:{lease:x}\", len(samples), stats)\n"
+        "        self._dispatch(LeaseCommitted(lease, receipt))\n",
+        G + "test_agent_killed_between_commit_and_receipt_has_every_group_recovered_at_registration",
+    ),
+    Mutation(
+        "1", "store-two-transactions", "group and outbox entry written in two transactions, outbox first",
+        "agent/store.py",
+        "await self._submit([(\"group\", k, payload), (\"outbox\", k, msgpack.packb(receipt, use_bin_type=True))])",
+        "await self._submit([(\"outbox\", k, msgpack.packb(receipt, use_bin_type=True))])\n"
+        "        await self._submit([(\"group\", k, payload)])",
+        "tests/integration/test_store.py::test_store_sigkilled_at_random_moments_keeps_every_commit_whole",
+    ),
+    Mutation(
+        "1", "store-commit-not-awaited", "commit returns before the transaction is durable",
+        "agent/store.py",
+        "await self._submit([(\"group\", k, payload), (\"outbox\", k, msgpack.packb(receipt, use_bin_type=True))])",
+        "self._submit_nowait([(\"group\", k, payload), (\"outbox\", k, msgpack.packb(receipt, use_bin_type=True))])",
+        "tests/integration/test_store.py::test_store_sigkilled_at_random_moments_keeps_every_commit_whole",
+    ),
+    Mutation(
+        "2", "register-acks-without-recording", "registration answers unacked receipts 'accepted' without recording",
+        "coordinator/admission.py",
+        "accepted, _ = self._accept(rec, lease_id, epoch, index, key, stats, ops)\n            acks.append",
+        "accepted = True\n            acks.append",
+        G + "test_agent_killed_between_commit_and_receipt_has_every_group_recovered_at_registration",
+    ),
+    Mutation(
+        "2", "fetched-batch-regenerated", "batch repair regenerates prompts of a batch the trainer already fetched",
+        "coordinator/batches.py",
+        "if rollout_id > self.consumed_upto:",
+        "if True:",
+        G + "test_a_fetched_batch_asked_again_after_its_node_retired_gets_only_fresh_prompts",
+    ),
+    Mutation(
+        "2", "duplicate-receipt-accepted", "a second group for an accepted prompt is accepted too",
+        "coordinator/admission.py",
+        "            return False, \"duplicate: prompt already accepted from another group\"",
+        "            return True, \"\"",
+        "tests/cluster/test_chaos.py::test_exactly_once_under_every_failure_kind",
+    ),
+    Mutation(
+        "3", "dead-agent-leases-kept", "leases of an agent presumed dead are never reissued",
+        "coordinator/admission.py",
+        "        for rec in dead:\n            self.release_agent_leases(rec)\n",
+        "        for rec in dead:\n            pass\n",
+        "tests/cluster/test_chaos.py::test_exactly_once_under_every_failure_kind",
+    ),
+    Mutation(
+        "3", "lost-grant-never-released", "leases the agent never received are never given back",
+        "coordinator/admission.py",
+        "{\"paused\": paused, \"max_lease\": r.max_granted}",
+        "{\"paused\": paused, \"max_lease\": 0}",
+        G + "test_a_lost_grant_is_released_by_heartbeat_reconciliation_and_its_prompts_generated",
+    ),
+    Mutation(
+        "4", "generate-not-replayed", "generate(rollout_id) asked again assembles a new batch",
+        "coordinator/trainer.py",
+        "        batch = batches.recorded.get(msg.rollout_id)\n        repair: list = []",
+        "        batch = None\n        repair: list = []",
+        "tests/cluster/test_e2e.py::test_same_rollout_id_returns_same_groups",
+    ),
+    Mutation(
+        "5", "dead-sessions-accepted", "messages of a dead or replaced agent session are accepted",
+        "coordinator/membership.py",
+        "return rec if rec is not None and rec.status == ALIVE else None",
+        "return next((r for r in self.agents.values() if r.session == session), None)",
+        G + "test_messages_of_a_session_presumed_dead_are_fenced_and_the_agent_registers_again",
+    ),
+    Mutation(
+        "5", "old-trainer-not-fenced", "a replaced trainer's requests are still served",
+        "coordinator/trainer.py",
+        "        if session == self.session and session != 0:",
+        "        if session != 0:",
+        "tests/cluster/test_pause_and_trainers.py::test_second_trainer_fences_the_first_whose_generate_was_waiting",
+    ),
+    Mutation(
+        "6", "prefetch-bound-ignored", "admission goes past demand + prefetch",
+        "coordinator/core.py",
+        "        budget = self.batches.demand(self.trainer.prefetch) - outstanding\n",
+        "        budget = self.batches.demand(self.trainer.prefetch) - outstanding + 8\n",
+        "tests/cluster/test_e2e.py::test_trainer_that_stops_pulling_holds_work_at_the_bound",
+    ),
+    Mutation(
+        "6", "checkpoint-never-trims", "consumed batches and payloads are kept forever",
+        "coordinator/batches.py",
+        "        for rollout_id in sorted(r for r in self.recorded if r <= previous):\n",
+        "        for rollout_id in sorted(r for r in self.recorded if r < 0):\n",
+        "tests/cluster/test_faults_coordinator.py::test_killed_trainer_resumes_from_checkpoint_and_consumed_payloads_are_trimmed",
+    ),
+    Mutation(
+        "7", "held-back-groups-dropped", "a ready group held back by backpressure is dropped from assembly",
+        "coordinator/batches.py",
+        "        prompt = self.ready.popleft()\n        return prompt, self.ready_info.pop(prompt, None)",
+        "        prompt = self.ready.popleft()\n        if len(self.ready) >= 5:\n"
+        "            self.ready_info.pop(prompt, None)\n            prompt = self.ready.popleft()\n"
+        "        return prompt, self.ready_info.pop(prompt, None)",
+        "tests/cluster/test_e2e.py::test_trainer_that_stops_pulling_holds_work_at_the_bound",
+    ),
+    Mutation(
+        "8", "staleness-admission-off", "admission ignores the staleness bound",
+        "coordinator/core.py",
+        "        if allowed is not None:\n            budget = min(budget, allowed)\n",
+        "        if False:\n            budget = min(budget, allowed)\n",
+        "tests/cluster/test_weights.py::test_staleness_bound_holds_with_an_update_every_step",
+    ),
+    Mutation(
+        "8", "version-mismatch-unchecked", "an engine that does not report the new version passes",
+        "agent/weights.py",
+        "        if label != str(version):\n",
+        "        if False:\n",
+        "tests/integration/test_agent_weights.py::test_an_engine_that_does_not_report_the_new_version_fails_the_step_naming_it",
+    ),
+    Mutation(
+        "9", "unknown-fields-accepted", "a message with unknown fields is decoded",
+        "common/wire.py",
+        "    unknown = set(body) - set(cls._FIELDS)\n",
+        "    unknown = set()\n",
+        "tests/unit/test_protocol.py",
+    ),
+    Mutation(
+        "9", "starvation-never-detected", "a reward that raises on every group makes generate() wait forever",
+        "coordinator/starvation.py",
+        "        if self._streak < self.after:\n",
+        "        if True:\n",
+        "tests/cluster/test_failing_rewards.py::test_reward_that_raises_starves_generate_with_its_name_and_burns_no_prompt",
+    ),
+]
