@@ -141,7 +141,8 @@ class WeightsExecutor:
     async def _run_step(self, ins: RunWeightsStep) -> None:
         step = STEPS[type(ins.msg)]
         errors, record = await self._steps[step](ins.msg)
-        error = "; ".join(f"engine {name} of agent {self.agent_id}: {why}" for name, why in errors.items())
+        error = "; ".join(f"agent {self.agent_id}: {why}" if name == "*" else
+                          f"engine {name} of agent {self.agent_id}: {why}" for name, why in errors.items())
         self._done(ins, not errors, error, record)
 
     def _done(self, ins: RunWeightsStep, ok: bool, error: str, record: WeightsRecord | None = None) -> None:
