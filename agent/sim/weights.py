@@ -74,14 +74,21 @@ class WeightStore:
 
     def __init__(self) -> None:
         self.tensors: dict[str, Any] = {}
-        self.digest = weights_digest(())
+        self._digest: str | None = weights_digest(())
         self.accuracy: float | None = None
+
+    @property
+    def digest(self) -> str:
+        """Computed when first read after a change: once per update, not once per bucket received."""
+        if self._digest is None:
+            self._digest = weights_digest(self.tensors.items())
+        return self._digest
 
     def apply(self, named: dict[str, Any], *, replace: bool) -> None:
         """Add (or with ``replace``, substitute) tensors; nothing changes if ``sim.accuracy`` is invalid."""
         accuracy = accuracy_of(named[ACCURACY_KEY]) if ACCURACY_KEY in named else None
         tensors = dict(named) if replace else {**self.tensors, **named}
-        self.digest = weights_digest(tensors.items())
+        self._digest = None
         self.tensors = tensors
         if accuracy is not None or replace:
             self.accuracy = accuracy
