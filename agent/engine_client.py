@@ -109,25 +109,55 @@ class EngineClient:
                     raise EngineError(f"{url}/flush_cache: not flushed within {deadline:g}s: {exc}") from None
             await asyncio.sleep(interval)
 
-    async def update_weights_from_disk(self, url: str, model_path: str, weight_version: str | None,
-                                       *, flush_cache: bool = True) -> dict:
+    async def update_weights_from_disk(
+        self, url: str, model_path: str, weight_version: str | None, *, flush_cache: bool = True
+    ) -> dict:
         body = {"model_path": model_path, "flush_cache": flush_cache, "abort_all_requests": False}
         if weight_version is not None:
             body["weight_version"] = weight_version
         return await self._weights_call(url, "/update_weights_from_disk", body)
 
-    async def init_weights_update_group(self, url: str, *, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str, backend: str) -> dict:
+    async def init_weights_update_group(
+        self,
+        url: str,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> dict:
         """Join the trainer's process group; blocks until every rank (the trainer's rank 0 too) joined."""
-        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-                "world_size": world_size, "group_name": group_name, "backend": backend}
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
         return await self._weights_call(url, "/init_weights_update_group", body)
 
-    async def update_weights_from_distributed(self, url: str, *, names: list[str], dtypes: list[str],
-                                              shapes: list[list], group_name: str, flush_cache: bool = False) -> dict:
+    async def update_weights_from_distributed(
+        self,
+        url: str,
+        *,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list],
+        group_name: str,
+        flush_cache: bool = False,
+    ) -> dict:
         """Receive one bucket by broadcast from rank 0; returns once the engine loaded it."""
-        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                "flush_cache": flush_cache, "abort_all_requests": False}
+        body = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": False,
+        }
         return await self._weights_call(url, "/update_weights_from_distributed", body)
 
     async def destroy_weights_update_group(self, url: str, group_name: str) -> dict:

@@ -263,8 +263,17 @@ def plan_engines(
     if count < 1:
         raise ConfigError(f"--engines must be >= 1, got {count}")
     if kind == "sim":
-        argv = [sys.executable, "-m", SIM_MODULE, "--host", host, "--port", "0", *version_args(weight_version),
-                *[str(a) for a in sim_args]]
+        argv = [
+            sys.executable,
+            "-m",
+            SIM_MODULE,
+            "--host",
+            host,
+            "--port",
+            "0",
+            *version_args(weight_version),
+            *[str(a) for a in sim_args],
+        ]
         return [
             EngineSpec(name=f"sim-{i}", kind="sim", url=None, argv=list(argv), env=None, gpu_ids=[])
             for i in range(count)
@@ -319,7 +328,12 @@ def _plan_sglang(
         env = dict(base_env)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in group)
         argv = sglang_command(
-            model_path, host=host, port=port, tp_size=tp_size, module=sglang_module, extra_args=sglang_args,
+            model_path,
+            host=host,
+            port=port,
+            tp_size=tp_size,
+            module=sglang_module,
+            extra_args=sglang_args,
             weight_version=weight_version,
         )
         url = f"http://{url_host(host)}:{port}"

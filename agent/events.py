@@ -42,8 +42,14 @@ class PendingReceipt:
         return cls(d["lease"], d["data_epoch"], d["index"], d["key"], d["n_samples"], dict(d.get("stats") or {}))
 
     def to_dict(self) -> dict:
-        return {"lease": self.lease, "data_epoch": self.data_epoch, "index": self.index, "key": self.key,
-                "n_samples": self.n_samples, "stats": self.stats}
+        return {
+            "lease": self.lease,
+            "data_epoch": self.data_epoch,
+            "index": self.index,
+            "key": self.key,
+            "n_samples": self.n_samples,
+            "stats": self.stats,
+        }
 
     def to_message(self, session: int) -> p.Receipt:
         return p.Receipt(session, self.lease, self.data_epoch, self.index, self.key, self.n_samples, self.stats)
@@ -206,9 +212,23 @@ class EngineVersion:
     tp: int = 1
 
 
-Event = (Connected | MessageReceived | Tick | EnginesStarted | EngineChanged | EngineWanted | GenerationEnded
-         | EngineFailed | LeaseScored | LeaseFiltered | LeaseCommitted | LeaseFailed | ShutdownRequested
-         | WeightsStepDone | EngineVersion)
+Event = (
+    Connected
+    | MessageReceived
+    | Tick
+    | EnginesStarted
+    | EngineChanged
+    | EngineWanted
+    | GenerationEnded
+    | EngineFailed
+    | LeaseScored
+    | LeaseFiltered
+    | LeaseCommitted
+    | LeaseFailed
+    | ShutdownRequested
+    | WeightsStepDone
+    | EngineVersion
+)
 
 
 # --------------------------------------------------------------------------- instructions
@@ -333,5 +353,20 @@ class Log:
     text: str
 
 
-Instruction = (Send | StartLease | AssignEngine | CancelLease | AbortRequests | AckReceipt | TrimGroups
-               | ReportEngineFailure | Configure | Reconnect | CloseLink | Exit | RunWeightsStep | SetWeights | Log)
+Instruction = (
+    Send
+    | StartLease
+    | AssignEngine
+    | CancelLease
+    | AbortRequests
+    | AckReceipt
+    | TrimGroups
+    | ReportEngineFailure
+    | Configure
+    | Reconnect
+    | CloseLink
+    | Exit
+    | RunWeightsStep
+    | SetWeights
+    | Log
+)

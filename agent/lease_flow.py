@@ -96,8 +96,12 @@ class LeaseFlow:
         self.leases.free(rec)
         rec.state, rec.resume = LeaseState.RETRYING, False
         self.counters.engine_retries += 1
-        out.append(Log(logging.WARNING,
-                       f"lease {rec.lease:x}: engine {engine} failed ({ev.reason}); retrying on another engine"))
+        out.append(
+            Log(
+                logging.WARNING,
+                f"lease {rec.lease:x}: engine {engine} failed ({ev.reason}); retrying on another engine",
+            )
+        )
         out.append(ReportEngineFailure(engine, ev.reason))
         if self.leases.mark_failed(engine):
             self._send(p.Capacity(self.session, self.capacity(), self.engines()), out)

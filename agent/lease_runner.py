@@ -155,8 +155,16 @@ class LeaseRunner:
         if not verdict.keep:
             self._dispatch(LeaseFiltered(lease, verdict.reason, stats))
             return
-        group = Group(index=index, samples=samples, data_epoch=epoch, rollout_id=grant["rollout_id"], label=label,
-                      metadata=metadata, agent_id=ctx.agent_id, gen_seconds=gen_seconds)
+        group = Group(
+            index=index,
+            samples=samples,
+            data_epoch=epoch,
+            rollout_id=grant["rollout_id"],
+            label=label,
+            metadata=metadata,
+            agent_id=ctx.agent_id,
+            gen_seconds=gen_seconds,
+        )
         receipt = PendingReceipt(lease, epoch, index, f"{epoch}:{index}:{lease:x}", len(samples), stats)
         if faults.INJECTED is not None:  # tests only: die before the commit, or between it and the receipt
             faults.INJECTED.before_commit(receipt.key)
@@ -199,8 +207,14 @@ class LeaseRunner:
         answers: list[list[dict]] = [[] for _ in assignment.request_ids]
         todo = list(range(len(answers)))  # samples without a final answer
         while True:
-            calls = [asyncio.ensure_future(client.generate(assignment.url, *continuation(input_ids, answers[i], params),
-                                                           assignment.request_ids[i])) for i in todo]
+            calls = [
+                asyncio.ensure_future(
+                    client.generate(
+                        assignment.url, *continuation(input_ids, answers[i], params), assignment.request_ids[i]
+                    )
+                )
+                for i in todo
+            ]
             try:
                 results = await asyncio.gather(*calls)
             except EngineUnavailable as exc:

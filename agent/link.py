@@ -49,8 +49,16 @@ class AgentExit(RolloutError):
 
 
 class CoordinatorLink:
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, *, agent_id: str, store: GroupStore,
-                 session: AgentSession, dispatch: Callable[[object], None]):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        address: str,
+        *,
+        agent_id: str,
+        store: GroupStore,
+        session: AgentSession,
+        dispatch: Callable[[object], None],
+    ):
         self.address = address
         self._ctx = ctx
         self._agent_id = agent_id

@@ -65,7 +65,11 @@ class GenerationPool:
     def describe(self, states: dict[str, str] | None = None) -> list[dict]:
         states = states or {}
         return [
-            {"name": e.name, "url": e.url, "state": states.get(e.name, "healthy" if e.healthy else "down"),
-             "in_flight": e.in_flight}
+            {
+                "name": e.name,
+                "url": e.url,
+                "state": states.get(e.name, "healthy" if e.healthy else "down"),
+                "in_flight": e.in_flight,
+            }
             for e in self.engines.values()
         ]

@@ -111,8 +111,17 @@ class Counters:
 
 
 class AgentSession(LeaseFlow):
-    def __init__(self, *, agent_id: str, incarnation: int, payload_address: str, concurrency_per_engine: int,
-                 coordinator: str = "", dataset_fingerprint: str = "", dataset_size: int = -1):
+    def __init__(
+        self,
+        *,
+        agent_id: str,
+        incarnation: int,
+        payload_address: str,
+        concurrency_per_engine: int,
+        coordinator: str = "",
+        dataset_fingerprint: str = "",
+        dataset_size: int = -1,
+    ):
         self.agent_id = agent_id
         self.incarnation = incarnation
         self.payload_address = payload_address
@@ -138,16 +147,30 @@ class AgentSession(LeaseFlow):
         self._register_wait = FIRST_REGISTER_WAIT
         self._register_deadline = math.inf
         self._events = {
-            Connected: self._on_connected, MessageReceived: self._on_message, Tick: self._on_tick,
-            EnginesStarted: self._on_engines_started, EngineChanged: self._on_engine_changed,
-            EngineWanted: self._on_engine_wanted, GenerationEnded: self._on_generation_ended,
-            EngineFailed: self._on_engine_failed, LeaseScored: self._on_scored, LeaseFiltered: self._on_filtered,
-            LeaseCommitted: self._on_committed, LeaseFailed: self._on_failed, ShutdownRequested: self._on_shutdown,
-            WeightsStepDone: self._on_weights_done, EngineVersion: self._on_engine_version,
+            Connected: self._on_connected,
+            MessageReceived: self._on_message,
+            Tick: self._on_tick,
+            EnginesStarted: self._on_engines_started,
+            EngineChanged: self._on_engine_changed,
+            EngineWanted: self._on_engine_wanted,
+            GenerationEnded: self._on_generation_ended,
+            EngineFailed: self._on_engine_failed,
+            LeaseScored: self._on_scored,
+            LeaseFiltered: self._on_filtered,
+            LeaseCommitted: self._on_committed,
+            LeaseFailed: self._on_failed,
+            ShutdownRequested: self._on_shutdown,
+            WeightsStepDone: self._on_weights_done,
+            EngineVersion: self._on_engine_version,
         }
         self._messages = {
-            p.Grant: self._on_grant, p.ReceiptAck: self._on_ack, p.Control: self._on_control, p.Trim: self._on_trim,
-            p.Heartbeat: self._on_heartbeat, p.Fence: self._on_fence, p.Error: self._on_error,
+            p.Grant: self._on_grant,
+            p.ReceiptAck: self._on_ack,
+            p.Control: self._on_control,
+            p.Trim: self._on_trim,
+            p.Heartbeat: self._on_heartbeat,
+            p.Fence: self._on_fence,
+            p.Error: self._on_error,
             **{kind: self._on_weights_step for kind in OPENS},
         }
 
@@ -179,10 +202,16 @@ class AgentSession(LeaseFlow):
         return bool(self.outbox) and self.phase is Phase.ACTIVE and now - self.last_heard < 2 * self.heartbeat_interval
 
     def stats(self, stored_groups: int) -> dict:
-        return {"groups_committed": self.counters.groups_committed, "groups_filtered": self.counters.groups_filtered,
-                "groups_released": self.counters.groups_released, "samples": self.counters.samples,
-                "engine_retries": self.counters.engine_retries, "in_flight": len(self.leases),
-                "capacity": self.leases.capacity(), "stored_groups": stored_groups}
+        return {
+            "groups_committed": self.counters.groups_committed,
+            "groups_filtered": self.counters.groups_filtered,
+            "groups_released": self.counters.groups_released,
+            "samples": self.counters.samples,
+            "engine_retries": self.counters.engine_retries,
+            "in_flight": len(self.leases),
+            "capacity": self.leases.capacity(),
+            "stored_groups": stored_groups,
+        }
 
     # ------------------------------------------------------------------ link
 
@@ -219,8 +248,12 @@ class AgentSession(LeaseFlow):
     def _on_tick(self, ev: Tick, now: float, out: list) -> None:
         if self.phase is Phase.REGISTERING:
             if now >= self._register_deadline:
-                out.append(Log(logging.INFO, f"agent {self.agent_id}: no answer from coordinator {self.coordinator} "
-                                             "yet; retrying"))
+                out.append(
+                    Log(
+                        logging.INFO,
+                        f"agent {self.agent_id}: no answer from coordinator {self.coordinator} yet; retrying",
+                    )
+                )
                 self._register_wait = min(self._register_wait * 2, MAX_REGISTER_WAIT)
                 self._register_deadline = now + self._register_wait
                 out.append(Send(self._register))  # the same Register: its lists match what was read with it
@@ -286,8 +319,13 @@ class AgentSession(LeaseFlow):
             self._forget(lease, out)
         self._set_paused(msg.paused, False, out)
         self.weights.on_welcome(weights, out)
-        out.append(Log(logging.INFO, f"agent {self.agent_id}: registered (session {self.session:x}, capacity "
-                                     f"{self.leases.capacity()} samples, {len(msg.acks)} receipts recovered)"))
+        out.append(
+            Log(
+                logging.INFO,
+                f"agent {self.agent_id}: registered (session {self.session:x}, capacity "
+                f"{self.leases.capacity()} samples, {len(msg.acks)} receipts recovered)",
+            )
+        )
 
     def _on_ack(self, msg: p.ReceiptAck, now: float, out: list) -> None:
         self.outbox.answer(msg.key)
@@ -352,9 +390,13 @@ class AgentSession(LeaseFlow):
     def _on_engine_changed(self, ev: EngineChanged, now: float, out: list) -> None:
         self.leases.all_retired = ev.all_retired
         changed = self.leases.set_engine(ev.name, ev.state, ev.url)
-        out.append(Log(logging.INFO if ev.state == "healthy" else logging.WARNING,
-                       f"agent {self.agent_id}: engine {ev.name} is {ev.state} "
-                       f"(capacity now {self.leases.capacity()} samples)"))
+        out.append(
+            Log(
+                logging.INFO if ev.state == "healthy" else logging.WARNING,
+                f"agent {self.agent_id}: engine {ev.name} is {ev.state} "
+                f"(capacity now {self.leases.capacity()} samples)",
+            )
+        )
         if changed or ev.state == "retired":
             self._send(p.Capacity(self.session, self.capacity(), self.engines()), out)
         for rec in self.leases.records(LeaseState.WAITING):

@@ -35,8 +35,9 @@ def answer_spans(meta: dict, offset: int, n_tokens: int) -> list[list]:
     """The spans one answer of ``n_tokens`` tokens contributes when ``offset`` tokens were held before it."""
     raw = meta.get("weight_versions")
     if raw:
-        return [[s.get("version"), s.get("start", 0) + offset, s.get("end", 0) + offset]
-                for s in raw if isinstance(s, dict)]
+        return [
+            [s.get("version"), s.get("start", 0) + offset, s.get("end", 0) + offset] for s in raw if isinstance(s, dict)
+        ]
     return [[meta.get("weight_version", ""), offset, offset + n_tokens]]
 
 

@@ -67,8 +67,11 @@ class WeightState:
             record = self.current
         if self.open_update is not None:
             # The session it belonged to is gone: end it here (engines continue, the group is destroyed).
-            self.on_step(p.WeightsAbort(self.open_update, record.version, record.path if record.kind == "disk" else ""),
-                         out, report=False)
+            self.on_step(
+                p.WeightsAbort(self.open_update, record.version, record.path if record.kind == "disk" else ""),
+                out,
+                report=False,
+            )
         if record != self.current:
             self.current = record
             out.append(SetWeights(record))

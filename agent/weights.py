@@ -48,13 +48,27 @@ log = logging.getLogger("rollfleet.agent.weights")
 STEP_DEADLINE = 600.0
 """Seconds one engine may take for one step (an init waits for the trainer to join)."""
 
-STEPS = {p.WeightsBegin: "begin", p.WeightsFromDisk: "disk", p.WeightsInitGroup: "init", p.WeightsBucket: "bucket",
-         p.WeightsFinish: "finish", p.WeightsAbort: "abort"}
+STEPS = {
+    p.WeightsBegin: "begin",
+    p.WeightsFromDisk: "disk",
+    p.WeightsInitGroup: "init",
+    p.WeightsBucket: "bucket",
+    p.WeightsFinish: "finish",
+    p.WeightsAbort: "abort",
+}
 
 
 class WeightsExecutor:
-    def __init__(self, supervisor: EngineSupervisor, client: EngineClient, dispatch: Callable[[object], None], *,
-                 agent_id: str = "", step_deadline: float = STEP_DEADLINE, flush_deadline: float = 60.0):
+    def __init__(
+        self,
+        supervisor: EngineSupervisor,
+        client: EngineClient,
+        dispatch: Callable[[object], None],
+        *,
+        agent_id: str = "",
+        step_deadline: float = STEP_DEADLINE,
+        flush_deadline: float = 60.0,
+    ):
         self.supervisor = supervisor
         self.client = client
         self.agent_id = agent_id
@@ -70,8 +84,14 @@ class WeightsExecutor:
         self._touched: set[str] = set()  # engines the open update sent weights to
         self._queue: asyncio.Queue[RunWeightsStep | WeightsRecord] = asyncio.Queue()
         self._step: tuple[RunWeightsStep, asyncio.Task] | None = None
-        self._steps = {"begin": self._begin, "disk": self._disk, "init": self._init, "bucket": self._bucket,
-                       "finish": self._finish, "abort": self._abort}
+        self._steps = {
+            "begin": self._begin,
+            "disk": self._disk,
+            "init": self._init,
+            "bucket": self._bucket,
+            "finish": self._finish,
+            "abort": self._abort,
+        }
 
     # ------------------------------------------------------------------ from the core
 
@@ -141,15 +161,20 @@ class WeightsExecutor:
     async def _run_step(self, ins: RunWeightsStep) -> None:
         step = STEPS[type(ins.msg)]
         errors, record = await self._steps[step](ins.msg)
-        error = "; ".join(f"agent {self.agent_id}: {why}" if name == "*" else
-                          f"engine {name} of agent {self.agent_id}: {why}" for name, why in errors.items())
+        error = "; ".join(
+            f"agent {self.agent_id}: {why}" if name == "*" else f"engine {name} of agent {self.agent_id}: {why}"
+            for name, why in errors.items()
+        )
         self._done(ins, not errors, error, record)
 
     def _done(self, ins: RunWeightsStep, ok: bool, error: str, record: WeightsRecord | None = None) -> None:
         msg = ins.msg
         serving = {name: self.versions.get(name) for name in self.supervisor.urls("healthy")}
-        self._dispatch(WeightsStepDone(msg.update_id, STEPS[type(msg)], ok, getattr(msg, "seq", 0), serving, error,
-                                       record, ins.report))
+        self._dispatch(
+            WeightsStepDone(
+                msg.update_id, STEPS[type(msg)], ok, getattr(msg, "seq", 0), serving, error, record, ins.report
+            )
+        )
 
     async def _begin(self, msg: p.WeightsBegin) -> tuple[dict, None]:
         self.supervisor.pause_health_checks()
@@ -196,8 +221,14 @@ class WeightsExecutor:
 
         async def join(name: str, url: str) -> None:
             await self.client.init_weights_update_group(
-                url, master_address=msg.master_address, master_port=msg.master_port, rank_offset=offsets[name],
-                world_size=msg.world_size, group_name=msg.group_name, backend=msg.backend)
+                url,
+                master_address=msg.master_address,
+                master_port=msg.master_port,
+                rank_offset=offsets[name],
+                world_size=msg.world_size,
+                group_name=msg.group_name,
+                backend=msg.backend,
+            )
             self.group[name] = url
 
         errors = await self._each(members, join)
@@ -209,8 +240,12 @@ class WeightsExecutor:
         if not self.group:
             return {"*": "no update group on this agent (no init step succeeded)"}, None
         self._touched.update(self.group)
-        return await self._each(dict(self.group), lambda name, url: self.client.update_weights_from_distributed(
-            url, names=msg.names, dtypes=msg.dtypes, shapes=msg.shapes, group_name=msg.group_name)), None
+        return await self._each(
+            dict(self.group),
+            lambda name, url: self.client.update_weights_from_distributed(
+                url, names=msg.names, dtypes=msg.dtypes, shapes=msg.shapes, group_name=msg.group_name
+            ),
+        ), None
 
     async def _finish(self, msg: p.WeightsFinish) -> tuple[dict, WeightsRecord | None]:
         updated = dict(self.group)
@@ -243,8 +278,9 @@ class WeightsExecutor:
             self.stale.add(name)  # partial weights: out of the pool until re-loaded or updated
         self._touched.clear()
         group, self.group = self.group, {}
-        destroy = await self._each(group, lambda name, url: self.client.destroy_weights_update_group(
-            url, self.group_name))
+        destroy = await self._each(
+            group, lambda name, url: self.client.destroy_weights_update_group(url, self.group_name)
+        )
         for name, why in destroy.items():
             log.info("engine %s: destroying the update group: %s", name, why)  # 400 when it never formed
         errors = await self._continue_paused()
@@ -292,8 +328,11 @@ class WeightsExecutor:
 
     async def _sweep(self) -> None:
         """Every engine not on ``current`` (or holding partial weights) is brought up to it or left stale."""
-        behind = [(name, url) for name, url in self.supervisor.urls().items()
-                  if name in self.stale or self.versions.get(name) != self.current.version]
+        behind = [
+            (name, url)
+            for name, url in self.supervisor.urls().items()
+            if name in self.stale or self.versions.get(name) != self.current.version
+        ]
         await asyncio.gather(*(self._bring_up(name, url, mark=True) for name, url in behind))
 
     async def _bring_up(self, name: str, url: str, *, mark: bool) -> bool:
@@ -307,8 +346,12 @@ class WeightsExecutor:
         else:
             self.stale.add(name)
         if record.kind != "disk" or not record.path:
-            log.warning("engine %s is not on weight version %d (%s): out of the pool until an update reaches it",
-                        name, record.version, record.kind or "launch weights")
+            log.warning(
+                "engine %s is not on weight version %d (%s): out of the pool until an update reaches it",
+                name,
+                record.version,
+                record.kind or "launch weights",
+            )
             return False
         try:
             async with asyncio.timeout(self.step_deadline):
@@ -319,8 +362,9 @@ class WeightsExecutor:
                     await self.client.continue_generation(url)
                 await self._verify(name, url, record.version)
         except (EngineError, TimeoutError) as exc:
-            log.error("engine %s: re-loading weight version %d from %s failed: %s", name, record.version,
-                      record.path, exc)
+            log.error(
+                "engine %s: re-loading weight version %d from %s failed: %s", name, record.version, record.path, exc
+            )
             return False
         log.info("engine %s re-loaded weight version %d from %s", name, record.version, record.path)
         self.stale.discard(name)

@@ -96,8 +96,9 @@ class Agent:
         options = {"log_dir": Path(data_dir) / "logs", **(supervisor_options or {})}
         # One HTTP client to the engines: generation, aborts and the supervisor's health probes.
         self.client = EngineClient()
-        self.supervisor = EngineSupervisor(engine_specs, on_change=self._on_engine_change, client=self.client,
-                                           **options)
+        self.supervisor = EngineSupervisor(
+            engine_specs, on_change=self._on_engine_change, client=self.client, **options
+        )
         self.agent_id = self.store.agent_id
         # Weight updates (agent/weights.py); it also brings every (re)started engine to the fleet's weights.
         self.weights = WeightsExecutor(self.supervisor, self.client, self.handle, agent_id=self.agent_id)
@@ -116,8 +117,9 @@ class Agent:
             dataset_fingerprint=dataset.fingerprint if dataset else "",
             dataset_size=len(dataset) if dataset else -1,
         )
-        self.link = CoordinatorLink(self.ctx, coordinator, agent_id=self.agent_id, store=self.store,
-                                    session=self.session, dispatch=self.handle)
+        self.link = CoordinatorLink(
+            self.ctx, coordinator, agent_id=self.agent_id, store=self.store, session=self.session, dispatch=self.handle
+        )
         self._tokenizer_name = tokenizer
         self.tokenizer = None
         self.runners: dict[int, LeaseRunner] = {}
@@ -206,8 +208,11 @@ class Agent:
         while time.monotonic() < end and self.session.awaiting_acks(time.monotonic()):
             await asyncio.sleep(0.05)
         if self.session.outbox:
-            log.warning("agent %s: %d receipt(s) unacknowledged at shutdown; they are sent again at the next start",
-                        self.agent_id, len(self.session.outbox))
+            log.warning(
+                "agent %s: %d receipt(s) unacknowledged at shutdown; they are sent again at the next start",
+                self.agent_id,
+                len(self.session.outbox),
+            )
         for task in self._services:
             task.cancel()
 
@@ -244,8 +249,16 @@ class Agent:
 
     def _configure(self, ins: Configure) -> None:
         config = ins.config
-        self._lease_ctx = LeaseContext(config, load_reward(config.reward), load_filter(config.dynamic_filter),
-                                       self.tokenizer, self.dataset, self.client, self.store, self.agent_id)
+        self._lease_ctx = LeaseContext(
+            config,
+            load_reward(config.reward),
+            load_filter(config.dynamic_filter),
+            self.tokenizer,
+            self.dataset,
+            self.client,
+            self.store,
+            self.agent_id,
+        )
 
     def _start_lease(self, ins: StartLease) -> None:
         runner = LeaseRunner(ins.grant, self._lease_ctx, self.handle)

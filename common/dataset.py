@@ -51,8 +51,15 @@ except ImportError:  # pragma: no cover - orjson is a dependency
 
 __all__ = ["Dataset", "Row", "epoch_permutation"]
 
-_JSON_TYPE = {dict: "object", list: "array", str: "string", int: "number", float: "number",
-              bool: "boolean", type(None): "null"}
+_JSON_TYPE = {
+    dict: "object",
+    list: "array",
+    str: "string",
+    int: "number",
+    float: "number",
+    bool: "boolean",
+    type(None): "null",
+}
 
 
 def _json_type(value: Any) -> str:
@@ -100,9 +107,7 @@ class Dataset:
         if not input_key or not isinstance(input_key, str):
             raise ConfigError(f"input_key must be a non-empty string, got {input_key!r}")
         if not isinstance(label_key, str) or label_key == input_key:
-            raise ConfigError(
-                f"label_key must be a string different from input_key, got {label_key!r}"
-            )
+            raise ConfigError(f"label_key must be a string different from input_key, got {label_key!r}")
         self.path = os.fspath(path)
         self.input_key = input_key
         self.label_key = label_key
@@ -162,8 +167,7 @@ class Dataset:
             return
         if not isinstance(prompt, list):
             raise ValueError(
-                f"{key!r} must be a non-empty string or a list of messages, "
-                f"got a JSON {_json_type(prompt)}"
+                f"{key!r} must be a non-empty string or a list of messages, got a JSON {_json_type(prompt)}"
             )
         if not prompt:
             raise ValueError(f"{key!r} is an empty list of messages")
@@ -177,8 +181,7 @@ class Dataset:
                 raise ValueError(f"{where} is missing 'content'")
             if not isinstance(message["content"], (str, list)):
                 raise ValueError(
-                    f"{where} 'content' must be a string or a list, "
-                    f"got a JSON {_json_type(message['content'])}"
+                    f"{where} 'content' must be a string or a list, got a JSON {_json_type(message['content'])}"
                 )
 
     # ------------------------------------------------------------------ access
@@ -200,8 +203,7 @@ class Dataset:
             self._check_row(obj)
         except ValueError as e:
             raise DatasetError(
-                f"row {i} at byte {offset} no longer parses ({e}); "
-                "was the file changed after it was loaded?",
+                f"row {i} at byte {offset} no longer parses ({e}); was the file changed after it was loaded?",
                 path=self.path,
             ) from None
         label = obj.pop(self.label_key, None)
@@ -213,7 +215,7 @@ class Dataset:
             self._file.close()
             self._file = None
 
-    def __enter__(self) -> "Dataset":
+    def __enter__(self) -> Dataset:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -22,7 +22,11 @@ def arithmetic_rows(n: int, *, seed: int = 0, prompt_bytes: int | None = None) -
         if prompt_bytes is not None:
             # Pad at the front so the question stays last (the sim engine reads the last expression).
             filler = "Think step by step. " * (prompt_bytes // 20 + 1)
-            prompt = (filler[: max(0, prompt_bytes - len(prompt))] + prompt)[-prompt_bytes:] if len(prompt) < prompt_bytes else prompt
+            prompt = (
+                (filler[: max(0, prompt_bytes - len(prompt))] + prompt)[-prompt_bytes:]
+                if len(prompt) < prompt_bytes
+                else prompt
+            )
         rows.append({"prompt": prompt, "label": answer, "source": "arithmetic"})
     return rows
 

@@ -42,9 +42,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from common.errors import RolloutError
 from common.metrics import DEFAULT_REASON, DropStats, sanitize_reason
@@ -63,7 +63,6 @@ __all__ = [
     "nonzero_std",
     "sanitize_reason",
 ]
-
 
 
 class FilterError(RolloutError):
@@ -97,8 +96,7 @@ def normalize_verdict(result: Any, spec: str = "filter") -> Verdict:
         keep, reason = _as_bool(result), None
     if keep is None:
         raise FilterError(
-            f"filter {spec!r} returned {type(result).__name__} {result!r}; "
-            "expected a bool, (keep, reason) or Verdict"
+            f"filter {spec!r} returned {type(result).__name__} {result!r}; expected a bool, (keep, reason) or Verdict"
         )
     if keep:
         # A keep needs no reason; one given is kept (sanitised) for logging.

@@ -26,7 +26,9 @@ MAP_SIZE = 1 << 40
 
 def open_env(path: Path, *, sync: bool = True, max_readers: int = 256, max_dbs: int = 4) -> lmdb.Environment:
     path.mkdir(parents=True, exist_ok=True)
-    env = lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=max_dbs, max_readers=max_readers, sync=sync, metasync=sync, writemap=False)
+    env = lmdb.open(
+        str(path), map_size=MAP_SIZE, max_dbs=max_dbs, max_readers=max_readers, sync=sync, metasync=sync, writemap=False
+    )
     env.reader_check()
     return env
 

@@ -60,7 +60,7 @@ class DropStats:
         out[f"{prefix}/dropped_ratio"] = dropped / total if total else 0.0
         return out
 
-    def merge(self, other: "DropStats") -> "DropStats":
+    def merge(self, other: DropStats) -> DropStats:
         """Add ``other``'s counts into this one; returns self."""
         self.kept += other.kept
         for reason, n in other.dropped.items():
@@ -71,7 +71,7 @@ class DropStats:
         return {"kept": self.kept, "dropped": dict(self.dropped)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DropStats":
+    def from_dict(cls, d: dict) -> DropStats:
         if not isinstance(d, dict) or not isinstance(d.get("dropped", {}), dict):
             raise ValueError(f"not a DropStats dict: {d!r}")
         return cls(kept=d.get("kept", 0), dropped=d.get("dropped", {}))

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from common.errors import ConfigError
 
@@ -28,16 +29,12 @@ def import_callable(spec: str, kind: str = "reward") -> Callable:
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as e:  # a broken user module must still name the spec
-        raise ConfigError(
-            f"{kind} {spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}"
-        ) from e
+        raise ConfigError(f"{kind} {spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
     for part in attr_path.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ConfigError(
-                f"{kind} {spec!r}: module {module_name!r} has no attribute {attr_path!r}"
-            ) from None
+            raise ConfigError(f"{kind} {spec!r}: module {module_name!r} has no attribute {attr_path!r}") from None
     if not callable(obj):
         raise ConfigError(f"{kind} {spec!r}: {attr_path!r} is a {type(obj).__name__}, not callable")
     return obj
@@ -57,6 +54,4 @@ def resolve_spec(spec: str, builtins: dict[str, Callable], kind: str) -> tuple[s
 
 def is_async_callable(fn: Callable) -> bool:
     """True for coroutine functions, including callable objects with ``async __call__``."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)
-    )
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004

@@ -53,7 +53,8 @@ import inspect
 import math
 import numbers
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from common.errors import RolloutError
 from common.plugins import import_callable, is_async_callable, resolve_spec
@@ -260,8 +261,7 @@ BUILTIN_REWARDS: dict[str, Callable[[Sample], float]] = {
 def _validate(spec: str, value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise RewardError(
-            f"reward {spec!r} returned {type(value).__name__} {value!r} for {where}; "
-            "expected a finite int or float"
+            f"reward {spec!r} returned {type(value).__name__} {value!r} for {where}; expected a finite int or float"
         )
     f = float(value)
     if not math.isfinite(f):
@@ -303,8 +303,7 @@ class RewardFn:
             raw = list(raw)
             if len(raw) != len(samples):
                 raise RewardError(
-                    f"per-group reward {self.spec!r} returned {len(raw)} values "
-                    f"for {len(samples)} samples"
+                    f"per-group reward {self.spec!r} returned {len(raw)} values for {len(samples)} samples"
                 )
         return [_validate(self.spec, v, f"sample {i}") for i, v in enumerate(raw)]
 
@@ -324,7 +323,7 @@ class RewardFn:
         pending = [i for i, r in enumerate(results) if inspect.isawaitable(r)]
         if pending:
             done = await asyncio.gather(*(results[i] for i in pending))
-            for i, value in zip(pending, done):
+            for i, value in zip(pending, done, strict=True):
                 results[i] = value
         return results
 

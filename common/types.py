@@ -75,7 +75,7 @@ class Sample:
         }
 
     @classmethod
-    def from_wire(cls, d: dict, label: Any) -> "Sample":
+    def from_wire(cls, d: dict, label: Any) -> Sample:
         return cls(
             prompt_tokens=_unpack_array("i", d["p"]),
             response_tokens=_unpack_array("i", d["r"]),
@@ -123,7 +123,7 @@ class Group:
         )
 
     @classmethod
-    def from_wire(cls, data: bytes) -> "Group":
+    def from_wire(cls, data: bytes) -> Group:
         d = msgpack.unpackb(data, raw=False)
         label = d["l"]
         return cls(

@@ -53,9 +53,7 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--retire-after", type=seconds, default=Liveness.retire_after, help="silence after which an agent is retired"
     )
-    sp.add_argument(
-        "--max-message-bytes", type=message_bytes, default=64 << 20, help="largest control message (64MiB)"
-    )
+    sp.add_argument("--max-message-bytes", type=message_bytes, default=64 << 20, help="largest control message (64MiB)")
     sp.add_argument(
         "--starve-after",
         type=_COUNT,
@@ -64,9 +62,7 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
         "stops (default: max(64, 2 x --rollout-batch-size))",
     )
     sp.add_argument("--no-sync", action="store_true", help="skip fsync on ledger commits (faster, not crash-safe)")
-    sp.add_argument(
-        "--allow-config-change", action="store_true", help="restart with other batch settings; recorded"
-    )
+    sp.add_argument("--allow-config-change", action="store_true", help="restart with other batch settings; recorded")
     sp.add_argument("--log-level", type=log_level, default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
 

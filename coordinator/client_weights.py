@@ -109,29 +109,50 @@ class WeightSender:
         port = free_port(address)
         what = f"update_weights({version})"
         begun = await self.client._request(
-            lambda s, req: p.UpdateWeights(s, req, int(version), "distributed", "", address, port, backend,
-                                           float(timeout)),
+            lambda s, req: p.UpdateWeights(
+                s, req, int(version), "distributed", "", address, port, backend, float(timeout)
+            ),
             what,
         )
         update_id = begun["update_id"]
         try:
             if begun["init"]:
                 await self._destroy()
-                log.info("forming weight-update group %s (world size %d) on %s:%d", begun["group_name"],
-                         begun["world_size"], address, port)
+                log.info(
+                    "forming weight-update group %s (world size %d) on %s:%d",
+                    begun["group_name"],
+                    begun["world_size"],
+                    address,
+                    port,
+                )
                 self.group = await asyncio.to_thread(
-                    weight_group.join_as_trainer, address, port, begun["world_size"], backend=backend,
-                    group_name=begun["group_name"], timeout_s=timeout)
+                    weight_group.join_as_trainer,
+                    address,
+                    port,
+                    begun["world_size"],
+                    backend=backend,
+                    group_name=begun["group_name"],
+                    timeout_s=timeout,
+                )
                 self.group_name = begun["group_name"]
             elif self.group is None or self.group_name != begun["group_name"]:
-                raise WeightUpdateError(f"{what}: the coordinator kept group {begun['group_name']!r}, which this "
-                                        "trainer no longer holds; the update ends at its deadline", code="weights")
+                raise WeightUpdateError(
+                    f"{what}: the coordinator kept group {begun['group_name']!r}, which this "
+                    "trainer no longer holds; the update ends at its deadline",
+                    code="weights",
+                )
             for seq, bucket in enumerate(buckets(items, bucket_bytes)):
                 tensors = [_sendable(t, backend) for _, t in bucket]
                 await self.client._request(
                     lambda s, req, seq=seq, bucket=bucket, tensors=tensors: p.WeightBucket(
-                        s, req, update_id, seq, [name for name, _ in bucket],
-                        [str(t.dtype).removeprefix("torch.") for t in tensors], [list(t.shape) for t in tensors]),
+                        s,
+                        req,
+                        update_id,
+                        seq,
+                        [name for name, _ in bucket],
+                        [str(t.dtype).removeprefix("torch.") for t in tensors],
+                        [list(t.shape) for t in tensors],
+                    ),
                     f"{what} bucket {seq}",
                 )
                 await asyncio.to_thread(weight_group.broadcast, self.group, tensors)

@@ -30,7 +30,13 @@ log = logging.getLogger("rollfleet.client")
 
 # Refusals of a call that is not allowed now (a checkpoint not drained, refused or never delivered).
 _STATE_CODES = (
-    "not_drained", "bad_state", "bad_request", "resumed", "config_mismatch", "weights_busy", "weights_version"
+    "not_drained",
+    "bad_state",
+    "bad_request",
+    "resumed",
+    "config_mismatch",
+    "weights_busy",
+    "weights_version",
 )
 
 

@@ -76,8 +76,15 @@ def _decode_prompt(raw: bytes) -> PromptState:
 
 
 def _encode_weights(log: WeightLog) -> bytes:
-    return _pack({"version": log.version, "updates": log.updates, "kind": log.kind, "path": log.path,
-                  "boundaries": list(log.boundaries)})
+    return _pack(
+        {
+            "version": log.version,
+            "updates": log.updates,
+            "kind": log.kind,
+            "path": log.path,
+            "boundaries": list(log.boundaries),
+        }
+    )
 
 
 def _decode_weights(raw: bytes) -> WeightLog:

@@ -106,10 +106,20 @@ class WeightUpdates:
                     engines[f"{rec.agent_id}/{e['name']}"] = e.get("version")
         held = None
         if lock is not None:
-            held = {"holder": lock.holder, "update_id": lock.update_id, "step": lock.step,
-                    "deadline_in_s": round(lock.deadline - now, 3)}
-        return {"version": self.log.version, "updates": self.log.updates, "kind": self.log.kind,
-                "path": self.log.path, "lock": held, "engines": engines}
+            held = {
+                "holder": lock.holder,
+                "update_id": lock.update_id,
+                "step": lock.step,
+                "deadline_in_s": round(lock.deadline - now, 3),
+            }
+        return {
+            "version": self.log.version,
+            "updates": self.log.updates,
+            "kind": self.log.kind,
+            "path": self.log.path,
+            "lock": held,
+            "engines": engines,
+        }
 
     def group(self) -> tuple[dict[str, dict[str, int]], int, tuple]:
         """``(agent -> {"agent/engine": rank offset}, world_size, identity)`` of the engines up now."""
@@ -117,8 +127,10 @@ class WeightUpdates:
         identity = []
         offset = 1
         for rec in sorted(self.core.membership.alive(), key=lambda r: r.agent_id):
-            for e in sorted((e for e in rec.engines if e.get("state") in MEMBER_STATES and "name" in e),
-                            key=lambda e: str(e["name"])):
+            for e in sorted(
+                (e for e in rec.engines if e.get("state") in MEMBER_STATES and "name" in e),
+                key=lambda e: str(e["name"]),
+            ):
                 tp = e.get("tp") or 1
                 tp = tp if isinstance(tp, int) and tp > 0 else 1
                 key = f"{rec.agent_id}/{e['name']}"
@@ -160,25 +172,40 @@ class WeightUpdates:
         if msg.kind == "disk" and not msg.path:
             return bad("bad_request", "a disk weight update needs a checkpoint path")
         if msg.kind == "distributed" and not (msg.master_address and 0 < msg.master_port < 65536 and msg.backend):
-            why = ("a distributed weight update needs master_address, master_port and backend, got "
-                   f"{msg.master_address!r}:{msg.master_port} {msg.backend!r}")
+            why = (
+                "a distributed weight update needs master_address, master_port and backend, got "
+                f"{msg.master_address!r}:{msg.master_port} {msg.backend!r}"
+            )
             return bad("bad_request", why)
         out: list = []
         if lock is not None:
             if lock.session != msg.session:
-                why = (f"weight update {lock.update_id} (version {lock.version}) of {lock.holder} is in flight "
-                       f"(step {lock.step}, deadline in {lock.deadline - now:.0f}s); one update at a time")
+                why = (
+                    f"weight update {lock.update_id} (version {lock.version}) of {lock.holder} is in flight "
+                    f"(step {lock.step}, deadline in {lock.deadline - now:.0f}s); one update at a time"
+                )
                 return bad("weights_busy", why)
             # Its own trainer begins anew: the update it left in flight was given up.
             out += self.abort(f"weight update {lock.update_id} was replaced by a new update from its trainer", now)
         if msg.version <= self.log.version:
-            why = (f"weight version {msg.version} is not greater than the fleet's current version "
-                   f"{self.log.version}; versions never move backwards")
+            why = (
+                f"weight version {msg.version} is not greater than the fleet's current version "
+                f"{self.log.version}; versions never move backwards"
+            )
             return out + bad("weights_version", why)
         self._counter += 1
         self._started_any = True
-        update = Update((self.core.membership.generation << 32) | self._counter, msg.kind, msg.version, msg.path,
-                        msg.session, self.core.trainer.client, msg.timeout, now + msg.timeout, msg.kind)
+        update = Update(
+            (self.core.membership.generation << 32) | self._counter,
+            msg.kind,
+            msg.version,
+            msg.path,
+            msg.session,
+            self.core.trainer.client,
+            msg.timeout,
+            now + msg.timeout,
+            msg.kind,
+        )
         self.lock = update
         if msg.kind == "disk":
             update.waiter = (peer, msg.req)
@@ -194,8 +221,10 @@ class WeightUpdates:
             self.lock = None
             why = "no engine is up to receive a distributed weight update (no alive agent with a healthy engine)"
             return [Send(peer, p.Error("weights", why, msg.req))]
-        out: list = [self._to(rec.agent_id, p.WeightsBegin(update.update_id, msg.version))
-                     for rec in self.core.membership.alive()]
+        out: list = [
+            self._to(rec.agent_id, p.WeightsBegin(update.update_id, msg.version))
+            for rec in self.core.membership.alive()
+        ]
         identity = (identity, msg.session, msg.master_address, msg.backend)
         init = identity != self._last_group
         update.members, update.world_size, update.step = members, world_size, "begin"
@@ -204,12 +233,28 @@ class WeightUpdates:
             self._last_group, self._group_name = identity, update.group_name
             update.step = "init"
             for agent_id, offsets in members.items():
-                out.append(self._to(agent_id, p.WeightsInitGroup(
-                    update.update_id, msg.master_address, msg.master_port, world_size, update.group_name,
-                    msg.backend, dict(offsets))))
+                out.append(
+                    self._to(
+                        agent_id,
+                        p.WeightsInitGroup(
+                            update.update_id,
+                            msg.master_address,
+                            msg.master_port,
+                            world_size,
+                            update.group_name,
+                            msg.backend,
+                            dict(offsets),
+                        ),
+                    )
+                )
                 update.init_pending.add(agent_id)
-        result = {"update_id": update.update_id, "world_size": world_size, "group_name": update.group_name,
-                  "init": init, "rank_offsets": {k: v for offsets in members.values() for k, v in offsets.items()}}
+        result = {
+            "update_id": update.update_id,
+            "world_size": world_size,
+            "group_name": update.group_name,
+            "init": init,
+            "rank_offsets": {k: v for offsets in members.values() for k, v in offsets.items()},
+        }
         reply = p.Ok(msg.req, result)
         self._remember((msg.session, msg.req), reply)
         return out + [Send(peer, reply)]
@@ -236,9 +281,20 @@ class WeightUpdates:
             return [Send(peer, p.Ok(msg.req, {"seq": msg.seq}))]  # resent: forwarded already
         lock.step = "bucket"
         lock.buckets[msg.seq] = set(lock.members)
-        out = [self._to(agent_id, p.WeightsBucket(lock.update_id, msg.seq, lock.group_name, list(msg.names),
-                                                  list(msg.dtypes), [list(s) for s in msg.shapes]))
-               for agent_id in lock.members]
+        out = [
+            self._to(
+                agent_id,
+                p.WeightsBucket(
+                    lock.update_id,
+                    msg.seq,
+                    lock.group_name,
+                    list(msg.names),
+                    list(msg.dtypes),
+                    [list(s) for s in msg.shapes],
+                ),
+            )
+            for agent_id in lock.members
+        ]
         return out + [Send(peer, p.Ok(msg.req, {"seq": msg.seq}))]
 
     def on_finish(self, peer: bytes, msg: p.FinishWeights, now: float) -> list:
@@ -287,8 +343,9 @@ class WeightUpdates:
             error = msg.error or "no detail"
             if agent not in error:
                 error = f"agent {agent}: {error}"
-            return self.abort(f"weight update {lock.update_id:#x} to version {lock.version} failed at step "
-                              f"{msg.step}: {error}", now)
+            return self.abort(
+                f"weight update {lock.update_id:#x} to version {lock.version} failed at step {msg.step}: {error}", now
+            )
         if msg.step in ("disk", "finish"):
             lock.waiting.discard(agent)
         elif msg.step == "init":
@@ -325,8 +382,11 @@ class WeightUpdates:
         """Agents sent a step of the update that are dead or registered again since."""
         agents = self.core.membership.agents
         lock = self.lock
-        return [a for a, s in lock.sessions.items()
-                if a not in agents or agents[a].status != ALIVE or agents[a].session != s]
+        return [
+            a
+            for a, s in lock.sessions.items()
+            if a not in agents or agents[a].status != ALIVE or agents[a].session != s
+        ]
 
     def _advance(self, now: float) -> list:
         lock = self.lock
@@ -334,8 +394,9 @@ class WeightUpdates:
             return []
         for agent in self._lost():
             if lock.kind == "distributed" and agent in lock.members and lock.step != "finish":
-                return self.abort(f"weight update {lock.update_id:#x} aborted: agent {agent}, in the group, was "
-                                  "lost", now)
+                return self.abort(
+                    f"weight update {lock.update_id:#x} aborted: agent {agent}, in the group, was lost", now
+                )
             # A disk update goes on without it: it loads the recorded checkpoint when it registers.
             lock.sessions.pop(agent, None)
             lock.waiting.discard(agent)
@@ -361,8 +422,13 @@ class WeightUpdates:
     def _complete(self, now: float) -> list:
         lock, self.lock = self.lock, None
         log = self.log
-        self.log = WeightLog(lock.version, log.updates + 1, lock.kind, lock.path if lock.kind == "disk" else "",
-                             log.boundaries + (self._lease_hwm(),))
+        self.log = WeightLog(
+            lock.version,
+            log.updates + 1,
+            lock.kind,
+            lock.path if lock.kind == "disk" else "",
+            log.boundaries + (self._lease_hwm(),),
+        )
         engines = {f"{a}/{name}": v for a, engs in sorted(lock.engines.items()) for name, v in sorted(engs.items())}
         then = []
         if lock.waiter is not None:
@@ -381,8 +447,10 @@ class WeightUpdates:
         while len(self._failed) > REPLIES_KEPT:
             del self._failed[next(iter(self._failed))]
         path = self.log.path if self.log.kind == "disk" else ""
-        out: list = [Send(r.agent_id, p.WeightsAbort(lock.update_id, self.log.version, path))
-                     for r in self.core.membership.alive()]
+        out: list = [
+            Send(r.agent_id, p.WeightsAbort(lock.update_id, self.log.version, path))
+            for r in self.core.membership.alive()
+        ]
         if lock.waiter is not None:
             error = p.Error("weights", why, lock.waiter[1])
             self._remember((lock.session, lock.waiter[1]), error)
@@ -395,8 +463,11 @@ class WeightUpdates:
         if lock is None:
             return []
         if now > lock.deadline:
-            return self.abort(f"weight update {lock.update_id:#x} to version {lock.version} missed its deadline "
-                              f"({lock.timeout:g}s) at step {lock.step}: waiting for {self._pending(lock)}", now)
+            return self.abort(
+                f"weight update {lock.update_id:#x} to version {lock.version} missed its deadline "
+                f"({lock.timeout:g}s) at step {lock.step}: waiting for {self._pending(lock)}",
+                now,
+            )
         return self._advance(now)
 
     def _pending(self, lock: Update) -> str:

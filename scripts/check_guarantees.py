@@ -35,8 +35,12 @@ from guarantee_mutations import MUTATIONS, Mutation  # noqa: E402
 
 def copy_tree(dest: Path) -> None:
     """The working tree as git sees it (tracked and untracked-not-ignored files), without .venv or .git."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
     for raw in filter(None, listed):
         rel = raw.decode()
         src = ROOT / rel

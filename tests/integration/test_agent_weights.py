@@ -57,8 +57,9 @@ class Node:
 
     def __init__(self, tmp: Path, supervisor: EngineSupervisor, client: EngineClient, config: RolloutConfig):
         self.supervisor, self.client, self.config = supervisor, client, config
-        self.session = AgentSession(agent_id="a1", incarnation=1, payload_address="tcp://a1:1",
-                                    concurrency_per_engine=8)
+        self.session = AgentSession(
+            agent_id="a1", incarnation=1, payload_address="tcp://a1:1", concurrency_per_engine=8
+        )
         self.weights = WeightsExecutor(supervisor, client, self.handle, agent_id="a1", step_deadline=30)
         supervisor.prepare = self.weights.prepare
         self.store = GroupStore(tmp / "store", agent_id="a1", sync=False)
@@ -94,16 +95,34 @@ class Node:
         return self.reports(step)[n - 1]
 
     async def group(self, lease: int) -> Group:
-        await wait_for_async(lambda: any(isinstance(m, p.Receipt) and m.lease == lease for m in self.sent), 30,
-                             f"lease {lease}'s receipt")
+        await wait_for_async(
+            lambda: any(isinstance(m, p.Receipt) and m.lease == lease for m in self.sent),
+            30,
+            f"lease {lease}'s receipt",
+        )
         receipt = next(m for m in self.sent if isinstance(m, p.Receipt) and m.lease == lease)
         [raw] = await self.store.get_many([receipt.key])
         return Group.from_wire(raw)
 
     def grant(self, lease: int) -> None:
-        self.handle(MessageReceived(p.Grant(self.session.session, [
-            {"lease": lease, "data_epoch": 0, "index": lease, "rollout_id": 0, "prompt": "What is 2 + 3?",
-             "label": "5", "metadata": {}}])))
+        self.handle(
+            MessageReceived(
+                p.Grant(
+                    self.session.session,
+                    [
+                        {
+                            "lease": lease,
+                            "data_epoch": 0,
+                            "index": lease,
+                            "rollout_id": 0,
+                            "prompt": "What is 2 + 3?",
+                            "label": "5",
+                            "metadata": {},
+                        }
+                    ],
+                )
+            )
+        )
 
     def urls(self) -> dict[str, str]:
         return self.supervisor.urls()
@@ -121,12 +140,25 @@ async def node(tmp_path, *, engines=2, sim_args=(), specs=None, partial=True, n_
             holder[0].handle(EngineChanged(name, state, url, sup.all_retired()))
 
     sup = EngineSupervisor(specs, log_dir=tmp_path / "logs", client=client, health_interval=0.5, on_change=on_change)
-    config = RolloutConfig(n_samples_per_prompt=n_samples, rollout_batch_size=1, max_new_tokens=400,
-                           dynamic_filter="none", partial_rollout=partial)
+    config = RolloutConfig(
+        n_samples_per_prompt=n_samples,
+        rollout_batch_size=1,
+        max_new_tokens=400,
+        dynamic_filter="none",
+        partial_rollout=partial,
+    )
     n = Node(tmp_path, sup, client, config)
     holder.append(n)
-    n.ctx = LeaseContext(config, load_reward(config.reward), load_filter(config.dynamic_filter),
-                         load_tokenizer(BYTE_TOKENIZER_NAME), None, client, n.store, "a1")
+    n.ctx = LeaseContext(
+        config,
+        load_reward(config.reward),
+        load_filter(config.dynamic_filter),
+        load_tokenizer(BYTE_TOKENIZER_NAME),
+        None,
+        client,
+        n.store,
+        "a1",
+    )
     executor = None
     try:
         await sup.start()
@@ -299,14 +331,14 @@ async def test_a_broadcast_update_with_a_gloo_rank_0_in_this_process(tmp_path):
         n.handle(MessageReceived(p.WeightsBegin(1, 2)))
         assert (await n.wait_report("begin")).ok
         port = free_port()
-        n.handle(MessageReceived(p.WeightsInitGroup(1, "127.0.0.1", port, 3, GROUP, "gloo",
-                                                    {"a1/sim-0": 1, "a1/sim-1": 2})))
+        n.handle(
+            MessageReceived(p.WeightsInitGroup(1, "127.0.0.1", port, 3, GROUP, "gloo", {"a1/sim-0": 1, "a1/sim-1": 2}))
+        )
         pg = await asyncio.to_thread(trainer_group, port, 3)
         try:
             assert (await n.wait_report("init")).ok
             named = {"sim.accuracy": torch.tensor([1.0]), "layer.w": torch.arange(6, dtype=torch.float32)}
-            n.handle(MessageReceived(p.WeightsBucket(1, 0, GROUP, list(named), ["float32", "float32"],
-                                                     [[1], [6]])))
+            n.handle(MessageReceived(p.WeightsBucket(1, 0, GROUP, list(named), ["float32", "float32"], [[1], [6]])))
             await asyncio.to_thread(broadcast_all, pg, list(named.values()))
             bucket = await n.wait_report("bucket")
             assert bucket.ok and bucket.seq == 0, bucket.error

@@ -45,8 +45,15 @@ CONFIG = RolloutConfig(n_samples_per_prompt=N, rollout_batch_size=2)
 
 
 def make_session(engines=("e0",)) -> AgentSession:
-    s = AgentSession(agent_id="a1", incarnation=3, payload_address="tcp://a1:7000", concurrency_per_engine=SLOTS,
-                     coordinator="tcp://c:5555", dataset_fingerprint="fp", dataset_size=100)
+    s = AgentSession(
+        agent_id="a1",
+        incarnation=3,
+        payload_address="tcp://a1:7000",
+        concurrency_per_engine=SLOTS,
+        coordinator="tcp://c:5555",
+        dataset_fingerprint="fp",
+        dataset_size=100,
+    )
     s.handle(EnginesStarted(tuple((name, f"http://{name}") for name in engines)), 0.0)
     return s
 
@@ -78,8 +85,15 @@ def logs(instructions) -> str:
 
 
 def grant(lease, index=None, epoch=0) -> dict:
-    return {"lease": lease, "data_epoch": epoch, "index": lease if index is None else index, "rollout_id": 0,
-            "prompt": "1+1", "label": 2, "metadata": {}}
+    return {
+        "lease": lease,
+        "data_epoch": epoch,
+        "index": lease if index is None else index,
+        "rollout_id": 0,
+        "prompt": "1+1",
+        "label": 2,
+        "metadata": {},
+    }
 
 
 def start(s, *leases, now=0.0) -> list[AssignEngine]:
@@ -150,8 +164,15 @@ def test_an_unanswered_register_is_sent_again_after_1_2_4_8_8_seconds():
 def test_while_registering_only_a_welcome_or_an_error_is_heard():
     s = make_session()
     s.handle(Connected((), ()), 0.0)
-    for msg in (p.Grant(0, [grant(1)]), p.ReceiptAck(1, "k", True), p.Control("pause", abort=True),
-                p.Fence("stale"), p.Trim(["k"]), p.Heartbeat(0, {"paused": True}), None):
+    for msg in (
+        p.Grant(0, [grant(1)]),
+        p.ReceiptAck(1, "k", True),
+        p.Control("pause", abort=True),
+        p.Fence("stale"),
+        p.Trim(["k"]),
+        p.Heartbeat(0, {"paused": True}),
+        None,
+    ):
         assert recv(s, msg) == [], msg
     assert not s.paused and not s.leases and s.phase is Phase.REGISTERING
 
@@ -317,12 +338,12 @@ def test_a_fence_while_shutting_down_closes_the_link_instead_of_reconnecting():
 def test_a_grant_starts_a_runner_that_gets_one_engine_and_one_request_id_per_sample():
     s = make_session()
     join(s)
-    out = recv(s, p.Grant(7, [grant(0x2a, index=4)]))
-    assert out == [StartLease(0x2a, grant(0x2a, index=4))] and s.max_lease == 0x2a
-    assert s.leases[0x2a].state is LeaseState.STARTING
-    [assign] = s.handle(EngineWanted(0x2a), 0.0)
-    assert assign == AssignEngine(0x2a, "e0", "http://e0", tuple(f"rf-{0x2a:016x}-000-{i:04d}" for i in range(N)))
-    assert s.leases[0x2a].state is LeaseState.GENERATING and in_flight(s) == N
+    out = recv(s, p.Grant(7, [grant(0x2A, index=4)]))
+    assert out == [StartLease(0x2A, grant(0x2A, index=4))] and s.max_lease == 0x2A
+    assert s.leases[0x2A].state is LeaseState.STARTING
+    [assign] = s.handle(EngineWanted(0x2A), 0.0)
+    assert assign == AssignEngine(0x2A, "e0", "http://e0", tuple(f"rf-{0x2A:016x}-000-{i:04d}" for i in range(N)))
+    assert s.leases[0x2A].state is LeaseState.GENERATING and in_flight(s) == N
 
 
 def test_a_duplicate_grant_is_ignored():
@@ -438,8 +459,14 @@ def test_trim_deletes_the_named_groups():
 def test_events_for_leases_no_longer_held_are_ignored():
     s = make_session()
     join(s)
-    for event in (EngineWanted(5), GenerationEnded(5, aborted=True), EngineFailed(5, "x"), LeaseScored(5, N),
-                  LeaseFiltered(5, "r"), LeaseFailed(5, "x")):
+    for event in (
+        EngineWanted(5),
+        GenerationEnded(5, aborted=True),
+        EngineFailed(5, "x"),
+        LeaseScored(5, N),
+        LeaseFiltered(5, "r"),
+        LeaseFailed(5, "x"),
+    ):
         assert s.handle(event, 0.0) == [], event
 
 

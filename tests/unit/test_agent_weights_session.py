@@ -34,8 +34,12 @@ def joined(**kw):
 
 def test_each_weights_message_becomes_one_step_and_each_step_done_one_report():
     s = joined()
-    for msg in (p.WeightsBegin(1, 5), p.WeightsInitGroup(1, "127.0.0.1", 2900, 2, "g", "gloo", {"e0": 1}),
-                p.WeightsBucket(1, 0, "g", ["w"], ["float32"], [[2]]), p.WeightsFinish(1, 5)):
+    for msg in (
+        p.WeightsBegin(1, 5),
+        p.WeightsInitGroup(1, "127.0.0.1", 2900, 2, "g", "gloo", {"e0": 1}),
+        p.WeightsBucket(1, 0, "g", ["w"], ["float32"], [[2]]),
+        p.WeightsFinish(1, 5),
+    ):
         assert of(recv(s, msg), RunWeightsStep) == [RunWeightsStep(msg)]
     assert s.weights.updating and s.weights.running == 4
     out = s.handle(WeightsStepDone(1, "bucket", True, seq=0, engines={"e0": 0}), 0.0)
@@ -50,8 +54,7 @@ def test_no_lease_goes_on_an_engine_while_an_update_runs_and_waiting_leases_star
     recv(s, p.WeightsFromDisk(1, 3, "/ckpt/3"))
     assert start(s, 10) == [], "a new lease waits for the update"
     assert s.leases[10].state is LeaseState.WAITING
-    out = s.handle(WeightsStepDone(1, "disk", True, engines={"e0": 3}, record=WeightsRecord(3, "disk", "/ckpt/3")),
-                   0.0)
+    out = s.handle(WeightsStepDone(1, "disk", True, engines={"e0": 3}, record=WeightsRecord(3, "disk", "/ckpt/3")), 0.0)
     [assign] = of(out, AssignEngine)
     assert assign.lease == 10 and not assign.resume
     assert s.weights.current == WeightsRecord(3, "disk", "/ckpt/3") and not s.weights.updating
@@ -67,8 +70,9 @@ def test_a_generation_an_update_aborted_is_resumed_after_it_ends():
         recv(s, msg)
     s.handle(WeightsStepDone(1, "begin", True), 0.0)
     assert of(s.handle(WeightsStepDone(1, "bucket", True), 0.0), AssignEngine) == [], "finish still runs"
-    [again] = of(s.handle(WeightsStepDone(1, "finish", True, record=WeightsRecord(4, "distributed")), 0.0),
-                 AssignEngine)
+    [again] = of(
+        s.handle(WeightsStepDone(1, "finish", True, record=WeightsRecord(4, "distributed")), 0.0), AssignEngine
+    )
     assert again.resume and again.request_ids != a.request_ids
     commit(s, 10)
     assert 10 not in s.leases
@@ -130,8 +134,13 @@ def test_engine_entries_carry_tp_and_version_in_register_and_heartbeat():
 def test_grants_during_an_update_start_their_runners():
     s = joined(config=RolloutConfig(n_samples_per_prompt=N, rollout_batch_size=2))
     recv(s, p.WeightsBegin(1, 2))
-    out = recv(s, p.Grant(s.session, [{"lease": 3, "data_epoch": 0, "index": 3, "rollout_id": 0, "prompt": "x",
-                                       "label": 1, "metadata": {}}]))
+    out = recv(
+        s,
+        p.Grant(
+            s.session,
+            [{"lease": 3, "data_epoch": 0, "index": 3, "rollout_id": 0, "prompt": "x", "label": 1, "metadata": {}}],
+        ),
+    )
     assert [i.lease for i in of(out, StartLease)] == [3]
 
 
@@ -139,12 +148,18 @@ def test_grants_during_an_update_start_their_runners():
 
 
 def answer(ids, version, finish="stop", spans=None, text=None):
-    meta = {"finish_reason": {"type": finish}, "weight_version": version,
-            "output_token_logprobs": [[-0.5, t, None] for t in ids]}
+    meta = {
+        "finish_reason": {"type": finish},
+        "weight_version": version,
+        "output_token_logprobs": [[-0.5, t, None] for t in ids],
+    }
     if spans is not None:
         meta["weight_versions"] = spans
-    return {"text": text if text is not None else "".join(chr(97 + t % 26) for t in ids), "output_ids": ids,
-            "meta_info": meta}
+    return {
+        "text": text if text is not None else "".join(chr(97 + t % 26) for t in ids),
+        "output_ids": ids,
+        "meta_info": meta,
+    }
 
 
 def test_one_answer_gives_one_span_from_its_label_when_the_engine_sends_none():

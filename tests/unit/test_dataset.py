@@ -8,8 +8,8 @@ from array import array
 
 import pytest
 
-from common.errors import DatasetError
 from common.dataset import Dataset, Row, epoch_permutation
+from common.errors import DatasetError
 
 
 def write(tmp_path, text: str, name: str = "data.jsonl"):
@@ -73,14 +73,17 @@ def test_blank_lines_are_skipped_but_counted_in_line_numbers(tmp_path):
         ('["prompt", "a"]', "row is a JSON array, expected an object"),
         ('"just a string"', "row is a JSON string, expected an object"),
         ('{"question": "q", "answer": 1}', "missing key 'prompt' (keys: question, answer)"),
-        ('{}', "missing key 'prompt' (keys: none)"),
+        ("{}", "missing key 'prompt' (keys: none)"),
         ('{"prompt": ""}', "'prompt' is an empty string"),
         ('{"prompt": "   "}', "'prompt' is an empty string"),
         ('{"prompt": 5}', "'prompt' must be a non-empty string or a list of messages, got a JSON number"),
         ('{"prompt": null}', "got a JSON null"),
         ('{"prompt": []}', "'prompt' is an empty list of messages"),
         ('{"prompt": ["hi"]}', "'prompt' message 0 is a JSON string, expected an object"),
-        ('{"prompt": [{"role": "user", "content": "a"}, {"content": "b"}]}', "'prompt' message 1 needs a non-empty string 'role'"),
+        (
+            '{"prompt": [{"role": "user", "content": "a"}, {"content": "b"}]}',
+            "'prompt' message 1 needs a non-empty string 'role'",
+        ),
         ('{"prompt": [{"role": "user"}]}', "'prompt' message 0 is missing 'content'"),
         ('{"prompt": [{"role": "user", "content": 3}]}', "'content' must be a string or a list"),
     ],

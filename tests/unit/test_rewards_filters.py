@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
+from common.errors import ConfigError, RolloutError
 from common.filters import DropStats, FilterError, Verdict, load_filter
 from common.rewards import RewardError, load_reward, per_group
-from common.errors import ConfigError, RolloutError
 from common.types import Sample
 
 
@@ -45,6 +45,7 @@ _MODULE_IDS = itertools.count()
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
     """Write a module into tmp_path, importable by name; returns its name."""
+
     def write(source: str) -> str:
         # Unique across the session: sys.modules caches imports by name.
         name = f"user_mod_{next(_MODULE_IDS)}"
@@ -296,7 +297,11 @@ def test_bad_filter_results_and_specs(user_module):
         check(f"{mod}:f", [1.0])
     with pytest.raises(FilterError, match="ValueError"):
         check(f"{mod}:g", [1.0])
-    for spec, problem in [(f"{mod}:Y", "not callable"), ("nope_mod_zz:f", "cannot import"), ("bogus", "unknown filter")]:
+    for spec, problem in [
+        (f"{mod}:Y", "not callable"),
+        ("nope_mod_zz:f", "cannot import"),
+        ("bogus", "unknown filter"),
+    ]:
         with pytest.raises(ConfigError) as info:
             load_filter(spec)
         assert repr(spec) in str(info.value) and problem in str(info.value)

@@ -12,8 +12,9 @@ N = 2  # samples per prompt
 
 def make_core(batch=2, eta=None, restored=None, prefetch=-1, size=40):
     cfg = RolloutConfig(rollout_batch_size=batch, n_samples_per_prompt=N, prefetch=prefetch, max_staleness=eta)
-    return CoordinatorCore(cfg, Liveness(0.25, 3.0, 10.0), dataset_size=size, dataset_fingerprint="fp",
-                           restored=restored)
+    return CoordinatorCore(
+        cfg, Liveness(0.25, 3.0, 10.0), dataset_size=size, dataset_fingerprint="fp", restored=restored
+    )
 
 
 def sends(effects, kind=None, to=None):
@@ -166,8 +167,9 @@ def test_an_agent_registering_during_a_disk_update_joins_it_and_a_lost_one_is_le
 
 
 def broadcast(core, session, version, req=20, address="127.0.0.1", port=29500):
-    return core.handle(b"trainer", p.UpdateWeights(session, req, version, "distributed", "", address, port, "gloo"),
-                       0.0)
+    return core.handle(
+        b"trainer", p.UpdateWeights(session, req, version, "distributed", "", address, port, "gloo"), 0.0
+    )
 
 
 def finish_broadcast(core, session, uid, agents, buckets=1, req=30, init=True):
@@ -279,8 +281,11 @@ def test_a_lost_group_member_aborts_the_broadcast():
 
 def test_attach_with_a_different_config_is_refused_naming_every_field():
     core = make_core(eta=1)
-    eff = core.handle(b"trainer", p.Attach(1, "t", {"max_staleness": 2, "partial_rollout": True,
-                                                    "rollout_batch_size": 3, "bogus": 1}), 0.0)
+    eff = core.handle(
+        b"trainer",
+        p.Attach(1, "t", {"max_staleness": 2, "partial_rollout": True, "rollout_batch_size": 3, "bogus": 1}),
+        0.0,
+    )
     err = reply(eff)
     assert err.code == "config_mismatch"
     for name in ("max_staleness", "rollout_batch_size", "bogus"):
@@ -310,8 +315,15 @@ def test_weight_log_and_staleness_state_survive_a_restart():
     assert snap.weights.version == 5 and snap.weights.updates == 1
     assert [st.start for st in snap.prompts.values() if st.ready] == [1]
     restarted = make_core(prefetch=2, batch=1, restored=snap)
-    msg = p.Register("a", 2, 8 * N, "tcp://a:1", engines("e0", version=5), [],
-                     [[g["lease"], g["data_epoch"], g["index"]] for g in before[1:]])
+    msg = p.Register(
+        "a",
+        2,
+        8 * N,
+        "tcp://a:1",
+        engines("e0", version=5),
+        [],
+        [[g["lease"], g["data_epoch"], g["index"]] for g in before[1:]],
+    )
     welcome = sends(restarted.handle(b"a", msg, 0.0), p.Welcome)[0].msg
     assert welcome.config["weights"] == {"version": 5, "kind": "disk", "path": "/ckpt"}
     # A lease granted before the update keeps its start across the restart, and so does a ready group.
@@ -339,8 +351,9 @@ def run_receipts(core, leases, now=0.0):
         agent = g["agent"]
         session = core.membership.agents[agent].session
         key = f"{g['data_epoch']}:{g['index']}:{g['lease']:x}"
-        out += core.handle(agent.encode(), p.Receipt(session, g["lease"], g["data_epoch"], g["index"], key, N,
-                                                     {"n_samples": N}), now)
+        out += core.handle(
+            agent.encode(), p.Receipt(session, g["lease"], g["data_epoch"], g["index"], key, N, {"n_samples": N}), now
+        )
     return out
 
 
