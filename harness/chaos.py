@@ -16,18 +16,25 @@ and early (a shuffled plan), then at random:
                  it (short ``--retire-after``) and its unfetched groups are
                  generated again elsewhere
 
+Meanwhile the trainer pushes a weight update every few batches (``--weights-every``),
+alternating disk updates and gloo broadcasts; one that fails under chaos is allowed
+and retried later, never hung on.
+
 A failure counts only when it happened: a live pid was signalled, a partition
 was seen by the coordinator. After the trainer's last batch the fleet is
 quiesced (survivors registered, the lost node retired, a few more batches if
 prompts that came back to pending are still behind the cursor, admission
-paused, no lease in flight, the coordinator's counts steady), its statistics
-taken, every process stopped, and ``harness.chaos_check.check`` compares the
-consumed stream, those statistics, the ledger and every agent's store. A run that
-missed a failure kind, or broke an invariant, lists it in ``problems``.
+paused, no lease in flight and no weight lock, the coordinator's counts steady),
+its statistics and every serving engine's weight version taken, every process
+stopped, and ``harness.chaos_check.check`` compares the consumed stream, the
+weight updates, those statistics and versions, the ledger and every agent's
+store. A run that missed a failure kind, or broke an invariant, lists it in
+``problems``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -43,12 +50,23 @@ import lmdb
 
 from coordinator.ledger import read_ledger
 from harness.chaos_check import KINDS, Findings, RunEvidence, batch_record, check
-from harness.chaos_evidence import pending_behind_cursor, read_consumed, read_store, unfetched_by_agent
+from harness.chaos_evidence import (
+    pending_behind_cursor,
+    read_consumed,
+    read_engine_versions,
+    read_store,
+    serving_engines,
+    unfetched_by_agent,
+)
 from harness.cluster import ROOT, Cluster
 from harness.polling import wait_for
 from harness.proxy import TcpProxy
 
-SIM_ARGS = "--token-latency-ms 2 --output-len-median 24 --output-len-max 64"
+SIM_ARGS = "--token-latency-ms 2 --output-len-median 24 --output-len-max 64 --weight-sync-timeout 5"
+UPDATE_TIMEOUT = 6.0
+"""A weight update's deadline. An update holds admission while it runs, and one whose group never forms (a
+member killed) ends only at its deadline (the trainer waits in the rendezvous; engines give up after their
+``--weight-sync-timeout``): short, so a failed update stalls the fleet for seconds, not a minute."""
 ROWS, BATCH_SIZE = 600, 4
 ENGINES, CONCURRENCY = 2, 8  # per agent; concurrency is per engine: 16 samples = 4 groups per agent
 TTL = 1.5  # the cluster's --agent-ttl
@@ -68,7 +86,10 @@ class ChaosReport(Findings):
 
 
 class ChaosRun:
-    def __init__(self, workdir: Path, *, batches: int, agents: int, seed: int, interval: tuple[float, float], log):
+    def __init__(
+        self, workdir: Path, *, batches: int, agents: int, seed: int, interval: tuple[float, float], weights_every: int,
+        log,
+    ):
         if agents < 3:
             raise ValueError("the chaos run needs 3 agents: one behind the proxy, one lost for good, one more")
         self.workdir = workdir
@@ -85,6 +106,11 @@ class ChaosRun:
         self.lost: set[str] = set()
         self.consumed = workdir / "consumed.jsonl"
         self.ckpt = workdir / "checkpoint.json"
+        self.weights_every = weights_every
+        self.weights_log = workdir / "weights.jsonl"
+        torch = importlib.util.find_spec("torch") is not None  # the trainer broadcasts only with it
+        self.weight_kinds = () if not weights_every else ("disk", "distributed") if torch else ("disk",)
+        self.engine_versions: dict[str, str | None] = {}
         self.trainer: subprocess.Popen | None = None
         self.trainer_runs = 0
         self.trainer_killed_at = -(10**9)
@@ -115,6 +141,10 @@ class ChaosRun:
             "consumed": self.consumed,
             "checkpoint": self.ckpt,
             "checkpoint-every": 4,
+            "weights-every": self.weights_every,
+            "weights-dir": self.workdir / "weights",
+            "weights-log": self.weights_log,
+            "update-timeout": UPDATE_TIMEOUT,
         }
         argv = [sys.executable, "-m", "harness.chaos_trainer"] + [
             x for k, v in flags.items() for x in (f"--{k}", str(v))
@@ -293,6 +323,9 @@ class ChaosRun:
             lost_agents=set(self.lost),
             kills=self.report.kills,
             never_reissued=self.never_reissued,
+            weight_updates=read_consumed(self.weights_log),
+            weight_kinds=self.weight_kinds,
+            engine_versions=self.engine_versions,
         )
         findings = check(evidence)
         for name in Findings.__dataclass_fields__:
@@ -372,14 +405,32 @@ class ChaosRun:
             agents = stats["agents"]
             steady = bool(last) and _at_rest(last[-1]) == _at_rest(stats)
             last.append(stats)
-            return steady and not stats["leased"] and all(agents[n]["status"] == "alive" for n in self.survivors())
+            alive = all(agents[n]["status"] == "alive" for n in self.survivors())
+            return steady and not stats["leased"] and stats["weights"]["lock"] is None and alive
 
         try:
             wait_for(settled, 60, "the fleet to come to rest (no lease in flight, counts steady)", interval=0.5)
         except AssertionError as exc:
             self.log(f"chaos: {exc}")  # the checker reports what stayed in flight
         self.never_reissued &= self.pending_behind_cursor()  # one leased by the last extra batch has settled now
+        self.engine_versions = self.wait_engines_agree(last[-1])
         return last[-1]
+
+    def wait_engines_agree(self, stats: dict) -> dict[str, str | None]:
+        """The weight version each serving engine reports, once they all report the fleet's (or after a while:
+        the checker names the ones that do not)."""
+        engines, want = serving_engines(stats), str(stats["weights"]["version"])
+        seen: list[dict] = []
+
+        def agree():
+            seen.append(read_engine_versions(engines))
+            return all(v == want or (v == "default" and want == "0") for v in seen[-1].values())
+
+        try:
+            wait_for(agree, 20, f"every serving engine to report weight version {want}", interval=0.5)
+        except AssertionError as exc:
+            self.log(f"chaos: {exc}: {seen[-1]}")
+        return seen[-1]
 
 
 def run_chaos(
@@ -389,9 +440,13 @@ def run_chaos(
     agents: int = 3,
     seed: int = 0,
     interval: tuple[float, float] = (0.5, 1.5),
+    weights_every: int = 3,
     log=print,
 ) -> ChaosReport:
-    return ChaosRun(Path(workdir), batches=batches, agents=agents, seed=seed, interval=interval, log=log).run()
+    return ChaosRun(
+        Path(workdir), batches=batches, agents=agents, seed=seed, interval=interval, weights_every=weights_every,
+        log=log,
+    ).run()
 
 
 # ---------------------------------------------------------------------- helpers

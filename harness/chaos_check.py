@@ -33,7 +33,16 @@ Checks, each reported as a problem naming the prompt, group or agent:
    (its epoch closed, its batch trimmed, its prompt accounted for by another
    group); an unacknowledged receipt names a group the coordinator holds; a
    node lost for good was retired and nothing READY or batched points at it.
-4. The schedule: every failure kind happened at least once.
+4. Weights (``weight_updates``): at quiesce no update holds the weight lock; every
+   serving (healthy) engine of every alive agent is on the coordinator's version,
+   as the engine itself reports it (``/model_info``) and as the coordinator sees
+   it (stale engines are out of the pool and not counted); versions never went
+   backwards: the trainer's successful updates, in the order it recorded them
+   across its restarts, rise strictly, each answered with every engine on its
+   version, and the coordinator's version is at least the last of them, its
+   update count at least their number; at least one update of each kind pushed
+   succeeded. Failed updates are allowed (chaos may kill what one needs).
+5. The schedule: every failure kind happened at least once.
 """
 
 from __future__ import annotations
@@ -73,6 +82,13 @@ class RunEvidence:
     kills: Counter = field(default_factory=Counter)
     never_reissued: set[tuple[int, int]] = field(default_factory=set)
     """Prompts behind the cursor still without a record after the extra batches pulled at quiesce."""
+    weight_updates: list[dict] = field(default_factory=list)
+    """The trainers' update attempts in write order: ``kind``, ``version``, ``ok``, ``engines`` (when ok)."""
+    weight_kinds: tuple[str, ...] = ()
+    """Kinds of update pushed, each of which must have succeeded at least once (none: no updates pushed)."""
+    engine_versions: dict[str, str | None] = field(default_factory=dict)
+    """``agent/engine`` -> ``/model_info`` ``weight_version`` at quiesce, for every engine ``stats`` calls
+    healthy on an alive agent (None: it did not answer)."""
 
 
 def batch_record(batch, run: str) -> dict:
@@ -94,6 +110,8 @@ class Findings:
     replay_mismatches: int = 0
     unaccounted_prompts: int = 0
     replaced_groups: int = 0
+    weight_updates: dict = field(default_factory=dict)
+    """Update attempts by outcome: ``{"disk": ok, "distributed": ok, "failed": n}``."""
     problems: list[str] = field(default_factory=list)
 
 
@@ -102,6 +120,7 @@ def check(ev: RunEvidence) -> Findings:
     final, ever = _check_stream(ev, out)
     _check_accounting(ev, final, ever, out)
     _check_stores(ev, out)
+    _check_weights(ev, out)
     for prompt in sorted(ev.never_reissued):
         _unaccounted(out, f"prompt {prompt} came back to pending and was never leased again (forgotten)")
     for kind in KINDS:
@@ -291,3 +310,61 @@ def _check_stores(ev: RunEvidence, out: Findings) -> None:
                 )
         for key in sorted(set(store.outbox) - store.groups):
             out.problems.append(f"{agent_id} has a receipt for {key} without the group")
+
+
+# ---------------------------------------------------------------------- 4. weights
+
+
+def _label(version) -> int | None:
+    """A weight version as an int (SGLang's label ``"default"`` is 0); None if it is no version."""
+    if version == "default":
+        return 0
+    try:
+        return int(version)
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_weights(ev: RunEvidence, out: Findings) -> None:
+    weights = ev.stats.get("weights") or {}
+    current = weights.get("version", 0)
+    if weights.get("lock") is not None:
+        out.problems.append(f"weights: the quiesced fleet still holds the weight lock {weights['lock']}")
+    serving = {
+        f"{agent_id}/{e['name']}": e.get("version")
+        for agent_id, entry in ev.stats["agents"].items()
+        if entry["status"] == "alive"
+        for e in entry.get("engines", ())
+        if e.get("state") == "healthy"
+    }
+    for key, seen in sorted(serving.items()):
+        if _label(seen) != current:
+            out.problems.append(f"weights: the coordinator sees serving engine {key} on version {seen}, not {current}")
+        label = ev.engine_versions.get(key)
+        if label is None:
+            out.problems.append(f"weights: serving engine {key} did not report its version (/model_info)")
+        elif _label(label) != current:
+            out.problems.append(f"weights: serving engine {key} reports version {label!r}, the fleet is on {current}")
+    counts = Counter(dict.fromkeys(("disk", "distributed", "failed"), 0))
+    last = None
+    for rec in ev.weight_updates:
+        if not rec["ok"]:
+            counts["failed"] += 1
+            continue
+        counts[rec["kind"]] += 1
+        version = rec["version"]
+        if last is not None and version <= last:
+            out.problems.append(f"weights: version {version} ({rec['kind']}) succeeded after version {last}: backwards")
+        last = version if last is None else max(last, version)
+        off = {e: v for e, v in rec.get("engines", {}).items() if v != version}
+        if off:
+            out.problems.append(f"weights: update to {version} answered ok with engines {off} off it")
+    out.weight_updates = dict(counts)
+    if last is not None and current < last:
+        out.problems.append(f"weights: the coordinator is on version {current}, below {last}, recorded as pushed")
+    pushed = counts["disk"] + counts["distributed"]
+    if weights.get("updates", 0) < pushed:
+        out.problems.append(f"weights: the coordinator counts {weights.get('updates', 0)} updates, {pushed} succeeded")
+    for kind in ev.weight_kinds:
+        if counts[kind] < 1:
+            out.problems.append(f"weights: no {kind} update succeeded ({counts['failed']} failed)")

@@ -1,4 +1,5 @@
-"""What the chaos run reads back: the consumed stream, agents' stores, and views of the coordinator's ledger.
+"""What the chaos run reads back: the trainers' logs, agents' stores, views of the coordinator's ledger and the
+weight versions engines report.
 
 The readers open LMDB read-only; ``read_store`` is meant for a stopped agent, the ledger views work on a
 running coordinator's ledger (``coordinator.ledger.read_ledger`` takes a consistent snapshot).
@@ -7,6 +8,7 @@ running coordinator's ledger (``coordinator.ledger.read_ledger`` takes a consist
 from __future__ import annotations
 
 import json
+import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +21,7 @@ from harness.chaos_check import StoreContents
 
 
 def read_consumed(path: Path) -> list[dict]:
+    """A JSON-lines log (the consumed stream, the weight-update attempts); empty if it was never written."""
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -59,3 +62,26 @@ def pending_behind_cursor(ledger: LedgerSnapshot, order: Sequence[int]) -> set[t
         for pos in range(cursor)
         if (e, order[pos]) not in ledger.prompts
     }
+
+
+def serving_engines(stats: dict) -> dict[str, str]:
+    """``agent/engine`` -> URL of every engine the coordinator's ``stats`` call healthy on an alive agent."""
+    return {
+        f"{agent_id}/{e['name']}": e["url"]
+        for agent_id, entry in stats["agents"].items()
+        if entry["status"] == "alive"
+        for e in entry.get("engines", ())
+        if e.get("state") == "healthy" and e.get("url")
+    }
+
+
+def read_engine_versions(engines: dict[str, str], timeout: float = 2.0) -> dict[str, str | None]:
+    """``/model_info`` ``weight_version`` of each engine (None for one that does not answer)."""
+    out: dict[str, str | None] = {}
+    for key, url in engines.items():
+        try:
+            with urllib.request.urlopen(f"{url}/model_info", timeout=timeout) as resp:
+                out[key] = str(json.loads(resp.read())["weight_version"])
+        except (OSError, ValueError, KeyError):
+            out[key] = None
+    return out

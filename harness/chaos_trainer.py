@@ -1,24 +1,50 @@
-"""A trainer process for the chaos suite: pulls batches, logs what it consumed, checkpoints.
+"""A trainer process for the chaos suite: pulls batches, logs what it consumed, checkpoints, pushes weights.
 
 Run as its own process so the chaos driver can SIGKILL it. It appends one
 JSON line per consumed batch to ``--consumed`` (fsynced before the next
 pull), and every ``--checkpoint-every`` batches pauses with drain, takes
 ``state_dict()``, writes it atomically to ``--checkpoint`` and resumes. With
 ``--resume`` it loads that checkpoint first and continues after it.
+
+Every ``--weights-every`` batches it pushes a weight update, alternating a disk
+update (a ``model.safetensors`` it writes under ``--weights-dir``, one directory
+per version, replaced atomically) and a gloo broadcast of a few small tensors.
+The version is always above the fleet's (``weight_version()``, read before each
+update), so versions rise strictly across trainer restarts. An update may fail
+under chaos (an agent, engine or the coordinator killed meanwhile): that is
+allowed, the next one is tried ``--weights-every`` batches later. Each update is
+bounded (``--update-timeout`` is the coordinator's deadline and the process
+group's; the whole call gets three times that), so a failure never hangs the
+trainer. One JSON line per attempt goes to ``--weights-log`` (fsynced):
+``kind``, ``version``, ``ok``, the engines' versions or the error.
+
+Without torch there is nothing to broadcast with and no weights file to write:
+every update is then a disk update of an empty checkpoint directory (it changes
+the label only), and the trainer says so at start.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import importlib.util
 import json
 import os
+import struct
+import time
 from pathlib import Path
 
-from coordinator.client import RolloutClient
+from common.errors import RolloutError
+from coordinator.client import AsyncRolloutClient
 from harness.chaos_check import batch_record
 
+ACCURACY = 0.5
+"""``sim.accuracy`` of every update: the sim's default, so rewards and filtering stay as without updates."""
+BUCKET_BYTES = 4096
+"""Small buckets: a broadcast of the tensors below takes three, each a point where chaos can strike."""
 
-def main() -> int:
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--coordinator", required=True)
     ap.add_argument("--batches", type=int, required=True, help="stop after this rollout id")
@@ -33,33 +59,146 @@ def main() -> int:
         help="give up on a silent node this soon and ask the coordinator again (a lost node's "
         "groups are replaced once it is retired)",
     )
-    args = ap.parse_args()
+    ap.add_argument("--weights-every", type=int, default=0, help="push a weight update every K batches (0: never)")
+    ap.add_argument("--weights-dir", default=None, help="where disk checkpoints are written (one dir per version)")
+    ap.add_argument("--weights-log", default=None, help="one JSON line per update attempt")
+    ap.add_argument("--update-timeout", type=float, default=15.0, help="a weight update's deadline, in seconds")
+    args = ap.parse_args(argv)
+    if args.weights_every and not (args.weights_dir and args.weights_log):
+        ap.error("--weights-every needs --weights-dir and --weights-log")
+    return args
 
+
+def weights(version: int) -> dict[str, tuple[list[int], list[float]]]:
+    """What an update of ``version`` carries, as ``name -> (shape, values)`` (float32): ``sim.accuracy`` and two
+    tensors that make its digest its own."""
+    return {
+        "sim.accuracy": ([1], [ACCURACY]),
+        "layer.0.weight": ([32, 32], [float(version)] * 32 * 32),
+        "layer.0.bias": ([32], [-float(version)] * 32),
+    }
+
+
+def tensors(version: int) -> dict:
+    """``weights(version)`` as torch tensors, for a broadcast."""
+    import torch
+
+    return {name: torch.tensor(values).reshape(shape) for name, (shape, values) in weights(version).items()}
+
+
+def safetensors_bytes(named: dict[str, tuple[list[int], list[float]]]) -> bytes:
+    """The safetensors encoding of float32 tensors: header length (u64 LE), JSON header, raw data. Written by hand
+    because ``safetensors.torch.save_file`` needs numpy, which the sim does not."""
+    header, blobs, offset = {}, [], 0
+    for name, (shape, values) in named.items():
+        data = struct.pack(f"<{len(values)}f", *values)
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(head)) + head + b"".join(blobs)
+
+
+def write_checkpoint(root: Path, version: int, with_torch: bool) -> Path:
+    """``root/v<version>``: a ``model.safetensors`` of ``weights(version)``, or empty without torch (the engines
+    could not read it). The file is replaced atomically: a trainer that resumes and writes the same version again
+    never tears a file an engine may be reading (its content is a function of the version)."""
+    path = root / f"v{version}"
+    path.mkdir(parents=True, exist_ok=True)
+    if with_torch:
+        tmp = path / f"model.safetensors.{os.getpid()}.tmp"
+        tmp.write_bytes(safetensors_bytes(weights(version)))
+        os.replace(tmp, path / "model.safetensors")
+    return path
+
+
+def append(log, record: dict) -> None:
+    log.write(json.dumps(record) + "\n")
+    log.flush()
+    os.fsync(log.fileno())
+
+
+class Pusher:
+    """Pushes weight updates, alternating disk and broadcast; logs each attempt, never raises a failed one."""
+
+    def __init__(self, client: AsyncRolloutClient, args: argparse.Namespace, run: str):
+        self.client = client
+        self.root = Path(args.weights_dir)
+        self.timeout = args.update_timeout
+        self.run = run
+        self.with_torch = importlib.util.find_spec("torch") is not None
+        self.last = 0
+        """The highest version this process pushed (the fleet's could lag behind it only after a restart)."""
+        self.log = open(args.weights_log, "a")  # noqa: SIM115 (closed by close())
+        if not self.with_torch:
+            print("torch is not installed: weight updates are disk only (no broadcasts)", flush=True)
+
+    def kind(self, n: int) -> str:
+        return "distributed" if self.with_torch and n % 2 else "disk"
+
+    async def push(self, rid: int, n: int) -> None:
+        kind, version, started = self.kind(n), None, time.monotonic()
+        record = {"run": self.run, "pid": os.getpid(), "rid": rid, "kind": kind}
+        try:
+            async with asyncio.timeout(self.timeout * 3):
+                version = max(await self.client.weight_version(), self.last) + 1
+                if kind == "disk":
+                    path = await asyncio.to_thread(write_checkpoint, self.root, version, self.with_torch)
+                    result = await self.client.update_weights_from_disk(str(path), version, timeout=self.timeout)
+                else:
+                    result = await self.client.update_weights(
+                        tensors(version), version, backend="gloo", bucket_bytes=BUCKET_BYTES, timeout=self.timeout
+                    )
+        except (RolloutError, TimeoutError, OSError, RuntimeError) as exc:
+            # RuntimeError: torch.distributed's own errors (a rendezvous or broadcast broken by a killed peer).
+            record.update(version=version, ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
+            print(f"weights {kind} {version} failed after rollout {rid}: {record['error']}", flush=True)
+        else:
+            self.last = max(self.last, result["version"])
+            record.update(version=result["version"], ok=True, engines=result["engines"])
+            print(f"weights {kind} {result['version']} after rollout {rid}", flush=True)
+        record["seconds"] = round(time.monotonic() - started, 3)
+        await asyncio.to_thread(append, self.log, record)
+
+    def close(self) -> None:
+        self.log.close()
+
+
+async def train(args: argparse.Namespace) -> int:
     ckpt = Path(args.checkpoint)
-    client = RolloutClient(args.coordinator, retry_interval=0.5, fetch_timeout=args.fetch_timeout)
-    with client, open(args.consumed, "a") as log:
-        start = 0
-        if args.resume and ckpt.exists():
-            state = json.loads(ckpt.read_text())
-            client.load_state_dict(state)
-            start = state["rollout_id"] + 1
-            print(f"resumed at rollout {start}", flush=True)
-        for rid in range(start, args.batches):
-            batch = client.generate(rid)
-            record = batch_record(batch, "resumed" if args.resume else "first")
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            os.fsync(log.fileno())
-            print(f"consumed {rid}", flush=True)
-            if (rid + 1) % args.checkpoint_every == 0:
-                client.pause(drain=True)
-                state = client.state_dict()
-                tmp = ckpt.with_suffix(".tmp")
-                tmp.write_text(json.dumps(state))
-                os.replace(tmp, ckpt)
-                client.resume()
-                print(f"checkpoint at {rid}", flush=True)
+    run = "resumed" if args.resume else "first"
+    client = AsyncRolloutClient(args.coordinator, retry_interval=0.5, fetch_timeout=args.fetch_timeout)
+    async with client:
+        pusher = Pusher(client, args, run) if args.weights_every > 0 else None
+        with open(args.consumed, "a") as log:
+            start = 0
+            if args.resume and ckpt.exists():
+                state = json.loads(ckpt.read_text())
+                await client.load_state_dict(state)
+                start = state["rollout_id"] + 1
+                print(f"resumed at rollout {start}", flush=True)
+            for rid in range(start, args.batches):
+                batch = await client.generate(rid)
+                await asyncio.to_thread(append, log, batch_record(batch, run))
+                print(f"consumed {rid}", flush=True)
+                if pusher is not None and (rid + 1) % args.weights_every == 0:
+                    await pusher.push(rid, (rid + 1) // args.weights_every)
+                if (rid + 1) % args.checkpoint_every == 0:
+                    await client.pause(drain=True)
+                    state = await client.state_dict()
+                    tmp = ckpt.with_suffix(".tmp")
+                    tmp.write_text(json.dumps(state))
+                    os.replace(tmp, ckpt)
+                    await client.resume()
+                    print(f"checkpoint at {rid}", flush=True)
+        if pusher is not None:
+            pusher.close()
     return 0
+
+
+def main() -> int:
+    return asyncio.run(train(parse_args()))
 
 
 if __name__ == "__main__":

@@ -5,11 +5,13 @@
 
 Each run SIGKILLs agents, engines, the coordinator and the trainer, partitions
 an agent's coordinator link past its TTL and loses a node for good (each at
-least once), then checks the consumed stream, the coordinator's prompt
-accounting, its ledger and every agent's store (``harness/chaos_check.py``).
-It prints one JSON summary line per seed (failures caused by kind, lost,
-duplicated, unaccounted, the first problems) and exits non-zero if any run
-missed a failure kind or broke an invariant.
+least once) while the trainer pushes a weight update every ``--weights-every``
+batches (disk and gloo broadcast in turn), then checks the consumed stream, the
+coordinator's prompt accounting, its ledger, every agent's store and every
+serving engine's weight version (``harness/chaos_check.py``). It prints one
+JSON summary line per seed (failures caused by kind, lost, duplicated,
+unaccounted, weight updates by outcome, the first problems) and exits non-zero
+if any run missed a failure kind or broke an invariant.
 """
 
 import argparse
@@ -30,6 +32,7 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=120)
     ap.add_argument("--agents", type=int, default=3, help="at least 3: one behind the proxy, one lost for good")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1])
+    ap.add_argument("--weights-every", type=int, default=3, help="a weight update every K batches (0: none)")
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
     failed = 0
@@ -42,6 +45,7 @@ def main() -> int:
             batches=args.batches,
             agents=args.agents,
             seed=seed,
+            weights_every=args.weights_every,
             log=lambda m: print(m, file=sys.stderr, flush=True),
         )
         ok = not report.problems
@@ -58,6 +62,7 @@ def main() -> int:
             "unaccounted": report.unaccounted_prompts,
             "replay_mismatches": report.replay_mismatches,
             "replaced_groups": report.replaced_groups,
+            "weight_updates": report.weight_updates,
             "problems": report.problems[:20],
             "workdir": str(work),
         }
