@@ -1,7 +1,8 @@
 """The chaos checker can fail: fabricated evidence with one fault each, and the checker names it.
 
 The baseline is a consistent quiesced run (8 prompts, one open epoch, two batches of two groups, one group
-ready, one prompt filtered, two pending); each test breaks one thing the way a bug would.
+ready, one prompt filtered, two pending; weights at version 3 after a disk update, a broadcast, and a failed
+broadcast, a's two engines serving, b's one engine stale); each test breaks one thing the way a bug would.
 """
 
 from collections import Counter
@@ -34,7 +35,11 @@ def _evidence() -> RunEvidence:
         "leased": 0,
         "ready": 1,
         "data_epochs": [0],
-        "agents": {"a": {"status": "alive", "leases": 0}, "b": {"status": "alive", "leases": 0}},
+        "agents": {
+            "a": {"status": "alive", "leases": 0, "engines": [_engine(e, "healthy", 3) for e in ("e0", "e1")]},
+            "b": {"status": "alive", "leases": 0, "engines": [_engine("e0", "stale", 1)]},  # out of the pool
+        },
+        "weights": {"version": 3, "updates": 2, "kind": "distributed", "lock": None},
     }
     stores = {
         "a": StoreContents(frozenset({keys[0], keys[2], keys[4]}), {}),
@@ -49,7 +54,18 @@ def _evidence() -> RunEvidence:
         ledger=ledger,
         stores=stores,
         kills=Counter(dict.fromkeys(KINDS, 1)),
+        weight_updates=[
+            {"kind": "disk", "version": 1, "ok": True, "engines": {"a/e0": 1, "a/e1": 1, "b/e0": 1}},
+            {"kind": "distributed", "version": 2, "ok": False, "error": "WeightUpdateError: b/e0 was lost"},
+            {"kind": "distributed", "version": 3, "ok": True, "engines": {"a/e0": 3, "a/e1": 3}},
+        ],
+        weight_kinds=("disk", "distributed"),
+        engine_versions={"a/e0": "3", "a/e1": "3"},
     )
+
+
+def _engine(name: str, state: str, version: int) -> dict:
+    return {"name": name, "url": f"http://127.0.0.1/{name}", "state": state, "tp": 1, "version": version}
 
 
 def _problems(ev: RunEvidence, needle: str) -> list[str]:
@@ -63,6 +79,7 @@ def test_a_consistent_run_passes():
     found = check(_evidence())
     assert found.problems == []
     assert (found.batches, found.duplicated, found.lost, found.unaccounted_prompts) == (2, 0, 0, 0)
+    assert found.weight_updates == {"disk": 1, "distributed": 1, "failed": 1}
 
 
 def test_a_forgotten_prompt_is_reported():
@@ -174,3 +191,90 @@ def test_a_prompt_never_reissued_is_reported():
     ev = _evidence()
     ev.never_reissued = {(0, 6)}
     _problems(ev, "prompt (0, 6) came back to pending and was never leased again")
+
+
+def test_a_serving_engine_on_another_version_is_reported():
+    """One engine back in the pool on the version before (an update that missed it, a restart not brought up)."""
+    ev = _evidence()
+    ev.engine_versions["a/e1"] = "1"
+    assert _problems(ev, "weights:") == ["weights: serving engine a/e1 reports version '1', the fleet is on 3"]
+
+
+def test_an_engine_the_coordinator_sees_on_another_version_is_reported():
+    ev = _evidence()
+    ev.stats["agents"]["a"]["engines"][0]["version"] = 2
+    _problems(ev, "the coordinator sees serving engine a/e0 on version 2, not 3")
+
+
+def test_a_serving_engine_that_does_not_report_its_version_is_reported():
+    ev = _evidence()
+    del ev.engine_versions["a/e0"]
+    _problems(ev, "serving engine a/e0 did not report its version")
+
+
+def test_stale_engines_and_dead_agents_are_not_counted():
+    """Out of the pool (stale) or on an agent that is not alive: whatever version they hold is not served."""
+    ev = _evidence()
+    ev.stats["agents"]["c"] = {"status": "dead", "leases": 0, "engines": [_engine("e0", "healthy", 1)]}
+    assert check(ev).problems == []
+
+
+def test_the_label_default_is_version_zero():
+    ev = _evidence()
+    ev.weight_updates, ev.weight_kinds = [], ()
+    ev.stats["weights"].update(version=0, updates=0)
+    for e in ev.stats["agents"]["a"]["engines"]:
+        e["version"] = 0
+    ev.engine_versions = {"a/e0": "default", "a/e1": "0"}
+    assert check(ev).problems == []
+
+
+def test_versions_that_go_backwards_are_reported():
+    """A trainer that resumed and pushed a version at or below one already recorded."""
+    ev = _evidence()
+    ev.weight_updates.append({"kind": "disk", "version": 2, "ok": True, "engines": {"a/e0": 2}})
+    _problems(ev, "weights: version 2 (disk) succeeded after version 3: backwards")
+
+
+def test_a_coordinator_behind_the_recorded_versions_is_reported():
+    """A recorded update the coordinator lost (acknowledged before it was persisted, then a restart)."""
+    ev = _evidence()
+    ev.stats["weights"].update(version=1, updates=1)
+    for e in ev.stats["agents"]["a"]["engines"]:
+        e["version"] = 1
+    ev.engine_versions = {"a/e0": "1", "a/e1": "1"}
+    _problems(ev, "weights: the coordinator is on version 1, below 3, recorded as pushed")
+    _problems(ev, "weights: the coordinator counts 1 updates, 2 succeeded")
+
+
+def test_an_update_answered_ok_with_an_engine_off_its_version_is_reported():
+    ev = _evidence()
+    ev.weight_updates[2]["engines"]["a/e1"] = 2
+    _problems(ev, "weights: update to 3 answered ok with engines {'a/e1': 2} off it")
+
+
+def test_a_weight_lock_held_at_quiesce_is_reported():
+    ev = _evidence()
+    ev.stats["weights"]["lock"] = {"holder": "trainer-1", "update_id": 9, "step": "init", "deadline_in_s": 3.0}
+    _problems(ev, "weights: the quiesced fleet still holds the weight lock")
+
+
+@pytest.mark.parametrize("kind", ["disk", "distributed"])
+def test_a_kind_of_update_that_never_succeeded_is_reported(kind):
+    ev = _evidence()
+    for rec in ev.weight_updates:
+        if rec["kind"] == kind:
+            rec["ok"] = False
+    assert f"weights: no {kind} update succeeded (2 failed)" in check(ev).problems
+
+
+def test_without_broadcasts_only_disk_updates_are_required():
+    """No torch: the trainer pushes disk updates only."""
+    ev = _evidence()
+    ev.weight_updates = ev.weight_updates[:1]
+    ev.weight_kinds = ("disk",)
+    ev.stats["weights"].update(version=1, updates=1)
+    for e in ev.stats["agents"]["a"]["engines"]:
+        e["version"] = 1
+    ev.engine_versions = {"a/e0": "1", "a/e1": "1"}
+    assert check(ev).problems == []
