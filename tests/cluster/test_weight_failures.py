@@ -9,6 +9,14 @@ deadline and the engines serving, for the next trainer to attach and update; a f
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+
 import pytest
 
 from harness.polling import wait_for
@@ -42,3 +50,177 @@ def test_fully_on_policy_with_an_update_every_step(make_cluster):
             ckpt = cluster.tmp / f"ckpt{step + 1}"
             ckpt.mkdir()
             client.update_weights_from_disk(str(ckpt), step + 1, timeout=15)
+
+
+# ---------------------------------------------------------------------------------------- engine restarts
+
+
+def model_info(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/model_info", timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def url_of(cluster, agent: str, pid: int) -> str | None:
+    """The URL the engine process ``pid`` of ``agent`` serves on, from the agent's log (once it is up)."""
+    m = re.search(rf"engine \S+ \S+(?: again)? at (http://\S+) \(pid {pid}\)", cluster.agents[agent].text())
+    return m.group(1) if m else None
+
+
+def engine_entry(status: dict, agent: str) -> dict | None:
+    """The one engine of a one-engine agent, as the status lists it (None while the agent is not alive)."""
+    entry = status["agents"].get(agent)
+    if not entry or entry["status"] != "alive" or len(entry["engines"]) != 1:
+        return None
+    return entry["engines"][0]
+
+
+class VersionRecorder:
+    """Every version the fleet shows while a test runs: the fleet's, each serving engine's, each engine URL's label.
+
+    Polls (``wait_for`` in a thread) until stopped. ``check()`` asserts that none moved backwards: the
+    fleet's version, the version the status gives an engine while it is ``healthy`` (by agent/engine
+    name, across restarts), and the ``/model_info`` label of each engine process (by URL: a restarted
+    engine has a new one and starts from its launch label).
+    """
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.fleet: list[int] = []
+        self.serving: dict[str, list[tuple[int, str]]] = {}  # "agent/engine" -> [(version, url)] while healthy
+        self.labels: dict[str, list[int]] = {}  # url -> /model_info versions
+        self.history: list[tuple[float, str, str]] = []  # (time, "agent/engine", state)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="version-recorder", daemon=True)
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> VersionRecorder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        try:
+            wait_for(self._sample, 600, "the test to stop recording versions", interval=0.1)
+        except BaseException as exc:  # reported by check()
+            self.error = exc
+
+    def _sample(self) -> bool:
+        status = self.cluster.status()
+        self.fleet.append(status["weights"]["version"])
+        for agent, entry in status["agents"].items():
+            if entry["status"] != "alive":
+                continue
+            for e in entry["engines"]:
+                self.history.append((time.monotonic(), f"{agent}/{e['name']}", e.get("state")))
+                if e.get("state") == "healthy":
+                    self.serving.setdefault(f"{agent}/{e['name']}", []).append((e["version"], e["url"]))
+                try:
+                    label = version(model_info(e["url"])["weight_version"])
+                except OSError:
+                    continue  # an engine that died since the status was taken
+                self.labels.setdefault(e["url"], []).append(label)
+        return self._stop.is_set()
+
+    def seen(self, key: str, state: str, start: float, end: float) -> bool:
+        """Whether the status gave engine ``key`` ``state`` between the two ``time.monotonic()`` instants."""
+        return any(k == key and st == state and start <= t <= end for t, k, st in self.history)
+
+    def check(self) -> None:
+        assert self.error is None, self.error
+        assert self.fleet and self.fleet == sorted(self.fleet), self.fleet
+        for key, seen in self.serving.items():
+            assert [v for v, _ in seen] == sorted(v for v, _ in seen), (key, seen)
+        for url, labels in self.labels.items():
+            assert labels == sorted(labels), (url, labels)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "agent/worker.py _on_engine_change takes an engine's URL from supervisor.healthy() only: an engine that "
+    "restarts 'stale' is reported (Capacity, heartbeats) under the dead process's URL, so the coordinator's "
+    "next broadcast group has the same identity, answers init=false, and the agent, which dropped the engine "
+    "from its group, fails the bucket ('no update group on this agent (no init step succeeded)')"))
+def test_a_restarted_engine_serves_only_the_fleets_weights(make_cluster):
+    """An engine SIGKILLed between updates comes back on the fleet's weights, or out of the pool.
+
+    After a disk update the restarted engine is re-loaded from the recorded checkpoint before it
+    serves: its label is the fleet's and every sample it generates carries it. After a broadcast it
+    stays ``stale`` (its agent gets no lease) until the next broadcast reaches it, then serves that
+    version. At ``--max-staleness 0`` batch ``t`` holds only groups leased after update ``t``, and
+    the trainer pauses admission around each kill, so a batch's groups from the one-engine agent a1
+    were generated by the restarted engine.
+
+    Turns red if the agent's ``prepare`` hook (agent/weights.py) lets a restarted engine serve its
+    launch weights (samples labelled ``default`` in batch 1 or 2), if a disk re-load is skipped (the
+    engine stays stale and batch 1 times out), if a stale engine is not a member of the next
+    broadcast group (it never serves again: no a1 group in batch 3), or if any version the status
+    or an engine shows moves backwards.
+    """
+    torch = pytest.importorskip("torch")
+    cluster = make_cluster(rollout_batch_size=4, max_staleness=0, dynamic_filter="none")
+    cluster.start_coordinator()
+    cluster.start_agent("a1", engines=1, sim_args="--token-latency-ms 1")
+    ckpt = cluster.tmp / "ckpt1"
+    ckpt.mkdir()
+    with VersionRecorder(cluster) as recorder, cluster.client(timeout=20, expect={"max_staleness": 0}) as client:
+        assert {s.weight_version for s in client.generate(0).samples} == {"default"}
+        client.pause()  # no lease until the next generate(): batch 1 is generated after the restart
+        assert client.update_weights_from_disk(str(ckpt), 1, timeout=15)["engines"] == {"a1/sim-0": 1}
+
+        # Disk: the restarted engine is re-loaded from ckpt1 before it serves.
+        first = engine_entry(cluster.status(), "a1")
+        (pid,) = cluster.engine_pids_of("a1")
+        os.kill(pid, signal.SIGKILL)
+
+        def restarted_on(v: int):
+            e = engine_entry(cluster.status(), "a1")
+            fresh = e and e["url"] != first["url"] and e["state"] == "healthy" and e["version"] == v
+            return e if fresh and len(cluster.engine_pids_of("a1")) == 2 else None
+
+        restarted = wait_for(lambda: restarted_on(1), 20, "a1's engine to restart and serve version 1")
+        assert model_info(restarted["url"])["weight_version"] == "1"
+        batch = client.generate(1)
+        assert {g.agent_id for g in batch.groups} == {"a1"}  # the restarted engine is the only one
+        assert {version(v) for s in batch.samples for v, _, _ in s.weight_versions} == {1}
+
+        # A second agent joins on the fleet's weights; a broadcast reaches both engines.
+        cluster.start_agent("a2", engines=1, sim_args="--token-latency-ms 1")
+        wait_for(lambda: (engine_entry(cluster.status(), "a2") or {}).get("version") == 1, 20,
+                 "a2's engine to load version 1")
+        client.pause()
+        tensors = {"layer.weight": torch.full((64, 64), 2.0), "sim.accuracy": torch.tensor([0.5])}
+        result = client.update_weights(tensors, 2, backend="gloo", timeout=30)
+        assert result["engines"] == {"a1/sim-0": 2, "a2/sim-0": 2}
+
+        # Broadcast: the restarted engine holds its launch weights; it stays out of the pool.
+        (_, pid) = cluster.engine_pids_of("a1")
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+
+        def stale():
+            e = engine_entry(cluster.status(), "a1")
+            return e if e and e["state"] == "stale" and len(cluster.engine_pids_of("a1")) == 3 else None
+
+        behind = wait_for(stale, 20, "a1's engine to restart and stay out of the pool (stale)")
+        url = wait_for(lambda: url_of(cluster, "a1", cluster.engine_pids_of("a1")[-1]), 10, "the engine's new URL")
+        assert model_info(url)["weight_version"] == "default"
+        batch = client.generate(2)
+        assert {g.agent_id for g in batch.groups} == {"a2"}  # a1's only engine is out of the pool
+        assert {version(v) for s in batch.samples for v, _, _ in s.weight_versions} == {2}
+        assert engine_entry(cluster.status(), "a1")["state"] == "stale"
+        assert behind["url"] == url, f"the status names {behind['url']}, not the restarted engine's {url}"
+
+        # The next broadcast forms a new group with the stale engine in it: it serves again.
+        client.pause()
+        reached = time.monotonic()
+        tensors["layer.weight"] = torch.full((64, 64), 3.0)
+        result = client.update_weights(tensors, 3, backend="gloo", timeout=30)
+        assert result["engines"] == {"a1/sim-0": 3, "a2/sim-0": 3}
+        assert model_info(url)["weight_version"] == "3"
+        batch = client.generate(3)
+        assert "a1" in {g.agent_id for g in batch.groups}, [g.agent_id for g in batch.groups]
+        assert {version(v) for s in batch.samples for v, _, _ in s.weight_versions} == {3}
+    recorder.check()
+    assert not recorder.seen("a1/sim-0", "healthy", killed_at, reached), "the restarted engine served before v3"
