@@ -13,13 +13,15 @@ import json
 import os
 import re
 import signal
+import sys
 import threading
 import time
 import urllib.request
 
 import pytest
 
-from harness.polling import wait_for
+from common.weights_digest import weights_digest
+from harness.polling import WaitAborted, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -137,11 +139,15 @@ class VersionRecorder:
             assert labels == sorted(labels), (url, labels)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "agent/worker.py _on_engine_change takes an engine's URL from supervisor.healthy() only: an engine that "
-    "restarts 'stale' is reported (Capacity, heartbeats) under the dead process's URL, so the coordinator's "
-    "next broadcast group has the same identity, answers init=false, and the agent, which dropped the engine "
-    "from its group, fails the bucket ('no update group on this agent (no init step succeeded)')"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "agent/worker.py _on_engine_change takes an engine's URL from supervisor.healthy() only: an engine that "
+        "restarts 'stale' is reported (Capacity, heartbeats) under the dead process's URL, so the coordinator's "
+        "next broadcast group has the same identity, answers init=false, and the agent, which dropped the engine "
+        "from its group, fails the bucket ('no update group on this agent (no init step succeeded)')"
+    ),
+)
 def test_a_restarted_engine_serves_only_the_fleets_weights(make_cluster):
     """An engine SIGKILLed between updates comes back on the fleet's weights, or out of the pool.
 
@@ -187,8 +193,11 @@ def test_a_restarted_engine_serves_only_the_fleets_weights(make_cluster):
 
         # A second agent joins on the fleet's weights; a broadcast reaches both engines.
         cluster.start_agent("a2", engines=1, sim_args="--token-latency-ms 1")
-        wait_for(lambda: (engine_entry(cluster.status(), "a2") or {}).get("version") == 1, 20,
-                 "a2's engine to load version 1")
+        wait_for(
+            lambda: (engine_entry(cluster.status(), "a2") or {}).get("version") == 1,
+            20,
+            "a2's engine to load version 1",
+        )
         client.pause()
         tensors = {"layer.weight": torch.full((64, 64), 2.0), "sim.accuracy": torch.tensor([0.5])}
         result = client.update_weights(tensors, 2, backend="gloo", timeout=30)
@@ -224,3 +233,71 @@ def test_a_restarted_engine_serves_only_the_fleets_weights(make_cluster):
         assert {version(v) for s in batch.samples for v, _, _ in s.weight_versions} == {3}
     recorder.check()
     assert not recorder.seen("a1/sim-0", "healthy", killed_at, reached), "the restarted engine served before v3"
+
+
+# ---------------------------------------------------------------------------------------- trainer killed
+
+
+def test_a_trainer_killed_mid_broadcast_leaves_the_fleet_serving_one_version(make_cluster):
+    """A trainer SIGKILLed inside a broadcast (bucket 0 sent, bucket 1 forwarded, its broadcast never made).
+
+    The lock is released by the update's deadline (5 s) at the latest; every engine serves the old
+    version again (bucket 0 gave them partial weights: they are re-loaded from the last disk
+    checkpoint); generation goes on; a new trainer attaches and updates from disk and by broadcast;
+    the engine processes are the same throughout (serving outlives trainers).
+
+    Turns red if the coordinator keeps the lock of a dead trainer past its deadline (tick), if an
+    abort leaves engines paused, stale or on partial weights (agent/weights.py ``_abort``), if the
+    version moves on an aborted update, if a new trainer cannot begin a broadcast after an abandoned
+    one (a group name reused, a group never destroyed), or if an engine is restarted along the way.
+    """
+    torch = pytest.importorskip("torch")
+    cluster = make_cluster()
+    cluster.start_coordinator()
+    cluster.start_agent("a1", engines=2, sim_args="--token-latency-ms 1")
+    ckpt = cluster.tmp / "ckpt1"
+    ckpt.mkdir()
+    with cluster.client() as first:
+        first.update_weights_from_disk(str(ckpt), 1, timeout=15)
+        first.generate(0)
+    pids = cluster.engine_pids_of("a1")
+
+    trainer = cluster._spawn("trainer", [sys.executable, "-m", "harness.stalled_trainer", cluster.address, "2", "5"])
+
+    def stalled():
+        if not trainer.alive():
+            raise WaitAborted(f"the trainer exited: {trainer.text()[-3000:]}")
+        lock = cluster.status()["weights"]["lock"]
+        return "stalled in bucket 1" in trainer.text() and lock and lock["step"] == "bucket"
+
+    wait_for(stalled, 30, "the trainer to stall inside bucket 1 of its broadcast")
+    trainer.signal(signal.SIGKILL)
+    trainer.wait(10)
+    killed_at = time.monotonic()
+    wait_for(lambda: cluster.status()["weights"]["lock"] is None, 5 + 3, "the dead trainer's lock to be released")
+    assert time.monotonic() - killed_at <= 5 + 3
+    weights = cluster.status()["weights"]
+    assert (weights["version"], weights["updates"], weights["kind"]) == (1, 1, "disk"), weights
+
+    def on_one_version():
+        engines = cluster.status()["agents"]["a1"]["engines"]
+        labels = {model_info(e["url"])["weight_version"] for e in engines}
+        return labels if all(e["state"] == "healthy" for e in engines) and labels == {"1"} else None
+
+    wait_for(on_one_version, 15, "every engine to serve version 1 again")
+    with cluster.client(timeout=20) as second:
+        batch = second.generate(1)
+        assert len(batch.groups) == 8 and {version(s.weight_version) for s in batch.samples} <= {0, 1}
+        ckpt2 = cluster.tmp / "ckpt2"
+        ckpt2.mkdir()
+        assert set(second.update_weights_from_disk(str(ckpt2), 2, timeout=15)["engines"].values()) == {2}
+        tensors = {f"layer{i}.weight": torch.full((256,), 3.0 + i) for i in range(3)}
+        result = second.update_weights(tensors, 3, backend="gloo", bucket_bytes=1, timeout=30)
+        assert result["engines"] == {"a1/sim-0": 3, "a1/sim-1": 3}
+        digest = weights_digest(tensors.items())
+        for e in cluster.status()["agents"]["a1"]["engines"]:
+            info = model_info(e["url"])
+            assert (e["state"], info["weight_version"], info["weight_digest"]) == ("healthy", "3", digest)
+        assert {s.weight_version for s in second.generate(2).samples} <= {"1", "2", "3"}
+    assert cluster.engine_pids_of("a1") == pids
+    assert all(os.path.exists(f"/proc/{pid}") for pid in pids)
