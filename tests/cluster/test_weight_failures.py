@@ -90,7 +90,7 @@ class VersionRecorder:
         self.fleet: list[int] = []
         self.serving: dict[str, list[tuple[int, str]]] = {}  # "agent/engine" -> [(version, url)] while healthy
         self.labels: dict[str, list[int]] = {}  # url -> /model_info versions
-        self.history: list[tuple[float, str, str]] = []  # (time, "agent/engine", state)
+        self.history: list[tuple[float, str, str, str]] = []  # (time, "agent/engine", url, state)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="version-recorder", daemon=True)
         self.error: BaseException | None = None
@@ -116,7 +116,7 @@ class VersionRecorder:
             if entry["status"] != "alive":
                 continue
             for e in entry["engines"]:
-                self.history.append((time.monotonic(), f"{agent}/{e['name']}", e.get("state")))
+                self.history.append((time.monotonic(), f"{agent}/{e['name']}", e["url"], e.get("state")))
                 if e.get("state") == "healthy":
                     self.serving.setdefault(f"{agent}/{e['name']}", []).append((e["version"], e["url"]))
                 try:
@@ -126,9 +126,9 @@ class VersionRecorder:
                 self.labels.setdefault(e["url"], []).append(label)
         return self._stop.is_set()
 
-    def seen(self, key: str, state: str, start: float, end: float) -> bool:
-        """Whether the status gave engine ``key`` ``state`` between the two ``time.monotonic()`` instants."""
-        return any(k == key and st == state and start <= t <= end for t, k, st in self.history)
+    def seen(self, key: str, url: str, state: str, start: float, end: float) -> bool:
+        """Whether the status gave engine ``key`` at ``url`` ``state`` between two ``time.monotonic()`` instants."""
+        return any((k, u, st) == (key, url, state) and start <= t <= end for t, k, u, st in self.history)
 
     def check(self) -> None:
         assert self.error is None, self.error
@@ -232,7 +232,7 @@ def test_a_restarted_engine_serves_only_the_fleets_weights(make_cluster):
         assert "a1" in {g.agent_id for g in batch.groups}, [g.agent_id for g in batch.groups]
         assert {version(v) for s in batch.samples for v, _, _ in s.weight_versions} == {3}
     recorder.check()
-    assert not recorder.seen("a1/sim-0", "healthy", killed_at, reached), "the restarted engine served before v3"
+    assert not recorder.seen("a1/sim-0", url, "healthy", killed_at, reached), "the restarted engine served before v3"
 
 
 # ---------------------------------------------------------------------------------------- trainer killed
