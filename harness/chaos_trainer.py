@@ -18,6 +18,13 @@ group's; the whole call gets three times that), so a failure never hangs the
 trainer. One JSON line per attempt goes to ``--weights-log`` (fsynced):
 ``kind``, ``version``, ``ok``, the engines' versions or the error.
 
+After a broadcast, an engine that restarts (or missed an update) is stale: out of
+the pool until the next update reaches it. Once every engine is stale no batch
+can come, and the next update would come only after the next batch. So while a
+``generate`` waits, the trainer looks at the fleet every ``--rescue-after``
+seconds and, if no engine serves but some are stale and no update runs, pushes a
+disk update at once (recorded with ``"rescue": true``), as a trainer must.
+
 Without torch there is nothing to broadcast with and no weights file to write:
 every update is then a disk update of an empty checkpoint directory (it changes
 the label only), and the trainer says so at start.
@@ -63,6 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--weights-dir", default=None, help="where disk checkpoints are written (one dir per version)")
     ap.add_argument("--weights-log", default=None, help="one JSON line per update attempt")
     ap.add_argument("--update-timeout", type=float, default=15.0, help="a weight update's deadline, in seconds")
+    ap.add_argument(
+        "--rescue-after",
+        type=float,
+        default=2.0,
+        help="while a generate waits this long, push a disk update if every engine is stale (0: never)",
+    )
     args = ap.parse_args(argv)
     if args.weights_every and not (args.weights_dir and args.weights_log):
         ap.error("--weights-every needs --weights-dir and --weights-log")
@@ -126,6 +139,7 @@ class Pusher:
         self.client = client
         self.root = Path(args.weights_dir)
         self.timeout = args.update_timeout
+        self.rescue_after = args.rescue_after
         self.run = run
         self.with_torch = importlib.util.find_spec("torch") is not None
         self.last = 0
@@ -137,9 +151,9 @@ class Pusher:
     def kind(self, n: int) -> str:
         return "distributed" if self.with_torch and n % 2 else "disk"
 
-    async def push(self, rid: int, n: int) -> None:
-        kind, version, started = self.kind(n), None, time.monotonic()
-        record = {"run": self.run, "pid": os.getpid(), "rid": rid, "kind": kind}
+    async def push(self, rid: int, n: int, rescue: bool = False) -> None:
+        kind, version, started = "disk" if rescue else self.kind(n), None, time.monotonic()
+        record = {"run": self.run, "pid": os.getpid(), "rid": rid, "kind": kind, "rescue": rescue}
         try:
             async with asyncio.timeout(self.timeout * 3):
                 version = max(await self.client.weight_version(), self.last) + 1
@@ -161,6 +175,33 @@ class Pusher:
         record["seconds"] = round(time.monotonic() - started, 3)
         await asyncio.to_thread(append, self.log, record)
 
+    async def all_stale(self) -> bool:
+        """No engine of an alive agent serves, some are stale, and no update runs: only an update brings the fleet
+        back."""
+        try:
+            stats = await asyncio.wait_for(self.client.stats(), 5)
+        except (RolloutError, TimeoutError):
+            return False  # the coordinator is restarting: look again later
+        if stats["weights"]["lock"] is not None:
+            return False
+        states = [e.get("state") for a in stats["agents"].values() if a["status"] == "alive" for e in a["engines"]]
+        return "stale" in states and "healthy" not in states
+
+    async def generate(self, rid: int):
+        """``client.generate(rid)``; while it waits, a rescue update whenever every engine is stale."""
+        task = asyncio.ensure_future(self.client.generate(rid))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.rescue_after or None)
+                if done:
+                    return task.result()
+                if await self.all_stale():
+                    print(f"every engine is stale while rollout {rid} waits: a disk update to bring them back",
+                          flush=True)
+                    await self.push(rid, 0, rescue=True)
+        finally:
+            task.cancel()
+
     def close(self) -> None:
         self.log.close()
 
@@ -179,7 +220,7 @@ async def train(args: argparse.Namespace) -> int:
                 start = state["rollout_id"] + 1
                 print(f"resumed at rollout {start}", flush=True)
             for rid in range(start, args.batches):
-                batch = await client.generate(rid)
+                batch = await (pusher.generate(rid) if pusher is not None else client.generate(rid))
                 await asyncio.to_thread(append, log, batch_record(batch, run))
                 print(f"consumed {rid}", flush=True)
                 if pusher is not None and (rid + 1) % args.weights_every == 0:
