@@ -242,7 +242,8 @@ class Agent:
         log.info("agent %s: tokenizer %s", self.agent_id, name)
 
     def _on_engine_change(self, name: str, state: str) -> None:
-        url = next((spec.url for spec in self.supervisor.healthy() if spec.name == name), None)
+        # A restarted engine may come back stale (behind the fleet's weights): it has a new URL all the same.
+        url = self.supervisor.urls().get(name)
         self.handle(EngineChanged(name, state, url, self.supervisor.all_retired()))
 
     # ------------------------------------------------------------------ instructions

@@ -139,15 +139,6 @@ class VersionRecorder:
             assert labels == sorted(labels), (url, labels)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "agent/worker.py _on_engine_change takes an engine's URL from supervisor.healthy() only: an engine that "
-        "restarts 'stale' is reported (Capacity, heartbeats) under the dead process's URL, so the coordinator's "
-        "next broadcast group has the same identity, answers init=false, and the agent, which dropped the engine "
-        "from its group, fails the bucket ('no update group on this agent (no init step succeeded)')"
-    ),
-)
 def test_a_restarted_engine_serves_only_the_fleets_weights(make_cluster):
     """An engine SIGKILLed between updates comes back on the fleet's weights, or out of the pool.
 
