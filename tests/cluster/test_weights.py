@@ -88,7 +88,10 @@ def test_gloo_broadcasts_reach_every_engine_with_the_same_digest(make_cluster):
 
 
 def test_staleness_bound_holds_with_an_update_every_step(make_cluster):
-    cluster = make_cluster(rollout_batch_size=4, max_staleness=1)
+    """With ETA = 1 and a prefetch of four batches, demand alone would admit groups three updates ahead;
+    the staleness bound must hold them back. Checked on the samples themselves: the version each sample
+    began on (its first span) is never older than step - 1. Turns red if admission ignores the bound."""
+    cluster = make_cluster(rollout_batch_size=4, max_staleness=1, prefetch=16)
     cluster.start_coordinator()
     cluster.start_agent("a1", engines=2, sim_args="--token-latency-ms 2")
     with cluster.client(expect={"max_staleness": 1, "partial_rollout": True}) as client:
@@ -96,9 +99,15 @@ def test_staleness_bound_holds_with_an_update_every_step(make_cluster):
             batch = client.generate(step)
             assert batch.metrics["rollout/staleness_max"] <= 1.0, batch.metrics
             assert "rollout/admission_stall_s" in batch.metrics
+            started = [_version(s.weight_versions[0][0]) for g in batch.groups for s in g.samples if s.weight_versions]
+            assert started and min(started) >= step - 1, (step, sorted(started))
             ckpt = cluster.tmp / f"ckpt{step}"
             ckpt.mkdir(exist_ok=True)
             client.update_weights_from_disk(str(ckpt), step + 1)
+
+
+def _version(label) -> int:
+    return int(label) if str(label).isdigit() else 0  # a fresh engine reports "default": version 0
 
 
 def test_attaching_with_another_config_is_refused_naming_the_fields(make_cluster):
