@@ -79,7 +79,7 @@ MUTATIONS = [
         "coordinator/admission.py",
         '            return False, "duplicate: prompt already accepted from another group"',
         '            return True, ""',
-        "tests/cluster/test_chaos.py::test_exactly_once_under_every_failure_kind",
+        "tests/unit/test_core.py::test_receipt_is_acknowledged_after_persist_and_counted_once",
     ),
     Mutation(
         "3",

@@ -6,6 +6,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,7 +101,7 @@ def test_store_sigkilled_at_random_moments_keeps_every_commit_whole(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(root)}
     rng = random.Random(5)
     acknowledged: set[str] = set()
-    for run in range(12):
+    for run in range(20):
         child = subprocess.Popen(
             [sys.executable, "-c", CRASH_CHILD, str(tmp_path), str(run * 100_000)],
             stdout=subprocess.PIPE,
@@ -112,6 +113,9 @@ def test_store_sigkilled_at_random_moments_keeps_every_commit_whole(tmp_path):
             assert child.stdout.readline().strip() == "ready"
             for _ in range(rng.randint(0, 60)):
                 acknowledged.add(child.stdout.readline().strip())
+            # A random moment, not the one right after a commit returned (when the next writes have not
+            # started): the kill must be able to land inside a commit too.
+            time.sleep(rng.uniform(0, 0.01))
             child.send_signal(signal.SIGKILL)
             acknowledged.update(line.strip() for line in child.stdout)  # commits that returned before it died
         finally:
