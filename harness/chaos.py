@@ -87,7 +87,14 @@ class ChaosReport(Findings):
 
 class ChaosRun:
     def __init__(
-        self, workdir: Path, *, batches: int, agents: int, seed: int, interval: tuple[float, float], weights_every: int,
+        self,
+        workdir: Path,
+        *,
+        batches: int,
+        agents: int,
+        seed: int,
+        interval: tuple[float, float],
+        weights_every: int,
         log,
     ):
         if agents < 3:
@@ -444,7 +451,12 @@ def run_chaos(
     log=print,
 ) -> ChaosReport:
     return ChaosRun(
-        Path(workdir), batches=batches, agents=agents, seed=seed, interval=interval, weights_every=weights_every,
+        Path(workdir),
+        batches=batches,
+        agents=agents,
+        seed=seed,
+        interval=interval,
+        weights_every=weights_every,
         log=log,
     ).run()
 

@@ -196,8 +196,9 @@ class Pusher:
                 if done:
                     return task.result()
                 if await self.all_stale():
-                    print(f"every engine is stale while rollout {rid} waits: a disk update to bring them back",
-                          flush=True)
+                    print(
+                        f"every engine is stale while rollout {rid} waits: a disk update to bring them back", flush=True
+                    )
                     await self.push(rid, 0, rescue=True)
         finally:
             task.cancel()

@@ -42,8 +42,13 @@ class Proc:
         self.log = log
         self._fh = open(log, "ab")
         self.popen = subprocess.Popen(
-            argv, stdout=self._fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, cwd=ROOT, env=env,
+            argv,
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=ROOT,
+            env=env,
         )
         self.pid = self.popen.pid
 
@@ -92,9 +97,24 @@ class Cluster:
         return proc
 
     def start_coordinator(self, *extra: str, wait: bool = True) -> Proc:
-        argv = [sys.executable, "-m", "coordinator.cli", "serve", "--dataset", str(self.dataset),
-                "--data-dir", str(self.tmp / "coordinator"), "--bind", self.address,
-                "--heartbeat-interval", "0.25", "--agent-ttl", "1.5", "--retire-after", "30"]
+        argv = [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "serve",
+            "--dataset",
+            str(self.dataset),
+            "--data-dir",
+            str(self.tmp / "coordinator"),
+            "--bind",
+            self.address,
+            "--heartbeat-interval",
+            "0.25",
+            "--agent-ttl",
+            "1.5",
+            "--retire-after",
+            "30",
+        ]
         for key, value in self.config.items():
             argv += [f"--{key.replace('_', '-')}", str(value)]
         argv += list(extra)
@@ -113,12 +133,34 @@ class Cluster:
 
         return wait_for(answering, timeout, "the coordinator to answer status")
 
-    def start_agent(self, name: str, *extra: str, engines: int = 1, concurrency: int = 32, sim_args: str = "",
-                    engine_urls=(), wait: bool = True, coordinator: str | None = None) -> Proc:
+    def start_agent(
+        self,
+        name: str,
+        *extra: str,
+        engines: int = 1,
+        concurrency: int = 32,
+        sim_args: str = "",
+        engine_urls=(),
+        wait: bool = True,
+        coordinator: str | None = None,
+    ) -> Proc:
         """``coordinator``: the address it joins (default the cluster's; e.g. a ``TcpProxy`` in front of it)."""
-        argv = [sys.executable, "-m", "agent.cli", "join", "--coordinator", coordinator or self.address,
-                "--data-dir", str(self.tmp / name), "--agent-id", name, "--concurrency", str(concurrency),
-                "--health-interval", "1"]
+        argv = [
+            sys.executable,
+            "-m",
+            "agent.cli",
+            "join",
+            "--coordinator",
+            coordinator or self.address,
+            "--data-dir",
+            str(self.tmp / name),
+            "--agent-id",
+            name,
+            "--concurrency",
+            str(concurrency),
+            "--health-interval",
+            "1",
+        ]
         if engine_urls:
             for url in engine_urls:
                 argv += ["--engine-url", url]
@@ -169,7 +211,9 @@ class Cluster:
         return [int(m.group(1)) for m in re.finditer(r"launched \(pid (\d+)\)", self.agents[name].text())]
 
     def start_sim_engine(self, *extra: str) -> tuple[Proc, str]:
-        proc = self._spawn(f"sim-engine-{len(self.procs)}", [sys.executable, "-m", "agent.cli", "sim-engine", "--port", "0", *extra])
+        proc = self._spawn(
+            f"sim-engine-{len(self.procs)}", [sys.executable, "-m", "agent.cli", "sim-engine", "--port", "0", *extra]
+        )
 
         def url():
             m = re.search(r"listening on (http://\S+)", proc.text())
@@ -190,8 +234,13 @@ class Cluster:
 
     def stats(self) -> dict:
         """``coordinator status`` run as a user runs it (a subprocess printing JSON)."""
-        out = subprocess.run([sys.executable, "-m", "coordinator.cli", "status", "--coordinator", self.address, "--timeout", "5"],
-                             capture_output=True, text=True, timeout=30, cwd=ROOT)
+        out = subprocess.run(
+            [sys.executable, "-m", "coordinator.cli", "status", "--coordinator", self.address, "--timeout", "5"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=ROOT,
+        )
         if out.returncode != 0:
             raise RuntimeError(out.stderr)
         return json.loads(out.stdout)

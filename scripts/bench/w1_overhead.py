@@ -251,15 +251,33 @@ async def _floor_client(urls: list[str], concurrency: int, warmup: int, measured
     counter = iter(range(1 << 62))
 
     def mark(name: str) -> None:
-        marks[name] = (time.monotonic(), time.process_time(), state["done"], state["bytes"], cpu_seconds(engine_pids), busy_cpu_seconds())
+        marks[name] = (
+            time.monotonic(),
+            time.process_time(),
+            state["done"],
+            state["bytes"],
+            cpu_seconds(engine_pids),
+            busy_cpu_seconds(),
+        )
 
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, connect=10)) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=None, connect=10)
+    ) as session:
 
         async def worker(url: str) -> None:
             while not finished.is_set():
-                body = orjson.dumps({"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "rid": f"floor-{next(counter):016x}-000-0000"})
-                async with session.post(url + "/generate", data=body, headers={"Content-Type": "application/json"}) as resp:
+                body = orjson.dumps(
+                    {
+                        "input_ids": input_ids,
+                        "sampling_params": params,
+                        "return_logprob": True,
+                        "rid": f"floor-{next(counter):016x}-000-0000",
+                    }
+                )
+                async with session.post(
+                    url + "/generate", data=body, headers={"Content-Type": "application/json"}
+                ) as resp:
                     raw = await resp.read()
                     if resp.status != 200:
                         state["errors"] += 1
@@ -277,8 +295,15 @@ async def _floor_client(urls: list[str], concurrency: int, warmup: int, measured
         mark("begin")
         await asyncio.gather(*(worker(u) for u in urls for _ in range(concurrency)))
     (t0, c0, n0, b0, e0, m0), (t1, c1, n1, b1, e1, m1) = marks["start"], marks["end"]
-    return {"samples": n1 - n0, "wall_s": t1 - t0, "cpu_s": c1 - c0, "bytes": b1 - b0, "engine_cpu_s": e1 - e0,
-            "machine_busy_s": m1 - m0, "errors": state["errors"]}
+    return {
+        "samples": n1 - n0,
+        "wall_s": t1 - t0,
+        "cpu_s": c1 - c0,
+        "bytes": b1 - b0,
+        "engine_cpu_s": e1 - e0,
+        "machine_busy_s": m1 - m0,
+        "errors": state["errors"],
+    }
 
 
 def start_floor_engines(procs: Procs, n: int) -> list[tuple[Proc, str]]:
@@ -313,7 +338,7 @@ def start_floor_engines(procs: Procs, n: int) -> list[tuple[Proc, str]]:
         return True
 
     wait_until(healthy, READY_TIMEOUT, "floor engine health", check=procs.check)
-    return list(zip(out, found))
+    return list(zip(out, found, strict=True))
 
 
 def run_floor(procs: Procs, measured_samples: int, warmup_samples: int) -> dict:
@@ -321,13 +346,27 @@ def run_floor(procs: Procs, measured_samples: int, warmup_samples: int) -> dict:
     engines = start_floor_engines(procs, AGENTS)
     urls = [u for _, u in engines]
     engine_pids = [p.pid for p, _ in engines]
-    progress(f"floor: bare aiohttp client, {CONCURRENCY} concurrent requests per engine at {', '.join(urls)}; "
-             f"{warmup_samples} warm-up + {measured_samples} measured samples")
+    progress(
+        f"floor: bare aiohttp client, {CONCURRENCY} concurrent requests per engine at {', '.join(urls)}; "
+        f"{warmup_samples} warm-up + {measured_samples} measured samples"
+    )
     worker = procs.start(
         "floor-client",
-        [sys.executable, os.path.abspath(__file__), "--floor-worker", "--urls", ",".join(urls),
-         "--concurrency", str(CONCURRENCY), "--warmup", str(warmup_samples), "--measured", str(measured_samples),
-         "--engine-pids", ",".join(map(str, engine_pids))],
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--floor-worker",
+            "--urls",
+            ",".join(urls),
+            "--concurrency",
+            str(CONCURRENCY),
+            "--warmup",
+            str(warmup_samples),
+            "--measured",
+            str(measured_samples),
+            "--engine-pids",
+            ",".join(map(str, engine_pids)),
+        ],
     )
     rc = worker.popen.wait()
     if rc != 0:
@@ -362,10 +401,30 @@ def start_cluster(procs: Procs, workdir: Path, args) -> tuple[str, Proc, list[Pr
     sync = ["--no-sync"] if args.no_sync else []
     coord = procs.start(
         "coordinator",
-        [*launcher("coordinator", "coordinator.cli", args, "coordinator"), "serve", "--dataset", str(dataset), "--data-dir", str(workdir / "coordinator"),
-         "--bind", "tcp://127.0.0.1:0", "--rollout-batch-size", str(BATCH_GROUPS), "--n-samples-per-prompt", str(GROUP),
-         "--max-new-tokens", str(OUTPUT_LEN), "--dynamic-filter", "none", "--reward", args.reward, "--log-level", "WARNING", *sync,
-         *(["--prefetch", str(args.prefetch)] if args.prefetch is not None else [])],
+        [
+            *launcher("coordinator", "coordinator.cli", args, "coordinator"),
+            "serve",
+            "--dataset",
+            str(dataset),
+            "--data-dir",
+            str(workdir / "coordinator"),
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--rollout-batch-size",
+            str(BATCH_GROUPS),
+            "--n-samples-per-prompt",
+            str(GROUP),
+            "--max-new-tokens",
+            str(OUTPUT_LEN),
+            "--dynamic-filter",
+            "none",
+            "--reward",
+            args.reward,
+            "--log-level",
+            "WARNING",
+            *sync,
+            *(["--prefetch", str(args.prefetch)] if args.prefetch is not None else []),
+        ],
     )
 
     def endpoint():
@@ -381,9 +440,27 @@ def start_cluster(procs: Procs, workdir: Path, args) -> tuple[str, Proc, list[Pr
         agents.append(
             procs.start(
                 f"agent-{i}",
-                [*launcher("agent", "agent.cli", args, f"agent-{i}"), "join", "--coordinator", address, "--data-dir", str(workdir / f"agent-{i}"),
-                 "--agent-id", f"w1-agent-{i}", "--engines", "1", "--concurrency", str(CONCURRENCY),
-                 "--payload-bind", "tcp://127.0.0.1:0", "--sim-args", " ".join(SIM_ARGS), "--log-level", "WARNING", *sync],
+                [
+                    *launcher("agent", "agent.cli", args, f"agent-{i}"),
+                    "join",
+                    "--coordinator",
+                    address,
+                    "--data-dir",
+                    str(workdir / f"agent-{i}"),
+                    "--agent-id",
+                    f"w1-agent-{i}",
+                    "--engines",
+                    "1",
+                    "--concurrency",
+                    str(CONCURRENCY),
+                    "--payload-bind",
+                    "tcp://127.0.0.1:0",
+                    "--sim-args",
+                    " ".join(SIM_ARGS),
+                    "--log-level",
+                    "WARNING",
+                    *sync,
+                ],
             )
         )
     return address, coord, agents
@@ -415,7 +492,9 @@ def materialise(batch) -> tuple[int, int, float]:
         for s in g.samples:
             toks, lps = s.response_tokens, s.response_logprobs
             if len(toks) != len(lps) or len(s.prompt_tokens) != PROMPT_LEN:
-                raise RuntimeError(f"group {g.index}: {len(s.prompt_tokens)} prompt / {len(toks)} tokens / {len(lps)} logprobs")
+                raise RuntimeError(
+                    f"group {g.index}: {len(s.prompt_tokens)} prompt / {len(toks)} tokens / {len(lps)} logprobs"
+                )
             tokens += len(toks)
             checksum += toks[-1] + lps[-1] + s.reward if toks else s.reward
             samples += 1
@@ -429,8 +508,10 @@ def run_rollfleet(procs: Procs, workdir: Path, args) -> dict:
     wait_cluster_ready(procs, address)
     orch_pids = [coord.pid] + [a.pid for a in agents]
     engine_pids = [c for a in agents for c in children_of(a.pid)]
-    progress(f"cluster ready (coordinator pid {coord.pid}, agents {[a.pid for a in agents]}, engines {engine_pids}); "
-             f"1 warm-up + {args.batches} measured batches of {BATCH_GROUPS} groups x {GROUP} samples")
+    progress(
+        f"cluster ready (coordinator pid {coord.pid}, agents {[a.pid for a in agents]}, engines {engine_pids}); "
+        f"1 warm-up + {args.batches} measured batches of {BATCH_GROUPS} groups x {GROUP} samples"
+    )
     per_batch, waits, gen_means = [], [], []
     with RolloutClient(address, timeout=120) as client:
         t_prev = time.monotonic()
@@ -452,8 +533,10 @@ def run_rollfleet(procs: Procs, workdir: Path, args) -> dict:
             per_batch.append(now - t_prev)
             waits.append(batch.metrics.get("rollout/wait_seconds", 0.0))
             gen_means.append(batch.metrics.get("rollout/gen_seconds_mean", 0.0))
-            progress(f"batch {rid}: {now - t_prev:.2f}s ({n / (now - t_prev):.0f} samples/s, "
-                     f"wait {waits[-1]:.2f}s, fetch {batch.metrics.get('rollout/fetch_seconds', 0.0):.3f}s)")
+            progress(
+                f"batch {rid}: {now - t_prev:.2f}s ({n / (now - t_prev):.0f} samples/s, "
+                f"wait {waits[-1]:.2f}s, fetch {batch.metrics.get('rollout/fetch_seconds', 0.0):.3f}s)"
+            )
             t_prev = now
             procs.check()
         wall = time.monotonic() - t0
@@ -461,12 +544,22 @@ def run_rollfleet(procs: Procs, workdir: Path, args) -> dict:
         orch_cpu = cpu_seconds(orch_pids) - orch0
         engine_cpu = cpu_seconds(engine_pids) - engine0
         machine_busy = busy_cpu_seconds() - machine0
-        by_proc = {name: cpu_seconds([pid]) - by_proc0[pid] for name, pid in
-                   [("coordinator", coord.pid)] + [(a.name, a.pid) for a in agents]}
+        by_proc = {
+            name: cpu_seconds([pid]) - by_proc0[pid]
+            for name, pid in [("coordinator", coord.pid)] + [(a.name, a.pid) for a in agents]
+        }
     procs.stop()
     return {
-        "samples": samples, "tokens": tokens, "wall_s": wall, "trainer_cpu_s": trainer_cpu, "orch_cpu_s": orch_cpu,
-        "engine_cpu_s": engine_cpu, "machine_busy_s": machine_busy, "by_proc_cpu_s": by_proc, "batch_s": per_batch, "wait_s": waits,
+        "samples": samples,
+        "tokens": tokens,
+        "wall_s": wall,
+        "trainer_cpu_s": trainer_cpu,
+        "orch_cpu_s": orch_cpu,
+        "engine_cpu_s": engine_cpu,
+        "machine_busy_s": machine_busy,
+        "by_proc_cpu_s": by_proc,
+        "batch_s": per_batch,
+        "wait_s": waits,
         "gen_s_mean": sum(gen_means) / len(gen_means),
     }
 
@@ -477,14 +570,24 @@ def run_rollfleet(procs: Procs, workdir: Path, args) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="8 measured batches (about 10 s on 2 cores)")
-    ap.add_argument("--batches", type=int, default=None, help="measured batches after 1 warm-up (default 30, --quick 8)")
+    ap.add_argument(
+        "--batches", type=int, default=None, help="measured batches after 1 warm-up (default 30, --quick 8)"
+    )
     ap.add_argument("--no-sync", action="store_true", help="pass --no-sync to coordinator and agents (durability off)")
     ap.add_argument("--reward", default="math", help="coordinator --reward (default math)")
-    ap.add_argument("--prefetch", type=int, default=None, help="coordinator --prefetch (default: its default, one batch)")
-    ap.add_argument("--floor", choices=("before", "after"), default="before", help="run the floor before or after rollfleet")
+    ap.add_argument(
+        "--prefetch", type=int, default=None, help="coordinator --prefetch (default: its default, one batch)"
+    )
+    ap.add_argument(
+        "--floor", choices=("before", "after"), default="before", help="run the floor before or after rollfleet"
+    )
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, stores)")
-    ap.add_argument("--profile", metavar="DIR", help="run coordinator and agents under cProfile, writing DIR/<process>.prof "
-                    "(whole process lifetime, main thread only; CPU figures are then inflated)")
+    ap.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="run coordinator and agents under cProfile, writing DIR/<process>.prof "
+        "(whole process lifetime, main thread only; CPU figures are then inflated)",
+    )
     # Internal: the floor client runs in its own process so its CPU is measured alone.
     ap.add_argument("--floor-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--urls", help=argparse.SUPPRESS)
@@ -496,8 +599,15 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     if args.floor_worker:
-        result = asyncio.run(_floor_client(args.urls.split(","), args.concurrency, args.warmup, args.measured,
-                                          [int(x) for x in args.engine_pids.split(",") if x]))
+        result = asyncio.run(
+            _floor_client(
+                args.urls.split(","),
+                args.concurrency,
+                args.warmup,
+                args.measured,
+                [int(x) for x in args.engine_pids.split(",") if x],
+            )
+        )
         print(json.dumps(result), flush=True)
         return 0
 
@@ -512,6 +622,7 @@ def main(argv=None) -> int:
     measured_samples = args.batches * batch_samples
     # The floor is fast: give it at least 16 batches' worth so its window is seconds, not ticks.
     floor_samples = max(measured_samples, 16 * batch_samples)
+
     # SIGTERM must unwind through the finally below, or the cluster would outlive us;
     # a second one must not interrupt that cleanup.
     def on_sigterm(*_):
@@ -521,7 +632,9 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     workdir = Path(tempfile.mkdtemp(prefix="rollfleet-w1-"))
     procs = Procs(workdir)
-    progress(f"workdir {workdir}; {'quick' if args.quick else 'full'} run, durability {'off' if args.no_sync else 'on'}")
+    progress(
+        f"workdir {workdir}; {'quick' if args.quick else 'full'} run, durability {'off' if args.no_sync else 'on'}"
+    )
     started = time.monotonic()
     try:
         if args.floor == "before":
@@ -548,19 +661,49 @@ def main(argv=None) -> int:
     split["trainer"] = round(rf["trainer_cpu_s"] / rf["samples"] * 1e6, 1)
     # Little's law: every group holds one of the 2 x 32 lease slots from grant to receipt.
     lease_s = AGENTS * (CONCURRENCY // GROUP) / (sps / GROUP)
-    emit("samples_per_s", round(sps, 1), "samples/s", samples=rf["samples"], wall_s=round(rf["wall_s"], 3),
-         group_gen_s_mean=round(rf["gen_s_mean"], 4), lease_s_littles_law=round(lease_s, 4),
-         machine_busy_cores=round(rf["machine_busy_s"] / rf["wall_s"], 2), cores=os.cpu_count(),
-         tokens_per_s=round(rf["tokens"] / rf["wall_s"], 0), batch_s=[round(x, 3) for x in rf["batch_s"]],
-         trainer_wait_s=[round(x, 3) for x in rf["wait_s"]], **common)
-    emit("floor_samples_per_s", round(floor_sps, 1), "samples/s", samples=floor["samples"], wall_s=round(floor["wall_s"], 3),
-         mb_per_s=round(floor["bytes"] / floor["wall_s"] / 1e6, 1), errors=floor["errors"],
-         machine_busy_cores=round(floor["machine_busy_s"] / floor["wall_s"], 2), cores=os.cpu_count(), **common)
+    emit(
+        "samples_per_s",
+        round(sps, 1),
+        "samples/s",
+        samples=rf["samples"],
+        wall_s=round(rf["wall_s"], 3),
+        group_gen_s_mean=round(rf["gen_s_mean"], 4),
+        lease_s_littles_law=round(lease_s, 4),
+        machine_busy_cores=round(rf["machine_busy_s"] / rf["wall_s"], 2),
+        cores=os.cpu_count(),
+        tokens_per_s=round(rf["tokens"] / rf["wall_s"], 0),
+        batch_s=[round(x, 3) for x in rf["batch_s"]],
+        trainer_wait_s=[round(x, 3) for x in rf["wait_s"]],
+        **common,
+    )
+    emit(
+        "floor_samples_per_s",
+        round(floor_sps, 1),
+        "samples/s",
+        samples=floor["samples"],
+        wall_s=round(floor["wall_s"], 3),
+        mb_per_s=round(floor["bytes"] / floor["wall_s"] / 1e6, 1),
+        errors=floor["errors"],
+        machine_busy_cores=round(floor["machine_busy_s"] / floor["wall_s"], 2),
+        cores=os.cpu_count(),
+        **common,
+    )
     emit("ratio_to_floor", round(sps / floor_sps, 3), "ratio", **common)
-    emit("orchestration_cpu_us_per_sample", round(orch_cpu_us, 1), "us/sample", by_process=split,
-         engine_cpu_us_per_sample=round(rf["engine_cpu_s"] / rf["samples"] * 1e6, 1), **common)
-    emit("floor_cpu_us_per_sample", round(floor_cpu_us, 1), "us/sample",
-         engine_cpu_us_per_sample=round(floor["engine_cpu_s"] / floor["samples"] * 1e6, 1), **common)
+    emit(
+        "orchestration_cpu_us_per_sample",
+        round(orch_cpu_us, 1),
+        "us/sample",
+        by_process=split,
+        engine_cpu_us_per_sample=round(rf["engine_cpu_s"] / rf["samples"] * 1e6, 1),
+        **common,
+    )
+    emit(
+        "floor_cpu_us_per_sample",
+        round(floor_cpu_us, 1),
+        "us/sample",
+        engine_cpu_us_per_sample=round(floor["engine_cpu_s"] / floor["samples"] * 1e6, 1),
+        **common,
+    )
     emit("cpu_ratio_to_floor", round(orch_cpu_us / floor_cpu_us, 2), "ratio", **common)
     progress(f"done in {time.monotonic() - started:.1f}s")
     return 0

@@ -104,8 +104,13 @@ def tail_bound(groups: int = 20000) -> float:
 
 def engine_urls(cluster: Cluster) -> list[str]:
     status = cluster.status()
-    return [e["url"] for entry in status["agents"].values() if entry["status"] == "alive"
-            for e in entry["engines"] if e.get("state") == "healthy"]
+    return [
+        e["url"]
+        for entry in status["agents"].values()
+        if entry["status"] == "alive"
+        for e in entry["engines"]
+        if e.get("state") == "healthy"
+    ]
 
 
 class LoadPoller:
@@ -175,8 +180,9 @@ class Updater:
         else:
             import torch
 
-            client.update_weights({"policy.weight": torch.full((1 << 18,), float(version))}, version,
-                                  backend="gloo", timeout=120)
+            client.update_weights(
+                {"policy.weight": torch.full((1 << 18,), float(version))}, version, backend="gloo", timeout=120
+            )
         return time.perf_counter() - t0
 
 
@@ -184,10 +190,16 @@ class Updater:
 
 
 def run_config(name: str, workdir: Path, args, max_staleness: int | None, update: str | None) -> dict:
-    sim_args = (f"--slots {args.concurrency} --token-latency-ms {args.token_ms} --output-len-dist lognormal "
-                f"--output-len-median {OUTPUT_MEDIAN} --output-len-sigma {OUTPUT_SIGMA} --output-len-max {OUTPUT_MAX}")
-    config = {"rollout_batch_size": args.batch, "n_samples_per_prompt": GROUP, "max_new_tokens": OUTPUT_MAX,
-              "dynamic_filter": "none"}
+    sim_args = (
+        f"--slots {args.concurrency} --token-latency-ms {args.token_ms} --output-len-dist lognormal "
+        f"--output-len-median {OUTPUT_MEDIAN} --output-len-sigma {OUTPUT_SIGMA} --output-len-max {OUTPUT_MAX}"
+    )
+    config = {
+        "rollout_batch_size": args.batch,
+        "n_samples_per_prompt": GROUP,
+        "max_new_tokens": OUTPUT_MAX,
+        "dynamic_filter": "none",
+    }
     if max_staleness is not None:
         config["max_staleness"] = max_staleness
     cluster = Cluster(workdir / name, rows=max(2000, (args.steps + 10) * args.batch * 4), **config)
@@ -219,9 +231,11 @@ def run_config(name: str, workdir: Path, args, max_staleness: int | None, update
                     tokens += sum(len(s.response_tokens) for g in batch.groups for s in g.samples)
                 if step == steps - 1:
                     window_end = time.monotonic()
-                progress(f"{name} step {step}{' (warm-up)' if step == 0 else ''}: waited {waited:.2f}s, "
-                         f"staleness max {batch.metrics.get('rollout/staleness_max', 0.0):.0f}, "
-                         f"stall {batch.metrics.get('rollout/admission_stall_s', 0.0):.2f}s")
+                progress(
+                    f"{name} step {step}{' (warm-up)' if step == 0 else ''}: waited {waited:.2f}s, "
+                    f"staleness max {batch.metrics.get('rollout/staleness_max', 0.0):.0f}, "
+                    f"stall {batch.metrics.get('rollout/admission_stall_s', 0.0):.2f}s"
+                )
                 if step == steps - 1:
                     break
                 time.sleep(args.step_s)  # the trainer's fixed step
@@ -235,26 +249,42 @@ def run_config(name: str, workdir: Path, args, max_staleness: int | None, update
     wall = window_end - window_start
     capacity_tokens = AGENTS * args.concurrency * wall / (args.token_ms / 1000.0)
     return {
-        "config": name, "max_staleness": max_staleness, "update": update, "steps": args.steps,
-        "slot_utilisation": round(util, 3), "token_utilisation": round(tokens / capacity_tokens, 3),
+        "config": name,
+        "max_staleness": max_staleness,
+        "update": update,
+        "steps": args.steps,
+        "slot_utilisation": round(util, 3),
+        "token_utilisation": round(tokens / capacity_tokens, 3),
         "trainer_wait_s_per_step": round(mean(waits), 3),
-        "group_latency_p50_s": round(quantile(gen_s, 0.5), 3), "group_latency_p99_s": round(quantile(gen_s, 0.99), 3),
-        "staleness_mean": round(mean(st_mean), 3), "staleness_max": max(st_max, default=0.0),
-        "admission_stall_s_per_step": round(mean(stall), 3), "samples_per_s": round(samples / wall, 1),
-        "update_s_mean": round(mean(updates), 3) if updates else None, "wall_s": round(wall, 2),
+        "group_latency_p50_s": round(quantile(gen_s, 0.5), 3),
+        "group_latency_p99_s": round(quantile(gen_s, 0.99), 3),
+        "staleness_mean": round(mean(st_mean), 3),
+        "staleness_max": max(st_max, default=0.0),
+        "admission_stall_s_per_step": round(mean(stall), 3),
+        "samples_per_s": round(samples / wall, 1),
+        "update_s_mean": round(mean(updates), 3) if updates else None,
+        "wall_s": round(wall, 2),
     }
 
 
 # --------------------------------------------------------------------------- main
 
 
-COLUMNS = [("config", "config", "{}"), ("slot_utilisation", "slot util", "{:.3f}"),
-           ("token_utilisation", "token util", "{:.3f}"), ("trainer_wait_s_per_step", "wait/step s", "{:.2f}"),
-           ("group_latency_p50_s", "grp p50 s", "{:.2f}"), ("group_latency_p99_s", "grp p99 s", "{:.2f}"),
-           ("staleness_mean", "stale mean", "{:.2f}"), ("staleness_max", "stale max", "{:.0f}"),
-           ("admission_stall_s_per_step", "stall/step s", "{:.2f}"), ("samples_per_s", "samples/s", "{:.1f}"),
-           ("update_s_mean", "update s", "{:.3f}"),
-           ("util_ratio_to_floor", "util/floor", "{:.2f}"), ("throughput_ratio_to_floor", "tput/floor", "{:.2f}")]
+COLUMNS = [
+    ("config", "config", "{}"),
+    ("slot_utilisation", "slot util", "{:.3f}"),
+    ("token_utilisation", "token util", "{:.3f}"),
+    ("trainer_wait_s_per_step", "wait/step s", "{:.2f}"),
+    ("group_latency_p50_s", "grp p50 s", "{:.2f}"),
+    ("group_latency_p99_s", "grp p99 s", "{:.2f}"),
+    ("staleness_mean", "stale mean", "{:.2f}"),
+    ("staleness_max", "stale max", "{:.0f}"),
+    ("admission_stall_s_per_step", "stall/step s", "{:.2f}"),
+    ("samples_per_s", "samples/s", "{:.1f}"),
+    ("update_s_mean", "update s", "{:.3f}"),
+    ("util_ratio_to_floor", "util/floor", "{:.2f}"),
+    ("throughput_ratio_to_floor", "tput/floor", "{:.2f}"),
+]
 
 
 def table(rows: list[dict]) -> str:
@@ -272,8 +302,12 @@ def main(argv=None) -> int:
     ap.add_argument("--token-ms", type=float, default=None, help="sim decode time per token (default 1, quick 0.5)")
     ap.add_argument("--step-s", type=float, default=None, help="the trainer's fixed step time (default 0.5, quick 0.2)")
     ap.add_argument("--batch", type=int, default=8, help="groups per batch (default 8)")
-    ap.add_argument("--concurrency", type=int, default=32,
-                    help="samples in flight per engine = the engine's slots (default 32: 4 groups)")
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        default=32,
+        help="samples in flight per engine = the engine's slots (default 32: 4 groups)",
+    )
     ap.add_argument("--update", choices=("disk", "broadcast"), default="disk", help="the update pushed every step")
     ap.add_argument("--staleness", default="0,1,4", help="bounds to run, comma-separated (default 0,1,4)")
     ap.add_argument("--no-sync", action="store_true", help="coordinator and agents without fsync")
@@ -295,9 +329,11 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     workdir = Path(tempfile.mkdtemp(prefix="rollfleet-w2-"))
     started = time.monotonic()
-    progress(f"workdir {workdir}; {args.steps} steps + 1 warm-up per configuration, batch {args.batch} x {GROUP}, "
-             f"{AGENTS} engines x {args.concurrency} slots, {args.token_ms} ms/token, trainer step {args.step_s}s, "
-             f"update: {args.update}")
+    progress(
+        f"workdir {workdir}; {args.steps} steps + 1 warm-up per configuration, batch {args.batch} x {GROUP}, "
+        f"{AGENTS} engines x {args.concurrency} slots, {args.token_ms} ms/token, trainer step {args.step_s}s, "
+        f"update: {args.update}"
+    )
     rows = []
     try:
         rows.append(run_config("floor", workdir, args, None, None))
@@ -310,20 +346,47 @@ def main(argv=None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
     floor = rows[0]
-    common = {"quick": args.quick, "token_ms": args.token_ms, "step_s": args.step_s, "batch": args.batch,
-              "slots_per_engine": args.concurrency, "engines": AGENTS, "tail_bound": round(tail_bound(), 3)}
+    common = {
+        "quick": args.quick,
+        "token_ms": args.token_ms,
+        "step_s": args.step_s,
+        "batch": args.batch,
+        "slots_per_engine": args.concurrency,
+        "engines": AGENTS,
+        "tail_bound": round(tail_bound(), 3),
+    }
     for r in rows:
-        r["util_ratio_to_floor"] = round(r["slot_utilisation"] / floor["slot_utilisation"], 3) \
-            if floor["slot_utilisation"] else None
+        r["util_ratio_to_floor"] = (
+            round(r["slot_utilisation"] / floor["slot_utilisation"], 3) if floor["slot_utilisation"] else None
+        )
         r["throughput_ratio_to_floor"] = round(r["samples_per_s"] / floor["samples_per_s"], 3)
-        r["wait_ratio_to_floor"] = round(r["trainer_wait_s_per_step"] / floor["trainer_wait_s_per_step"], 3) \
-            if floor["trainer_wait_s_per_step"] else None
+        r["wait_ratio_to_floor"] = (
+            round(r["trainer_wait_s_per_step"] / floor["trainer_wait_s_per_step"], 3)
+            if floor["trainer_wait_s_per_step"]
+            else None
+        )
         extra = {k: v for k, v in r.items() if k not in ("config", "slot_utilisation")}
         emit("slot_utilisation", r["slot_utilisation"], "ratio", config=r["config"], **extra, **common)
-    emit("summary", {r["config"]: {k: r[k] for k in ("slot_utilisation", "trainer_wait_s_per_step", "samples_per_s",
-                                                     "staleness_max", "util_ratio_to_floor",
-                                                     "throughput_ratio_to_floor")} for r in rows},
-         "mixed", elapsed_s=round(time.monotonic() - started, 1), **common)
+    emit(
+        "summary",
+        {
+            r["config"]: {
+                k: r[k]
+                for k in (
+                    "slot_utilisation",
+                    "trainer_wait_s_per_step",
+                    "samples_per_s",
+                    "staleness_max",
+                    "util_ratio_to_floor",
+                    "throughput_ratio_to_floor",
+                )
+            }
+            for r in rows
+        },
+        "mixed",
+        elapsed_s=round(time.monotonic() - started, 1),
+        **common,
+    )
     print(table(rows), file=sys.stderr, flush=True)
     progress(f"tail bound on slot utilisation (mean length / mean longest of {GROUP}): {common['tail_bound']}")
     progress(f"done in {time.monotonic() - started:.1f}s")

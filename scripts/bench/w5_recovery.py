@@ -70,9 +70,26 @@ def main() -> int:
             cluster.start_agent(name, concurrency=32, sim_args=sim)
         trainer_log = open(work / "trainer.log", "ab")
         trainer = subprocess.Popen(
-            [sys.executable, "-m", "harness.chaos_trainer", "--coordinator", cluster.address, "--batches", str(batches),
-             "--consumed", str(consumed), "--checkpoint", str(ckpt), "--checkpoint-every", "1000000"],
-            stdout=trainer_log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "harness.chaos_trainer",
+                "--coordinator",
+                cluster.address,
+                "--batches",
+                str(batches),
+                "--consumed",
+                str(consumed),
+                "--checkpoint",
+                str(ckpt),
+                "--checkpoint-every",
+                "1000000",
+            ],
+            stdout=trainer_log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+        )
 
         def n_consumed() -> int:
             return len(_read_consumed(consumed))
@@ -85,7 +102,12 @@ def main() -> int:
             cluster.agents[victim].signal(signal.SIGKILL)
             t0 = time.monotonic()
             cluster.agents[victim].wait(10)
-            wait_for(lambda: (lambda a: a["status"] != "alive" and a["leases"] == 0)(cluster.stats()["agents"][victim]), 60, "leases to be released", interval=0.02)
+            wait_for(
+                lambda: (lambda a: a["status"] != "alive" and a["leases"] == 0)(cluster.stats()["agents"][victim]),
+                60,
+                "leases to be released",
+                interval=0.02,
+            )
             release.append(time.monotonic() - t0)
             say(f"round {r}: release_s={release[-1]:.2f} (ttl {args.ttl})")
             cluster.start_agent(victim, concurrency=32, sim_args=sim)
@@ -104,7 +126,14 @@ def main() -> int:
 
             # 3. engine SIGKILL -> back to healthy with capacity restored
             name = "agent-0"
-            wait_for(lambda: cluster.stats()["agents"][name]["capacity"] > 0 and cluster.stats()["agents"][name]["status"] == "alive", 60, "agent-0 ready")
+            wait_for(
+                lambda: (
+                    cluster.stats()["agents"][name]["capacity"] > 0
+                    and cluster.stats()["agents"][name]["status"] == "alive"
+                ),
+                60,
+                "agent-0 ready",
+            )
             pid = cluster.engine_pids_of(name)[-1]
             capacity = cluster.stats()["agents"][name]["capacity"]
             os.kill(pid, signal.SIGKILL)
@@ -112,8 +141,12 @@ def main() -> int:
 
             def back() -> bool:
                 a = cluster.stats()["agents"][name]
-                return (len(cluster.engine_pids_of(name)) > 0 and cluster.engine_pids_of(name)[-1] != pid
-                        and a["capacity"] == capacity and all(e.get("state") == "healthy" for e in a["engines"]))
+                return (
+                    len(cluster.engine_pids_of(name)) > 0
+                    and cluster.engine_pids_of(name)[-1] != pid
+                    and a["capacity"] == capacity
+                    and all(e.get("state") == "healthy" for e in a["engines"])
+                )
 
             wait_for(back, 120, "the engine to come back", interval=0.02)
             engine_back.append(time.monotonic() - t0)
@@ -130,7 +163,14 @@ def main() -> int:
     records = _read_consumed(consumed)
     check(report, cluster, consumed, ["agent-0", "agent-1"], batches=len({r["rid"] for r in records}))
     med = lambda xs: sorted(xs)[len(xs) // 2]
-    emit("release_s", round(med(release), 3), "s", ttl_s=args.ttl, ratio_to_ttl=round(med(release) / args.ttl, 3), samples=[round(x, 3) for x in release])
+    emit(
+        "release_s",
+        round(med(release), 3),
+        "s",
+        ttl_s=args.ttl,
+        ratio_to_ttl=round(med(release) / args.ttl, 3),
+        samples=[round(x, 3) for x in release],
+    )
     emit("first_batch_s", round(med(first_batch), 3), "s", samples=[round(x, 3) for x in first_batch])
     emit("engine_back_s", round(med(engine_back), 3), "s", samples=[round(x, 3) for x in engine_back])
     emit("lost", report.lost, "groups")

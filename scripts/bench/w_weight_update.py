@@ -87,8 +87,10 @@ def tensor_shapes(size_mb: int) -> list[tuple[str, int]]:
 def make_tensors(size_mb: int, fill: float) -> dict:
     import torch
 
-    return {name: torch.full((numel,), fill + i, dtype=torch.float32)
-            for i, (name, numel) in enumerate(tensor_shapes(size_mb))}
+    return {
+        name: torch.full((numel,), fill + i, dtype=torch.float32)
+        for i, (name, numel) in enumerate(tensor_shapes(size_mb))
+    }
 
 
 def write_safetensors(path: Path, tensors: dict) -> None:
@@ -131,8 +133,13 @@ def floor_rank(args) -> int:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.floor_port}", rank=args.floor_rank,
-                            world_size=RECEIVERS + 1, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.floor_port}",
+        rank=args.floor_rank,
+        world_size=RECEIVERS + 1,
+        timeout=timedelta(seconds=120),
+    )
     out = {}
     for size_mb in args.sizes:
         shapes = tensor_shapes(size_mb)
@@ -159,10 +166,28 @@ def run_floor(workdir: Path, sizes: list[int], reps: int) -> dict[int, list[floa
     try:
         for rank in range(RECEIVERS + 1):
             log = open(workdir / f"floor-rank{rank}.log", "wb")
-            procs.append(subprocess.Popen(
-                [sys.executable, "-W", "ignore", os.path.abspath(__file__), "--floor-rank", str(rank),
-                 "--floor-port", str(port), "--sizes", ",".join(map(str, sizes)), "--reps", str(reps)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-W",
+                        "ignore",
+                        os.path.abspath(__file__),
+                        "--floor-rank",
+                        str(rank),
+                        "--floor-port",
+                        str(port),
+                        "--sizes",
+                        ",".join(map(str, sizes)),
+                        "--reps",
+                        str(reps),
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    cwd=ROOT,
+                )
+            )
             log.close()
         for rank, p in enumerate(procs):
             rc = p.wait(timeout=600)
@@ -188,8 +213,13 @@ def model_info(url: str) -> dict:
 
 def serving_engines(cluster: Cluster) -> dict[str, str]:
     status = cluster.status()
-    return {f"{a}/{e['name']}": e["url"] for a, entry in status["agents"].items() if entry["status"] == "alive"
-            for e in entry["engines"] if e.get("state") == "healthy"}
+    return {
+        f"{a}/{e['name']}": e["url"]
+        for a, entry in status["agents"].items()
+        if entry["status"] == "alive"
+        for e in entry["engines"]
+        if e.get("state") == "healthy"
+    }
 
 
 def check_engines(cluster: Cluster, version: int, digest: str | None) -> None:
@@ -202,8 +232,9 @@ def check_engines(cluster: Cluster, version: int, digest: str | None) -> None:
         for url in urls.values():
             info = model_info(url)
             if info["weight_version"] != str(version) or (digest and info["weight_digest"] != digest):
-                raise AssertionError(f"{url}: {info['weight_version']}/{info['weight_digest']}, expected "
-                                     f"{version}/{digest}")
+                raise AssertionError(
+                    f"{url}: {info['weight_version']}/{info['weight_digest']}, expected {version}/{digest}"
+                )
         return True
 
     wait_for(ok, 30, f"every engine serving version {version}")
@@ -228,8 +259,9 @@ def run_rollfleet(workdir: Path, sizes: list[int], reps: int, bucket_bytes: int,
                     version += 1
                     tensors = make_tensors(size_mb, float(version))
                     t0 = time.perf_counter()
-                    result = client.update_weights(tensors, version, backend="gloo", bucket_bytes=bucket_bytes,
-                                                   timeout=300)
+                    result = client.update_weights(
+                        tensors, version, backend="gloo", bucket_bytes=bucket_bytes, timeout=300
+                    )
                     dt = time.perf_counter() - t0
                     if set(result["engines"].values()) != {version} or len(result["engines"]) != RECEIVERS:
                         raise AssertionError(f"update {version}: engines answered {result['engines']}")
@@ -296,8 +328,10 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     workdir = Path(tempfile.mkdtemp(prefix="rollfleet-wu-"))
     started = time.monotonic()
-    progress(f"workdir {workdir}; sizes {args.sizes} MiB, {args.reps} reps, bucket {args.bucket_mb} MiB, "
-             f"{RECEIVERS} receiving engines")
+    progress(
+        f"workdir {workdir}; sizes {args.sizes} MiB, {args.reps} reps, bucket {args.bucket_mb} MiB, "
+        f"{RECEIVERS} receiving engines"
+    )
     try:
         progress(f"floor: plain gloo broadcast, rank 0 -> {RECEIVERS} ranks in separate processes")
         floor = run_floor(workdir, args.sizes, args.reps)
@@ -315,24 +349,50 @@ def main(argv=None) -> int:
     emit("first_update_s", round(first_s, 4), "s", size_mb=first_mb, note="forms the update group", **common)
     for size_mb in args.sizes:
         up, fl = median(rf["broadcast"][size_mb]), median(floor[size_mb])
-        emit("update_s", round(up, 4), "s", size_mb=size_mb, samples=[round(x, 4) for x in rf["broadcast"][size_mb]],
-             mb_per_s=round(size_mb / up, 1), **common)
-        emit("floor_broadcast_s", round(fl, 4), "s", size_mb=size_mb, samples=[round(x, 4) for x in floor[size_mb]],
-             mb_per_s=round(size_mb / fl, 1), **common)
+        emit(
+            "update_s",
+            round(up, 4),
+            "s",
+            size_mb=size_mb,
+            samples=[round(x, 4) for x in rf["broadcast"][size_mb]],
+            mb_per_s=round(size_mb / up, 1),
+            **common,
+        )
+        emit(
+            "floor_broadcast_s",
+            round(fl, 4),
+            "s",
+            size_mb=size_mb,
+            samples=[round(x, 4) for x in floor[size_mb]],
+            mb_per_s=round(size_mb / fl, 1),
+            **common,
+        )
         emit("ratio_to_floor", round(up / fl, 2), "ratio", size_mb=size_mb, path="broadcast", **common)
         if size_mb in rf["disk"]:
             disk_times, read_times = rf["disk"][size_mb]
             dk, rd = median(disk_times), median(read_times)
-            emit("disk_update_s", round(dk, 4), "s", size_mb=size_mb, samples=[round(x, 4) for x in disk_times],
-                 **common)
-            emit("floor_read_s", round(rd, 4), "s", size_mb=size_mb, samples=[round(x, 4) for x in read_times],
-                 mb_per_s=round(size_mb / rd, 1), **common)
+            emit(
+                "disk_update_s", round(dk, 4), "s", size_mb=size_mb, samples=[round(x, 4) for x in disk_times], **common
+            )
+            emit(
+                "floor_read_s",
+                round(rd, 4),
+                "s",
+                size_mb=size_mb,
+                samples=[round(x, 4) for x in read_times],
+                mb_per_s=round(size_mb / rd, 1),
+                **common,
+            )
             emit("disk_ratio_to_floor", round(dk / rd, 2), "ratio", size_mb=size_mb, path="disk", **common)
-    summary = {f"{k}_{s}mb": round(median(v[s]) if k == "update" else median(v[s][0]), 4)
-               for k, v in (("update", rf["broadcast"]), ("disk", rf["disk"])) for s in v}
+    summary = {
+        f"{k}_{s}mb": round(median(v[s]) if k == "update" else median(v[s][0]), 4)
+        for k, v in (("update", rf["broadcast"]), ("disk", rf["disk"]))
+        for s in v
+    }
     summary.update({f"ratio_{s}mb": round(median(rf["broadcast"][s]) / median(floor[s]), 2) for s in args.sizes})
-    summary.update({f"disk_ratio_{s}mb": round(median(rf["disk"][s][0]) / median(rf["disk"][s][1]), 2)
-                    for s in rf["disk"]})
+    summary.update(
+        {f"disk_ratio_{s}mb": round(median(rf["disk"][s][0]) / median(rf["disk"][s][1]), 2) for s in rf["disk"]}
+    )
     emit("summary", summary, "mixed", elapsed_s=round(time.monotonic() - started, 1), **common)
     progress(f"done in {time.monotonic() - started:.1f}s")
     return 0

@@ -21,8 +21,12 @@ def model_info(url: str) -> dict:
 
 
 def engine_urls(status: dict) -> dict[str, str]:
-    return {f"{a}/{e['name']}": e["url"] for a, entry in status["agents"].items() for e in entry["engines"]
-            if entry["status"] == "alive" and e.get("state") == "healthy"}
+    return {
+        f"{a}/{e['name']}": e["url"]
+        for a, entry in status["agents"].items()
+        for e in entry["engines"]
+        if entry["status"] == "alive" and e.get("state") == "healthy"
+    }
 
 
 def check_spans(batch) -> None:
@@ -129,8 +133,11 @@ def test_a_new_trainer_replaces_one_that_left_an_update_in_flight(make_cluster):
 
     first = cluster.client()
     # Begin a broadcast and leave it in flight (a trainer that died after its UpdateWeights).
-    first._run(first._async._request(
-        lambda s, req: p.UpdateWeights(s, req, 1, "distributed", "", "127.0.0.1", 1, "gloo", 30.0), "begin"))
+    first._run(
+        first._async._request(
+            lambda s, req: p.UpdateWeights(s, req, 1, "distributed", "", "127.0.0.1", 1, "gloo", 30.0), "begin"
+        )
+    )
     assert cluster.status()["weights"]["lock"] is not None
     second = cluster.client()
     wait_for(lambda: cluster.status()["weights"]["lock"] is None, 10, "the abandoned update to be aborted")
