@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install rollfleet with its test extra into ./.venv (first run only) and run the tests.
+# Install rollfleet with its test extra into ./.venv (first run only), lint (ruff) and run the tests.
 # Extra arguments go to pytest. With CI=true the chaos suite runs its bounded version.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 \
     || echo "note: torch not installed; the to_tensors test will be skipped"
 fi
+# House style first: a lint or format error fails the run before any test starts.
+.venv/bin/python -m ruff check . || exit 1
+.venv/bin/python -m ruff format --check . || { echo "run: .venv/bin/ruff format ." >&2; exit 1; }
 .venv/bin/python -m pytest "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then

@@ -81,8 +81,12 @@ def test_trainer_that_stops_pulling_holds_work_at_the_bound(make_cluster):
     prefetch = 6
     cluster = make_cluster(dynamic_filter="none", prefetch=prefetch, rollout_batch_size=4)
     cluster.start_coordinator()
-    cluster.start_agent("a1", concurrency=64, sim_args="--token-latency-ms 1 --output-len-dist fixed --output-len-median 32")
-    cluster.start_agent("a2", concurrency=64, sim_args="--token-latency-ms 1 --output-len-dist fixed --output-len-median 32")
+    cluster.start_agent(
+        "a1", concurrency=64, sim_args="--token-latency-ms 1 --output-len-dist fixed --output-len-median 32"
+    )
+    cluster.start_agent(
+        "a2", concurrency=64, sim_args="--token-latency-ms 1 --output-len-dist fixed --output-len-median 32"
+    )
     with cluster.client() as client:
         delivered = {g.index for rid in (0, 1) for g in client.generate(rid).groups}
 
@@ -105,7 +109,9 @@ def test_trainer_that_stops_pulling_holds_work_at_the_bound(make_cluster):
         before = [rss_kib(proc.pid) for proc in procs]
         time.sleep(2.0)
         after = [rss_kib(proc.pid) for proc in procs]
-        assert all(a - b < 8 * 1024 for a, b in zip(after, before)), f"RSS grew while idle: {before} -> {after} KiB"
+        assert all(a - b < 8 * 1024 for a, b in zip(after, before, strict=True)), (
+            f"RSS grew while idle: {before} -> {after} KiB"
+        )
         # Pulling again resumes, and the groups held back are delivered, not dropped: the prompts admitted
         # before the pause (leased in dataset order, no shuffle) all reach the next two batches, none twice.
         for rid in (2, 3):
@@ -151,10 +157,14 @@ def test_bad_messages_get_clear_errors_and_coordinator_keeps_serving(make_cluste
     reply = _raw_request(cluster.address, msgpack.packb([99, "attach", {"req": 3, "client_id": "x"}]))
     assert isinstance(reply, p.Error) and reply.code == "version_mismatch" and "99" in reply.message
 
-    reply = _raw_request(cluster.address, msgpack.packb([p.PROTOCOL_VERSION, "attach", {"req": 4, "client_id": "x" * 200_000}]))
+    reply = _raw_request(
+        cluster.address, msgpack.packb([p.PROTOCOL_VERSION, "attach", {"req": 4, "client_id": "x" * 200_000}])
+    )
     assert isinstance(reply, p.Error) and reply.code == "too_large" and "100000" in reply.message
 
-    reply = _raw_request(cluster.address, msgpack.packb([p.PROTOCOL_VERSION, "generate", {"session": "one", "req": 5, "rollout_id": 0}]))
+    reply = _raw_request(
+        cluster.address, msgpack.packb([p.PROTOCOL_VERSION, "generate", {"session": "one", "req": 5, "rollout_id": 0}])
+    )
     assert isinstance(reply, p.Error) and "'session'" in reply.message
 
     reply = _raw_request(cluster.address, p.encode(p.Fetch(req=9, keys=[])))
@@ -168,8 +178,24 @@ def test_bad_messages_get_clear_errors_and_coordinator_keeps_serving(make_cluste
 def test_bad_dataset_row_names_file_and_line(tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"prompt": "ok", "label": 1}\n{"prompt": "ok"\n')
-    out = subprocess.run([sys.executable, "-m", "coordinator.cli", "serve", "--dataset", str(data), "--data-dir", str(tmp_path / "c"), "--bind", "tcp://127.0.0.1:0"],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "serve",
+            "--dataset",
+            str(data),
+            "--data-dir",
+            str(tmp_path / "c"),
+            "--bind",
+            "tcp://127.0.0.1:0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert out.returncode == 2
     assert f"{data}:2:" in out.stderr and "invalid JSON" in out.stderr
 
