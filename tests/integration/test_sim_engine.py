@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import signal
 import subprocess
@@ -14,11 +13,10 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
-from aiohttp import web
 
-from agent.sim import SimEngine, make_app
 from common.tokenizer import BYTE_TOKENIZER_NAME, ByteTokenizer
 from harness.polling import wait_for_async
+from harness.sim_server import serve
 
 ROOT = Path(__file__).resolve().parents[2]
 TOK = ByteTokenizer()
@@ -26,23 +24,6 @@ ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type
 ABORT_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@contextlib.asynccontextmanager
-async def serve(**config):
-    """An in-process engine on 127.0.0.1, port 0, run as agent.sim.run() runs it."""
-    engine = SimEngine(**config)
-    runner = web.AppRunner(make_app(engine), handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    engine.port = runner.addresses[0][1]
-    try:
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{engine.port}") as session:
-            yield engine, session
-    finally:
-        engine.shutdown()
-        await runner.cleanup()
 
 
 async def gen(session, payload, status=200):

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp import web
 
-from agent.sim import SimEngine, add_arguments, make_app
+from agent.sim import add_arguments
 from agent.sim.config import engine_config
 from common.weights_digest import EMPTY_DIGEST, weights_digest
 from harness.polling import wait_for_async
+from harness.sim_server import serve
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUP = "weight_update_group"
@@ -33,23 +33,6 @@ QUESTION = {"text": "Question: what is 12 + 30?", "sampling_params": {"max_new_t
 ARITHMETIC = {"output_len_dist": "fixed", "output_len_median": 80}  # every answer ends before max_new_tokens
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@contextlib.asynccontextmanager
-async def serve(**config):
-    """An in-process engine on 127.0.0.1, port 0, and a session to it."""
-    engine = SimEngine(**config)
-    runner = web.AppRunner(make_app(engine), handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    engine.port = runner.addresses[0][1]
-    try:
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{engine.port}") as session:
-            yield engine, session
-    finally:
-        engine.shutdown()
-        await runner.cleanup()
 
 
 async def post(session, path, body, status=None):
