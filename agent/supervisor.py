@@ -11,7 +11,9 @@ Invariants
   outcome), ``healthy``, ``stale`` (up, but not on the fleet's weights: out of the pool, still
   health-checked), ``down`` (broken, being restarted or probed) or ``retired`` (given up on,
   never touched again).  ``on_change(name, state)`` is called on every transition into
-  ``healthy``, ``stale``, ``down`` and ``retired``.
+  ``healthy``, ``stale``, ``down`` and ``retired``; a ``healthy`` verdict after a reported
+  failure is repeated only while the engine is ``healthy``, and a report does not outlive the
+  process it was about.
 * :meth:`healthy` lists an engine exactly while its state is ``healthy``, with its *current*
   URL.  A (re)started engine has its launch-time weights: before it is ``healthy`` the
   ``prepare(name, url)`` hook (agent/weights.py) brings it to the fleet's version and says
@@ -282,7 +284,7 @@ class EngineSupervisor:
         return True
 
     def state(self, name: str) -> str:
-        """``starting``, ``healthy``, ``down`` or ``retired``; KeyError for unknown names."""
+        """``starting``, ``healthy``, ``stale``, ``down`` or ``retired``; KeyError for unknown names."""
         return self._engines[name].state
 
     def all_retired(self) -> bool:
@@ -314,6 +316,12 @@ class EngineSupervisor:
             except Exception:
                 log.exception("on_change(%r, %r) callback failed", eng.name, state)
 
+    def _went_down(self, eng: _Engine) -> None:
+        # A failure reported before the engine went down was about the old process: the
+        # restarted one must not answer it (it may be stale, not healthy).
+        eng.report = None
+        self._set_state(eng, "down")
+
     def _retire(self, eng: _Engine, why: str) -> None:
         eng.error = why
         log.error("engine %s retired, it will not be restarted: %s", eng.name, why)
@@ -342,7 +350,7 @@ class EngineSupervisor:
             reason = await self._watch(eng)
             log.warning("engine %s down: %s (log: %s)", eng.name, reason, eng.log_path)
             eng.error = reason
-            self._set_state(eng, "down")
+            self._went_down(eng)
             await self._kill(eng)
             if not await self._restart(eng):
                 return
@@ -390,7 +398,7 @@ class EngineSupervisor:
             reason = await self._watch(eng)
             eng.error = reason
             log.warning("engine %s down: %s", eng.name, reason)
-            self._set_state(eng, "down")
+            self._went_down(eng)
             await self._probe_until_up(eng)
             self._set_state(eng, await self._prepared(eng))
             log.info("engine %s %s again at %s", eng.name, eng.state, eng.url)
@@ -456,9 +464,10 @@ class EngineSupervisor:
                     if reported:
                         why += f" (after a reported failure: {reported})"
                     return why
-                if reported:
+                if reported and eng.state == "healthy":
                     log.info("engine %s passed its health check after a reported failure (%s)", eng.name, reported)
-                    # The reporter may have stopped using it meanwhile: say it is fine.
+                    # The reporter may have stopped using it meanwhile: say it is fine. A stale
+                    # engine stays out of the pool: it answers health checks on the wrong weights.
                     self._notify(eng, "healthy")
                 continue
             eng.wake.clear()

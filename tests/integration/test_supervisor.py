@@ -361,6 +361,36 @@ async def test_reported_failure_of_a_healthy_engine_is_answered_with_healthy(tmp
         await sup.stop()
 
 
+@pytest.mark.timeout(40)
+async def test_failure_reported_as_the_engine_dies_is_not_answered_for_its_stale_restart(tmp_path):
+    """A request fails just as the engine dies; the restarted engine has launch weights (``stale``).
+
+    The report was about the old process: the restart must not be announced healthy on its account.
+    """
+    events: list = []
+    launches: list[str] = []
+
+    async def prepare(name: str, url: str) -> str:
+        launches.append(url)
+        return "healthy" if len(launches) == 1 else "stale"  # behind the fleet's weights after a restart
+
+    sup = _sup([_sim("e")], tmp_path, events, prepare=prepare)
+    try:
+        await sup.start()
+        pid = _track(sup)["e"]
+        sup.pause_health_checks()  # as during a weight update: the report waits, exit detection does not
+        sup.report_failure("e", "connection reset by peer")
+        os.kill(pid, signal.SIGKILL)
+        await wait_for_async(lambda: sup.state("e") == "stale", 15, "restarted, stale")
+        _track(sup)
+        sup.resume_health_checks(force=True)
+        await asyncio.sleep(1.5)  # several health intervals: a check of the restarted engine ran
+        assert sup.state("e") == "stale" and sup.healthy() == []
+        assert events == [("e", "healthy"), ("e", "down"), ("e", "stale")]
+    finally:
+        await sup.stop()
+
+
 @pytest.mark.timeout(30)
 async def test_stop_before_engine_tasks_ran_ends_start(tmp_path):
     sup = _sup([_sim("e")], tmp_path)
