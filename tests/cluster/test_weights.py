@@ -29,6 +29,15 @@ def engine_urls(status: dict) -> dict[str, str]:
     }
 
 
+def running(cluster) -> int:
+    """Requests the engines are generating right now (their own ``/v1/loads``)."""
+    total = 0
+    for url in engine_urls(cluster.status()).values():
+        with urllib.request.urlopen(f"{url}/v1/loads", timeout=5) as resp:
+            total += sum(load["num_running_reqs"] for load in json.loads(resp.read())["loads"])
+    return total
+
+
 def check_spans(batch) -> None:
     for s in batch.samples:
         spans = s.weight_versions
@@ -72,23 +81,43 @@ def test_disk_updates_while_generation_runs_reach_every_engine(make_cluster, tmp
 
 
 def test_gloo_broadcasts_reach_every_engine_with_the_same_digest(make_cluster):
+    """Three ~10 MB broadcasts of five tensors to 2 agents x 2 engines while generation runs: after each,
+    every engine serves the version and holds exactly the tensors sent (same digest), and every sample's
+    spans cover its response in order. (Samples continued across an update with two spans are shown by
+    tests/integration/test_agent_weights.py; this run does not yet show one: see issue 7's notes.)"""
     torch = pytest.importorskip("torch")
     cluster = make_cluster()
     cluster.start_coordinator()
-    cluster.start_agent("a1", engines=2)
-    cluster.start_agent("a2", engines=1)
+    slow = "--token-latency-ms 15 --output-len-dist fixed --output-len-median 60"  # ~1 s a sample
+    cluster.start_agent("a1", engines=2, sim_args=slow)
+    cluster.start_agent("a2", engines=2, sim_args=slow)
     with cluster.client() as client:
+        batches, failures = [], []
+
+        def generate():
+            try:
+                for rollout_id in range(6):
+                    batches.append(client.generate(rollout_id))
+            except Exception as exc:  # reported by the main thread
+                failures.append(exc)
+
+        thread = threading.Thread(target=generate)
+        thread.start()
         for version in (1, 2, 3):
+            wait_for(lambda: running(cluster) > 0 or not thread.is_alive(), 60, "samples running on the engines")
             tensors = {f"layer{i}.weight": torch.full((640, 1024), float(version + i)) for i in range(4)}
             tensors["sim.accuracy"] = torch.tensor([0.5])
             result = client.update_weights(tensors, version, backend="gloo", bucket_bytes=4 << 20, timeout=60)
-            assert set(result["engines"].values()) == {version} and len(result["engines"]) == 3
+            assert set(result["engines"].values()) == {version} and len(result["engines"]) == 4
             digest = weights_digest(tensors.items())
             for url in engine_urls(cluster.status()).values():
                 info = model_info(url)
                 assert (info["weight_version"], info["weight_digest"]) == (str(version), digest)
-            check_spans(client.generate(version - 1))
+        thread.join(120)
+        assert not failures, failures
         assert cluster.status()["weights"]["updates"] == 3
+        for batch in batches:
+            check_spans(batch)
 
 
 def test_staleness_bound_holds_with_an_update_every_step(make_cluster):
