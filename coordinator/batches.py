@@ -27,6 +27,7 @@ from common import protocol as p
 from common.metrics import DropStats, batch_metrics
 from coordinator.effects import Persist, Send
 from coordinator.frontier import DELIVERED, READY
+from coordinator.membership import RETIRED
 from coordinator.records import (
     CloseEpoch,
     DropBatch,
@@ -43,6 +44,12 @@ from coordinator.records import (
 
 if TYPE_CHECKING:
     from coordinator.core import CoordinatorCore
+
+
+ALL_STALE = (
+    "every engine is behind the fleet's weights (stale after a restart): push a weight update "
+    "(update_weights or update_weights_from_disk) to bring them back"
+)
 
 
 @dataclass(slots=True)
@@ -332,10 +339,26 @@ class Batches:
         """``(code, why)`` if no batch can come until something changes; None while one may."""
         if self.core.membership.all_gone():
             return "no_capacity", "no agent with a live engine is left to generate on (all retired)"
+        if self._all_stale():
+            return "no_capacity", ALL_STALE
         starvation = self.core.admission.starvation
         if starvation.starved:
             return "starved", starvation.reason
         return None
+
+    def _all_stale(self) -> bool:
+        """Every engine that may serve is behind the fleet's weights, and no update runs to bring it back.
+
+        Only a weight update returns a stale engine to the pool (docs/weights.md, failure during an
+        update), and no update starts while the trainer waits in ``generate``. A healthy or starting
+        engine of an agent that may still speak (alive, or dead but not retired) keeps the wait going.
+        """
+        if self.core.weights.locked:
+            return False
+        states = {
+            e.get("state") for r in self.core.membership.agents.values() if r.status != RETIRED for e in r.engines
+        }
+        return "stale" in states and not states & {"healthy", "starting"}
 
     def _fail_waiting(self, code: str, why: str) -> list[Send]:
         """Answer every waiting ``generate`` (and repair) with an error: never left waiting."""
