@@ -146,8 +146,9 @@ class AsyncRolloutClient:
         coordinator's ``--prefetch`` for this and every later call, until another
         ``generate(..., prefetch=N)`` or a coordinator restart; None keeps the current one.
 
-        Raises ``NoCapacity`` when no engine is left anywhere, and ``Starved`` when every
-        recent group failed (a reward or filter that raises): its message names the failure,
+        Raises ``NoCapacity`` when no engine is left anywhere (or every one is stale: push an
+        update), and ``Starved`` when every recent group failed (a reward or filter that raises):
+        its message names the failure,
         and the next call starts over (e.g. once the agents run a fixed reward).
         """
         started = time.monotonic()
