@@ -1,0 +1,142 @@
+"""Weight-update messages (docs/weights.md): trainer -> coordinator -> agents -> engines.
+
+Part of the protocol: ``common.protocol`` imports and re-exports every one of them, so they are
+registered (and versioned) with the rest. Import them from ``common.protocol``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+
+from common.wire import Message, message
+
+
+@message
+class UpdateWeights(Message):
+    """trainer -> coordinator: begin a weight update to ``version`` (greater than the fleet's).
+
+    ``kind`` is ``disk`` (every engine loads ``path``; answered when all serve ``version``) or
+    ``distributed`` (answered at once with the group to join: ``{"update_id", "world_size",
+    "group_name", "init"}``; tensors follow as ``WeightBucket``s). ``timeout`` is the lock's
+    deadline in seconds, restarted by every bucket.
+    """
+
+    TYPE = "update_weights"
+    session: int
+    req: int
+    version: int
+    kind: str
+    path: str = ""
+    master_address: str = ""
+    master_port: int = 0
+    backend: str = "gloo"
+    timeout: float = 300.0
+
+
+@message
+class WeightBucket(Message):
+    """trainer -> coordinator: the next bucket of a distributed update; the trainer broadcasts its
+    tensors (in ``names`` order, ``src=0``) once this is answered."""
+
+    TYPE = "weight_bucket"
+    session: int
+    req: int
+    update_id: int
+    seq: int
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list]
+
+
+@message
+class FinishWeights(Message):
+    """trainer -> coordinator: every bucket was broadcast; answered when all engines serve the version."""
+
+    TYPE = "finish_weights"
+    session: int
+    req: int
+    update_id: int
+
+
+@message
+class WeightsBegin(Message):
+    """coordinator -> agent: a distributed update starts: pause engines (mode abort), pause health checks."""
+
+    TYPE = "weights_begin"
+    update_id: int
+    version: int
+
+
+@message
+class WeightsFromDisk(Message):
+    """coordinator -> agent: every serving engine loads ``path`` and then serves ``version``."""
+
+    TYPE = "weights_from_disk"
+    update_id: int
+    version: int
+    path: str
+
+
+@message
+class WeightsInitGroup(Message):
+    """coordinator -> agent: each listed engine joins the trainer's group at its ``rank_offsets`` entry."""
+
+    TYPE = "weights_init_group"
+    update_id: int
+    master_address: str
+    master_port: int
+    world_size: int
+    group_name: str
+    backend: str
+    rank_offsets: dict
+
+
+@message
+class WeightsBucket(Message):
+    """coordinator -> agent: each engine of the group receives this bucket (``/update_weights_from_distributed``)."""
+
+    TYPE = "weights_bucket"
+    update_id: int
+    seq: int
+    group_name: str
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list]
+
+
+@message
+class WeightsFinish(Message):
+    """coordinator -> agent: every bucket arrived: label engines ``version``, continue generation."""
+
+    TYPE = "weights_finish"
+    update_id: int
+    version: int
+
+
+@message
+class WeightsAbort(Message):
+    """coordinator -> agent: the update failed or its trainer is gone; engines that received part of it
+    leave the pool until an update reaches them (or re-load the last disk checkpoint, ``path``)."""
+
+    TYPE = "weights_abort"
+    update_id: int
+    version: int
+    path: str = ""
+
+
+@message
+class WeightsReport(Message):
+    """agent -> coordinator: one step of an update is done on every engine of the agent, or failed.
+
+    ``step`` is ``begin``, ``disk``, ``init``, ``bucket`` (with ``seq``), ``finish`` or ``abort``;
+    ``engines`` maps engine name to the version it now reports; ``error`` names the engine.
+    """
+
+    TYPE = "weights_report"
+    session: int
+    update_id: int
+    step: str
+    ok: bool
+    seq: int = 0
+    engines: dict = field(default_factory=dict)
+    error: str = ""
