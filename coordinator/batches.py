@@ -349,12 +349,12 @@ class Batches:
     def _all_stale(self) -> bool:
         """Every engine that may serve is behind the fleet's weights, and no update runs to bring it back.
 
-        Only a weight update returns a stale engine to the pool (docs/weights.md, failure during an
-        update), and no update starts while the trainer waits in ``generate``. A healthy or starting
+        After a broadcast, only a weight update returns a stale engine to the pool (docs/weights.md,
+        failure during an update), and no update starts while the trainer waits in ``generate``. A healthy or starting
         engine of an agent that may still speak (alive, or dead but not retired) keeps the wait going.
         """
-        if self.core.weights.locked:
-            return False
+        if self.core.weights.locked or self.core.weights.log.kind == "disk":
+            return False  # after a disk update, agents reload stale engines from the recorded path themselves
         states = {
             e.get("state") for r in self.core.membership.agents.values() if r.status != RETIRED for e in r.engines
         }

@@ -41,7 +41,7 @@ import struct
 import time
 from pathlib import Path
 
-from common.errors import RolloutError
+from common.errors import NoCapacity, RolloutError
 from coordinator.client import AsyncRolloutClient
 from harness.chaos_check import batch_record
 
@@ -194,7 +194,15 @@ class Pusher:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=self.rescue_after or None)
                 if done:
-                    return task.result()
+                    try:
+                        return task.result()
+                    except NoCapacity as exc:  # every engine stale after a broadcast: the coordinator says so
+                        if "stale" not in str(exc):
+                            raise
+                        print(f"rollout {rid}: {exc}: a disk update to bring them back", flush=True)
+                        await self.push(rid, 0, rescue=True)
+                        task = asyncio.ensure_future(self.client.generate(rid))
+                        continue
                 if await self.all_stale():
                     print(
                         f"every engine is stale while rollout {rid} waits: a disk update to bring them back", flush=True
