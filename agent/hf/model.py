@@ -1,0 +1,159 @@
+"""Small causal LMs made in code, saved as Hugging Face model directories: no hub, no download.
+
+:func:`make_model` writes ``config.json``, ``generation_config.json``, ``model.safetensors`` and a
+byte-level tokenizer (``tokenizer.json`` + ``tokenizer_config.json``) that ``AutoTokenizer``
+loads. The tokenizer's ids are :class:`common.tokenizer.ByteTokenizer`'s: one token per UTF-8
+byte (ids 0-255), then ``<|bos|>`` 256, ``<|eos|>`` 257, ``<|pad|>`` 258; it adds no special
+tokens when encoding, so ``AutoTokenizer(dir).encode(text) == list(text.encode())``.
+
+The model is a ``LlamaForCausalLM`` (RMSNorm, rotary positions, SwiGLU MLP, tied embeddings)
+with random initial weights drawn from ``seed``, in fp32. Presets (parameters with the 259-token
+vocabulary): ``tiny`` 1.8 M (the GRPO example's), ``small`` 4.8 M. Any preset field can be
+overridden.
+
+:func:`load_model` reads a directory back for the hf engine and trainers: the model in eval
+mode on a device and dtype, and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from common.errors import ConfigError
+from common.tokenizer import ByteTokenizer
+
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 192, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 512},
+    "small": {"hidden_size": 256, "num_hidden_layers": 6, "num_attention_heads": 4, "intermediate_size": 768},
+}
+DEFAULT_CONTEXT_LENGTH = 512
+SPECIAL_TOKENS = {"<|bos|>": ByteTokenizer.BOS, "<|eos|>": ByteTokenizer.EOS, "<|pad|>": ByteTokenizer.PAD}
+
+
+def _require(*modules: str) -> None:
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"{' and '.join(missing)} not installed: pip install 'rollfleet[hf]'")
+
+
+def byte_symbols() -> list[str]:
+    """The printable character that stands for each byte (index = byte) in a byte-level BPE vocabulary.
+
+    Printable Latin-1 bytes stand for themselves; the others (controls, space, DEL, NBSP, soft
+    hyphen) are moved to code points from 256 on, in byte order: the convention the
+    ``tokenizers`` ByteLevel pre-tokenizer and decoder use.
+    """
+    keep = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAC + 1)) | set(range(0xAE, 0xFF + 1))
+    symbols, shifted = [], 0
+    for b in range(256):
+        if b in keep:
+            symbols.append(chr(b))
+        else:
+            symbols.append(chr(256 + shifted))
+            shifted += 1
+    return symbols
+
+
+def build_tokenizer() -> Any:
+    """A ``PreTrainedTokenizerFast`` with :class:`ByteTokenizer`'s ids."""
+    _require("tokenizers", "transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {symbol: b for b, symbol in enumerate(byte_symbols())}
+    vocab.update(SPECIAL_TOKENS)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>", model_max_length=1 << 20
+    )
+
+
+def model_config(preset: str = "tiny", context_length: int = DEFAULT_CONTEXT_LENGTH, **overrides: int) -> Any:
+    """The ``LlamaConfig`` of a preset, with ``overrides`` (config field names) applied."""
+    _require("transformers")
+    from transformers import LlamaConfig
+
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    fields: dict[str, Any] = dict(PRESETS[preset])
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    heads = fields["num_attention_heads"]
+    if fields["hidden_size"] % heads:
+        raise ConfigError(f"hidden_size {fields['hidden_size']} is not a multiple of num_attention_heads {heads}")
+    return LlamaConfig(
+        vocab_size=ByteTokenizer.vocab_size,
+        num_key_value_heads=heads,
+        max_position_embeddings=context_length,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=ByteTokenizer.BOS,
+        eos_token_id=ByteTokenizer.EOS,
+        pad_token_id=ByteTokenizer.PAD,
+        torch_dtype="float32",
+        **fields,
+    )
+
+
+def make_model(
+    path: str, *, preset: str = "tiny", seed: int = 0, context_length: int = DEFAULT_CONTEXT_LENGTH, **overrides: int
+) -> dict:
+    """Write a randomly initialised model and its tokenizer to ``path``; returns a summary.
+
+    ``path`` must not exist or be an empty directory: an existing model is never overwritten.
+    """
+    _require("torch", "transformers", "safetensors")
+    import torch
+    from transformers import LlamaForCausalLM
+
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise ConfigError(f"{path} already exists and is not an empty directory")
+    config = model_config(preset, context_length, **overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    build_tokenizer().save_pretrained(path)
+    params = sum(p.numel() for p in model.parameters())
+    summary = {
+        "path": os.path.abspath(path),
+        "preset": preset,
+        "parameters": params,
+        "hidden_size": config.hidden_size,
+        "layers": config.num_hidden_layers,
+        "heads": config.num_attention_heads,
+        "context_length": context_length,
+        "vocab_size": config.vocab_size,
+        "seed": seed,
+    }
+    with open(os.path.join(path, "rollfleet_model.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def load_model(path: str, *, device: str = "cpu", dtype: str = "float32") -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of the model directory ``path``: the model in eval mode on ``device``."""
+    _require("torch", "transformers")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"--model-path {path}: no config.json there (make one with: agent make-model {path})")
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ConfigError(f"unknown dtype {dtype!r} (float32, bfloat16 or float16)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--model-path {path}: cannot load the model: {exc}") from None
+    model.to(device)
+    model.eval()
+    return model, tokenizer
