@@ -6,6 +6,10 @@ answers JSON with the core fields. ``/server_info`` adds a ``sim`` section with 
 output-model settings and weights. Both ``/model_info`` and ``/server_info`` report
 ``weight_digest``, the :func:`common.weights_digest.weights_digest` of the tensors the engine
 holds (not an SGLang field).
+
+Another engine with the same surface (the hf engine) may name itself: ``engine.version``,
+``engine.tokenizer_path``, ``engine.model_type``, ``engine.architectures``, and
+``engine.info_section()`` in place of the ``sim`` section; absent, the sim's values apply.
 """
 
 from __future__ import annotations
@@ -62,21 +66,22 @@ def loads(engine: SimEngine) -> dict:
 
 
 def loads_response(engine: SimEngine) -> dict:
-    return {"timestamp": datetime.now(UTC).isoformat(), "version": VERSION, "loads": [loads(engine)]}
+    version = getattr(engine, "version", VERSION)
+    return {"timestamp": datetime.now(UTC).isoformat(), "version": version, "loads": [loads(engine)]}
 
 
 def model_info(engine: SimEngine) -> dict:
     return {
         "model_path": engine.model_path,
-        "tokenizer_path": BYTE_TOKENIZER_NAME,
+        "tokenizer_path": getattr(engine, "tokenizer_path", BYTE_TOKENIZER_NAME),
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": engine.weight_version,
         "weight_digest": engine.weights.digest,
         "has_image_understanding": False,
         "has_audio_understanding": False,
-        "model_type": "rollfleet-sim",
-        "architectures": ["RollfleetSim"],
+        "model_type": getattr(engine, "model_type", "rollfleet-sim"),
+        "architectures": getattr(engine, "architectures", ["RollfleetSim"]),
     }
 
 
@@ -84,10 +89,9 @@ def server_info(engine: SimEngine) -> dict:
     load = loads(engine)
     config = engine.config
     scheduler = engine.scheduler
-    output_model = engine.output_model
     return {
         "model_path": engine.model_path,
-        "tokenizer_path": BYTE_TOKENIZER_NAME,
+        "tokenizer_path": getattr(engine, "tokenizer_path", BYTE_TOKENIZER_NAME),
         "served_model_name": engine.model_path,
         "tp_size": config["tp_size"],
         "dp_size": config["dp_size"],
@@ -110,7 +114,7 @@ def server_info(engine: SimEngine) -> dict:
         "enable_metrics": config["enable_metrics"],
         "disaggregation_mode": "null",
         "status": engine.status,
-        "version": VERSION,
+        "version": getattr(engine, "version", VERSION),
         "kv_events": None,
         "internal_states": [
             {
@@ -126,6 +130,14 @@ def server_info(engine: SimEngine) -> dict:
                 "pause_mode": scheduler.pause_mode or None,
             }
         ],
+        **(engine.info_section() if hasattr(engine, "info_section") else _sim_section(engine)),
+    }
+
+
+def _sim_section(engine: SimEngine) -> dict:
+    scheduler = engine.scheduler
+    output_model = engine.output_model
+    return {
         "sim": {
             "token_latency_ms": scheduler.token_latency_s * 1000.0,
             "prefill_latency_ms": scheduler.prefill_latency_s * 1000.0,

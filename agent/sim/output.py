@@ -114,6 +114,14 @@ class SampleOutput:
     logprobs: list = field(default_factory=list)  # [logprob, token id, token text or None] per output token
     input_logprobs: list = field(default_factory=list)
 
+    def text_upto(self, k: int) -> str:
+        """The text of the first ``k`` output tokens (a stream chunk, or a partial output)."""
+        return self.content[:k].decode("utf-8", "replace")
+
+    def final_text(self) -> str:
+        """The text of the finished output (stop strings trimmed unless ``no_stop_trim``)."""
+        return self.content[: self.text_end].decode("utf-8", "replace")
+
 
 _NOT_BUILT = SampleOutput()  # what a sample aborted before it got a slot shows
 
@@ -219,8 +227,9 @@ def _finish_reason(sample: Sample) -> dict:
     if sample.aborted_waiting:
         return ABORTED_WAITING
     out = sample.output
-    if out is not None and sample.position >= len(out.ids):
-        return out.finish_reason  # type: ignore[return-value]
+    # An output still being produced (a model-backed engine's) has no finish reason yet.
+    if out is not None and out.finish_reason is not None and sample.position >= len(out.ids):
+        return out.finish_reason
     return aborted_running()
 
 
@@ -239,9 +248,9 @@ def response_object(sample: Sample, k: int, final: bool, weight_version: str, in
     else:
         ids = out.ids if k >= len(out.ids) else out.ids[:k]
         if finish is out.finish_reason and finish is not None:
-            text = out.content[: out.text_end].decode("utf-8", "replace")
+            text = out.final_text()
         else:
-            text = out.content[:k].decode("utf-8", "replace")
+            text = out.text_upto(k)
         meta = {
             "id": sample.rid,
             "finish_reason": finish,

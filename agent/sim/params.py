@@ -12,7 +12,7 @@ Batch and ``n > 1`` expansion as in SGLang: a batch with a string rid gets ``"{r
 from __future__ import annotations
 
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from agent.sim.sample import Prompt, Sample
@@ -74,15 +74,20 @@ def is_integer(v: Any) -> bool:
 class SamplingParams:
     """Validated sampling parameters of one batch item.
 
-    ``top_p``, ``top_k``, penalties, grammars (``structural_tag`` too), ``logit_bias`` and
-    ``beam_width`` are checked but do not change the output, so only the fields the output model
-    uses are kept; ``watermark`` and ``choice`` are accepted (0.5.23 keys) and ignored.
+    Penalties, grammars (``structural_tag`` too), ``logit_bias`` and ``beam_width`` are checked
+    but not kept; ``watermark`` and ``choice`` are accepted (0.5.23 keys) and ignored. ``top_p``,
+    ``top_k``, ``min_p`` and ``all_stop_token_ids`` (every id given) are kept for model-backed
+    engines; the sim's output model ignores them and reads ``stop_token_ids`` (byte ids only).
     """
 
     __slots__ = (
         "max_new_tokens",
         "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
         "stop",
+        "all_stop_token_ids",
         "stop_token_ids",
         "ignore_eos",
         "min_new_tokens",
@@ -132,9 +137,9 @@ class SamplingParams:
         explicit_null = "max_new_tokens" in d and d["max_new_tokens"] is None
         self.max_new_tokens: int | None = None if explicit_null else integer("max_new_tokens", 128)
         self.temperature = number("temperature", 1.0)
-        top_p = number("top_p", 1.0)
-        top_k = integer("top_k", -1)
-        min_p = number("min_p", 0.0)
+        self.top_p = top_p = number("top_p", 1.0)
+        self.top_k = top_k = integer("top_k", -1)
+        self.min_p = min_p = number("min_p", 0.0)
         repetition_penalty = number("repetition_penalty", 1.0)
         frequency_penalty = number("frequency_penalty", 0.0)
         presence_penalty = number("presence_penalty", 0.0)
@@ -161,6 +166,7 @@ class SamplingParams:
         elif not (isinstance(stop_token_ids, list) and all(is_integer(t) for t in stop_token_ids)):
             raise SchemaError("sampling_params.stop_token_ids must be a list of integers")
         self.stop_token_ids = sorted({t for t in stop_token_ids if 0 <= t < 256})
+        self.all_stop_token_ids = sorted({t for t in stop_token_ids if t >= 0})
         stop_regex = d.get("stop_regex")
         if stop_regex is not None and not isinstance(stop_regex, (str, list)):
             raise SchemaError("sampling_params.stop_regex must be a string or a list of strings")
@@ -199,7 +205,7 @@ class SamplingParams:
             raise RequestError("Only one of regex, json_schema, or ebnf can be set.")
 
 
-def _prompt_token_ids(data: dict) -> tuple[list[Any], bool]:
+def _prompt_token_ids(data: dict, encode: Callable[[str], list[int]]) -> tuple[list[Any], bool]:
     """The prompts of a call as token-id lists, and whether the call is a batch."""
     if data.get("input_embeds") is not None:
         raise RequestError("input_embeds is not supported by rollfleet-sim")
@@ -208,9 +214,9 @@ def _prompt_token_ids(data: dict) -> tuple[list[Any], bool]:
         raise RequestError("Either text, input_ids or input_embeds should be provided.")
     if text is not None:
         if isinstance(text, str):
-            return [_TOKENIZER.encode(text)], False
+            return [encode(text)], False
         if isinstance(text, list) and all(isinstance(t, str) for t in text):
-            return [_TOKENIZER.encode(t) for t in text], True
+            return [encode(t) for t in text], True
         raise SchemaError("text must be a string or a list of strings")
     if not isinstance(ids, list):
         raise SchemaError("input_ids must be a list of integers or a list of lists of integers")
@@ -245,15 +251,22 @@ def _sample_rids(data: dict, batch: bool, batch_size: int, n: int, live_rids: Co
 
 
 def parse_generate(
-    data: dict, *, live_rids: Collection[str], context_length: int, default_stream_interval: int
+    data: dict,
+    *,
+    live_rids: Collection[str],
+    context_length: int,
+    default_stream_interval: int,
+    vocab_size: int = VOCAB_SIZE,
+    encode: Callable[[str], list[int]] = _TOKENIZER.encode,
 ) -> tuple[list[Sample], bool]:
     """Validate a ``/generate`` body and expand it into samples.
 
     Returns the samples (batch item major, ``n`` samples per item) and whether the response is a
     list (a batch, or ``n > 1``). Raises :class:`SchemaError` or :class:`RequestError`. The
-    caller registers the rids as live; ``live_rids`` is only read.
+    caller registers the rids as live; ``live_rids`` is only read. ``vocab_size`` bounds the
+    input ids and ``encode`` tokenizes ``text`` prompts (defaults: the byte vocabulary).
     """
-    prompts, batch = _prompt_token_ids(data)
+    prompts, batch = _prompt_token_ids(data, encode)
     batch_size = len(prompts)
     params_data = data.get("sampling_params")
     if isinstance(params_data, list):
@@ -267,10 +280,10 @@ def parse_generate(
     for p in prompts:
         if not p:
             raise RequestError("The input_ids cannot be empty.")
-        if min(p) < 0 or max(p) >= VOCAB_SIZE:
+        if min(p) < 0 or max(p) >= vocab_size:
             raise RequestError(
-                f"The input_ids {[t for t in p if not 0 <= t < VOCAB_SIZE][:8]} contain token id(s) "
-                f"outside the vocabulary [0, {VOCAB_SIZE})."
+                f"The input_ids {[t for t in p if not 0 <= t < vocab_size][:8]} contain token id(s) "
+                f"outside the vocabulary [0, {vocab_size})."
             )
     n = params[0].n
     if any(sp.n != n for sp in params):

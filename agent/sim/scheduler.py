@@ -229,11 +229,13 @@ class Scheduler:
         self.prompt_tokens += prompt_len
         self.cached_tokens += sample.cached_tokens
 
-    def _advance(self, sample: Sample, new_position: int) -> None:
+    def _advance(self, sample: Sample, new_position: int, version: str | None = None) -> None:
+        """Credit the tokens up to ``new_position`` to ``version`` (default: the current weight version)."""
         old = sample.position
         if new_position <= old:
             return
-        version = self.weight_version
+        if version is None:
+            version = self.weight_version
         spans = sample.weight_spans
         if spans and spans[-1]["version"] == version:
             spans[-1]["end"] = new_position
