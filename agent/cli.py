@@ -1,4 +1,5 @@
-"""``agent join`` (run a node's agent) and ``agent sim-engine`` (one standalone sim engine).
+"""``agent join`` (run a node's agent), ``agent sim-engine`` and ``agent hf-engine`` (one standalone engine),
+``agent make-model`` (a small model directory for the hf engine).
 
 Every mistake on the command line is one line on stderr naming the flag and the value, and
 exit status 2 (a config error: the systemd unit does not restart it), before anything is
@@ -20,7 +21,7 @@ from common.errors import ConfigError, DatasetError, EngineStartError, RolloutEr
 from common.transport import advertised_host, validate_endpoint
 
 # Flags whose value is itself a list of flags: ``--sim-args --unhealthy`` means ``--sim-args=--unhealthy``.
-_ARGS_FLAGS = ("--sim-args", "--sglang-args")
+_ARGS_FLAGS = ("--sim-args", "--hf-args", "--sglang-args")
 
 
 def _gpu_ids(text: str) -> list[int]:
@@ -39,21 +40,25 @@ def _join_args(sp: argparse.ArgumentParser) -> None:
     g = sp.add_argument_group("engines")
     g.add_argument(
         "--engine",
-        choices=("sim", "sglang"),
+        choices=("sim", "hf", "sglang"),
         default=None,
-        help="launch sim engines or SGLang servers (default: sim on a node without GPUs, unless --engine-url is given)",
+        help="launch sim engines, hf engines (a torch model) or SGLang servers "
+        "(default: sim on a node without GPUs, unless --engine-url is given)",
     )
     g.add_argument("--engines", type=number(int, min=1), default=1, help="engines to launch (sglang: tp groups)")
     g.add_argument(
         "--engine-url", action="append", default=[], metavar="URL", help="attach to a running SGLang-API server"
     )
-    g.add_argument("--model-path", help="model for --engine sglang")
+    g.add_argument("--model-path", help="model directory for --engine sglang or --engine hf")
     g.add_argument("--tp-size", type=number(int, min=1), default=None, help="GPUs per SGLang engine (default 1)")
     g.add_argument(
         "--gpu-ids", type=_gpu_ids, default=None, help="GPU ids to use (default: CUDA_VISIBLE_DEVICES, else 0..N-1)"
     )
     g.add_argument("--sglang-args", default="", help="extra flags for sglang.launch_server, one shell-quoted string")
     g.add_argument("--sim-args", default="", help="extra flags for each sim engine, e.g. '--token-latency-ms 5'")
+    g.add_argument(
+        "--hf-args", default="", help="extra flags for each hf engine, e.g. '--device cuda --dtype bfloat16'"
+    )
     g.add_argument(
         "--concurrency", type=number(int, min=1), default=64, help="concurrent requests (samples) per engine"
     )
@@ -86,6 +91,7 @@ def _join_args(sp: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from agent.hf import config as hf_config
     from agent.sim import cli as sim_cli
 
     parser = ArgumentParser(prog="agent", description="rollfleet node agent")
@@ -93,7 +99,42 @@ def build_parser() -> argparse.ArgumentParser:
     _join_args(sub.add_parser("join", help="join a coordinator and generate on this node's engines"))
     sim = sub.add_parser("sim-engine", help="run one sim engine (SGLang HTTP API on CPU)")
     sim_cli.add_arguments(sim)
+    hf = sub.add_parser("hf-engine", help="run one hf engine (a torch causal LM behind SGLang's HTTP API)")
+    hf_config.add_arguments(hf)
+    _make_model_args(sub.add_parser("make-model", help="write a small random model directory for the hf engine"))
     return parser
+
+
+def _make_model_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("path", help="directory to create (must not exist, or be empty)")
+    sp.add_argument("--preset", choices=("tiny", "small"), default="tiny", help="size preset (default tiny, 1.8 M)")
+    sp.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
+    sp.add_argument(
+        "--context-length", type=number(int, min=2), default=512, help="max_position_embeddings (default 512)"
+    )
+    for flag, field in (
+        ("--hidden-size", "hidden_size"),
+        ("--layers", "num_hidden_layers"),
+        ("--heads", "num_attention_heads"),
+        ("--intermediate-size", "intermediate_size"),
+    ):
+        sp.add_argument(flag, dest=field, type=number(int, min=1), default=None, help=f"override the preset's {field}")
+
+
+def make_model_command(args: argparse.Namespace) -> int:
+    import json
+
+    from transformers.utils import logging as transformers_logging
+
+    from agent.hf.model import make_model
+
+    transformers_logging.disable_progress_bar()
+    overrides = {
+        k: getattr(args, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    }
+    summary = make_model(args.path, preset=args.preset, seed=args.seed, context_length=args.context_length, **overrides)
+    print(json.dumps(summary, indent=2))
+    return 0
 
 
 def join_args_values(argv: list[str]) -> list[str]:
@@ -136,8 +177,9 @@ def _engine_kind(args) -> str | None:
                 "--model-path PATH, --engine-url URL, or --engine sim for the CPU sim engine"
             )
         kind = "sim"
-    sglang_only = {"--model-path": args.model_path, "--tp-size": args.tp_size, "--gpu-ids": args.gpu_ids,
-                   "--sglang-args": args.sglang_args}  # fmt: skip
+    sglang_only = {"--tp-size": args.tp_size, "--gpu-ids": args.gpu_ids, "--sglang-args": args.sglang_args}
+    if kind not in ("sglang", "hf") and args.model_path:
+        raise ConfigError(f"--model-path only applies to --engine sglang or hf (engine here: {kind or 'url'})")
     if kind != "sglang":
         given = [flag for flag, value in sglang_only.items() if value]
         if given:
@@ -145,8 +187,10 @@ def _engine_kind(args) -> str | None:
             raise ConfigError(f"{', '.join(given)} {verb} to --engine sglang (engine here: {kind or 'url'})")
     if kind != "sim" and args.sim_args:
         raise ConfigError(f"--sim-args only applies to --engine sim (engine here: {kind or 'url'})")
-    if kind == "sglang" and not args.model_path:
-        raise ConfigError("--engine sglang needs --model-path PATH")
+    if kind != "hf" and args.hf_args:
+        raise ConfigError(f"--hf-args only applies to --engine hf (engine here: {kind or 'url'})")
+    if kind in ("sglang", "hf") and not args.model_path:
+        raise ConfigError(f"--engine {kind} needs --model-path PATH")
     return kind
 
 
@@ -176,6 +220,20 @@ def _sim_argv(value: str) -> list[str]:
     parser = _FlagsOf("--sim-args")
     add_arguments(parser)
     parser.parse_args(["--port", "0", *argv])
+    return argv
+
+
+def _hf_argv(value: str, engines: int) -> list[str]:
+    """The words of --hf-args, checked against the hf engine's flags; ``--threads`` defaults to a
+    share of this node's cores (cpu_count // engines), so engines on one CPU do not oversubscribe it."""
+    from agent.hf.config import add_arguments
+
+    argv = _split("--hf-args", value)
+    parser = _FlagsOf("--hf-args")
+    add_arguments(parser)
+    parsed = parser.parse_args(["--model-path", "-", *argv])
+    if parsed.threads is None:
+        argv += ["--threads", str(max(1, (os.cpu_count() or 1) // engines))]
     return argv
 
 
@@ -209,6 +267,10 @@ def join(args) -> int:
     specs = []
     if kind == "sim":
         specs += plan_engines("sim", count=args.engines, sim_args=_sim_argv(args.sim_args))
+    elif kind == "hf":
+        specs += plan_engines(
+            "hf", count=args.engines, model_path=args.model_path, hf_args=_hf_argv(args.hf_args, args.engines)
+        )
     elif kind == "sglang":
         specs += plan_engines(
             "sglang",
@@ -259,6 +321,23 @@ def join(args) -> int:
 def main(argv=None) -> int:
     argv = join_args_values(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
+    if args.command == "hf-engine":
+        from agent.hf import cli as hf_cli
+
+        try:
+            hf_cli.run(args)
+        except ConfigError as exc:
+            print(f"agent hf-engine: error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
+        return 0
+    if args.command == "make-model":
+        try:
+            return make_model_command(args)
+        except ConfigError as exc:
+            print(f"agent make-model: error: {exc}", file=sys.stderr)
+            return 2
     if args.command == "sim-engine":
         from agent.sim import cli as sim_cli
 

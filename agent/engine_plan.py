@@ -22,6 +22,10 @@ Engine kinds
     saver, slime does the same).  The launched module is a parameter so tests
     can run the sim engine through exactly this path.  The port is kept
     across restarts.
+``hf``
+    The model-backed engine, ``python -m agent.hf --model-path P --host H
+    --port 0 ...``; like ``sim`` it prints ``rollfleet-hf listening on
+    http://HOST:PORT`` once its model is loaded and its port bound.
 ``url``
     An SGLang-API server somebody else runs: no process, health checks only.
 
@@ -60,11 +64,12 @@ __all__ = [
     "version_args",
 ]
 
-KINDS = ("sim", "sglang", "url")
+KINDS = ("sim", "hf", "sglang", "url")
 SIM_MODULE = "agent.sim"
+HF_MODULE = "agent.hf"
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_LISTEN_RE = re.compile(rb"rollfleet-sim listening on (https?://[^\s]+)")
+_LISTEN_RE = re.compile(rb"rollfleet-(?:sim|hf) listening on (https?://[^\s]+)")
 
 # Restart / reprobe backoff.
 RESTART_DELAY_MIN = 0.5
@@ -76,7 +81,7 @@ class EngineSpec:
     """What to run for one engine.
 
     ``url`` is known up front for ``sglang`` and ``url`` engines and is None
-    for ``sim`` engines until they are listening (the supervisor's
+    for ``sim`` and ``hf`` engines until they are listening (the supervisor's
     ``healthy()`` returns copies with the current URL).  ``argv`` is None for
     ``url`` engines.  ``env`` is the child's complete environment (None:
     inherit ours).
@@ -144,7 +149,7 @@ def fix_listen_url(url: str) -> str:
 
 
 def parse_listen_url(log: bytes) -> str | None:
-    """The connectable URL from a sim engine's ``listening on`` line in ``log``, if printed yet."""
+    """The connectable URL from a sim or hf engine's ``listening on`` line in ``log``, if printed yet."""
     m = _LISTEN_RE.search(log)
     if m is None:
         return None
@@ -242,6 +247,7 @@ def plan_engines(
     gpu_ids: Sequence[int] | None = None,
     host: str = "127.0.0.1",
     sim_args: Sequence[str] = (),
+    hf_args: Sequence[str] = (),
     sglang_args: Sequence[str] = (),
     sglang_module: str = "sglang.launch_server",
     weight_version: int | None = None,
@@ -249,6 +255,7 @@ def plan_engines(
     """The engines of one node.  Names are ``<kind>-<i>``; ``weight_version`` labels their launch weights.
 
     * ``sim``: ``count`` sim engines on ``host``, port chosen by the engine.
+    * ``hf``: ``count`` hf engines serving ``model_path`` on ``host``, port chosen by the engine.
     * ``sglang``: ``count`` servers of ``tp_size`` GPUs each, on distinct free
       ports; engine i gets ``gpu_ids[i*tp_size:(i+1)*tp_size]``.  ``gpu_ids``
       defaults to the ids in our CUDA_VISIBLE_DEVICES, else ``0..count*tp_size-1``.
@@ -277,6 +284,20 @@ def plan_engines(
         return [
             EngineSpec(name=f"sim-{i}", kind="sim", url=None, argv=list(argv), env=None, gpu_ids=[])
             for i in range(count)
+        ]
+    if kind == "hf":
+        if not model_path:
+            raise ConfigError("--engine hf needs --model-path")
+        argv = [
+            sys.executable, "-m", HF_MODULE,
+            "--model-path", str(model_path),
+            "--host", host,
+            "--port", "0",
+            *version_args(weight_version),
+            *[str(a) for a in hf_args],
+        ]  # fmt: skip
+        return [
+            EngineSpec(name=f"hf-{i}", kind="hf", url=None, argv=list(argv), env=None, gpu_ids=[]) for i in range(count)
         ]
     return _plan_sglang(count, model_path, tp_size, gpu_ids, host, sglang_args, sglang_module, weight_version)
 

@@ -79,9 +79,11 @@ class HFEngine:
 
     def __init__(self, args: argparse.Namespace | None = None, **overrides: Any):
         import torch
+        from transformers.utils import logging as transformers_logging
 
         from agent.hf.model import load_model
 
+        transformers_logging.disable_progress_bar()  # the engine log is for the engine's own lines
         cfg = engine_config(args, overrides)
         self.config = {
             **cfg,
