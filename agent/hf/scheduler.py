@@ -145,8 +145,9 @@ class HFScheduler(Scheduler):
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            # Cleared before the state is read, so a wake-up that comes while this turn runs is kept.
+            self._work.clear()
             if self._frozen:
-                self._work.clear()
                 await self._work.wait()
                 continue
             leave = {key for key, sample in self._rows.items() if self._gone(sample)}
@@ -167,7 +168,6 @@ class HFScheduler(Scheduler):
             if not self._rows:
                 if leave:
                     await loop.run_in_executor(self.executor, self.decoder.advance, leave, [])
-                self._work.clear()
                 await self._work.wait()
                 continue
             version = self.weight_version
