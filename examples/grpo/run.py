@@ -1,0 +1,215 @@
+"""One command for the whole GRPO example: ``.venv/bin/python -m examples.grpo.run --out runs/grpo``.
+
+It makes a tiny model (``make_model``, random weights), warms it up briefly on the task, writes
+the dataset, starts a coordinator and one agent with hf engines serving the warmed-up model,
+trains with GRPO through ``RolloutClient`` (pushing weights after every step), and plots the
+run. Everything goes under ``--out``: ``model/`` (the engines' starting weights), ``data.jsonl``,
+``metrics.jsonl``, ``grpo.png``, ``logs/`` and the coordinator's and agent's data dirs.
+
+Every process it starts is ended when it stops, on success, on an error and on Ctrl-C or
+SIGTERM: the agent stops its engines as it exits (and they die with it if it is killed).
+These are the two commands a real deployment runs, on loopback::
+
+    coordinator serve --dataset data.jsonl --data-dir coord --bind tcp://127.0.0.1:PORT \\
+        --reward exact --dynamic-filter none --n-samples-per-prompt 8 --rollout-batch-size 64 \\
+        --max-new-tokens 16 --temperature 1.0 --max-staleness 1
+    agent join --coordinator tcp://127.0.0.1:PORT --data-dir agent --engine hf --model-path model \\
+        --hf-args '--threads 1'
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_model(out: Path, *, warmup_steps: int, seed: int, log=print) -> Path:
+    """``out/model``: a fresh tiny model after ``warmup_steps`` supervised steps (the engines' version 0)."""
+    import torch
+
+    from agent.hf.model import load_model, make_model
+    from examples.grpo.warmup import evaluate, warm_up
+
+    make_model(str(out / "model-init"), preset="tiny", seed=seed)
+    model, tokenizer = load_model(str(out / "model-init"))
+    t0 = time.monotonic()
+    loss = warm_up(model, steps=warmup_steps, seed=seed)
+    quality = evaluate(model, seed=seed)
+    log(
+        f"warm-up: {warmup_steps} supervised steps in {time.monotonic() - t0:.1f}s, loss {loss:.3f}; "
+        f"sampled: reward {quality['reward']:.2f}, format {quality['format']:.2f}"
+    )
+    model.save_pretrained(out / "model")
+    tokenizer.save_pretrained(out / "model")
+    torch.manual_seed(seed)
+    return out / "model"
+
+
+class Processes:
+    """The processes this run started, each in its own session, logged to ``logs/NAME.log``; ``stop`` ends them."""
+
+    def __init__(self, logs: Path):
+        self.logs = logs
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        with open(self.logs / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT
+            )
+        self.procs[name] = proc
+        return proc
+
+    def check(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                tail = (self.logs / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{name} exited with status {proc.returncode}:\n{tail}")
+
+    def stop(self, timeout: float = 20) -> None:
+        """SIGTERM to every process group (agent first: it stops its engines), then SIGKILL what is left."""
+        for proc in reversed(self.procs.values()):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in reversed(self.procs.values()):
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def coordinator_argv(dataset: Path, data_dir: Path, address: str, args) -> list[str]:
+    return [
+        sys.executable, "-m", "coordinator.cli", "serve",
+        "--dataset", str(dataset), "--data-dir", str(data_dir), "--bind", address,
+        "--reward", "exact", "--dynamic-filter", "none",
+        "--n-samples-per-prompt", str(args.group_size), "--rollout-batch-size", str(args.batch_size),
+        "--max-new-tokens", str(args.max_new_tokens), "--temperature", "1.0",
+        "--max-staleness", str(args.max_staleness), "--shuffle-seed", str(args.seed),
+    ]  # fmt: skip
+
+
+def agent_argv(address: str, data_dir: Path, model: Path, args) -> list[str]:
+    concurrency = args.batch_size * args.group_size  # a whole batch decodes at once
+    return [
+        sys.executable, "-m", "agent.cli", "join",
+        "--coordinator", address, "--data-dir", str(data_dir), "--agent-id", "node-0",
+        "--engine", "hf", "--model-path", str(model), "--engines", str(args.engines),
+        "--concurrency", str(concurrency),
+        f"--hf-args=--threads {args.engine_threads} --slots {concurrency} --seed {args.seed}",
+    ]  # fmt: skip
+
+
+def wait_ready(address: str, procs: Processes, engines: int, timeout: float = 300) -> None:
+    """Until the agent is registered with ``engines`` healthy engines (its capacity says so)."""
+    from coordinator.client import RolloutClient
+
+    deadline = time.monotonic() + timeout
+    with RolloutClient(address, attach=False, timeout=5) as probe:
+        while True:
+            procs.check()
+            try:
+                agent = probe.stats()["agents"].get("node-0") or {}
+            except Exception:  # the coordinator is still starting
+                agent = {}
+            healthy = [e for e in agent.get("engines") or () if e.get("state") == "healthy"]
+            if agent.get("status") == "alive" and len(healthy) >= engines:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the agent did not become ready in {timeout:.0f}s; see {procs.logs}")
+            time.sleep(0.2)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/grpo", help="run directory; must not exist or be empty")
+    ap.add_argument("--steps", type=int, default=200, help="GRPO steps at most (default 200)")
+    ap.add_argument("--stop-at-reward", type=float, default=None, help="stop once 3 steps in a row reach it")
+    ap.add_argument("--weights", choices=("gloo", "disk"), default="gloo", help="how weights reach the engines")
+    ap.add_argument("--batch-size", type=int, default=64, help="prompts (groups) per step (default 64)")
+    ap.add_argument("--group-size", type=int, default=8, help="samples per prompt (default 8)")
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--max-staleness", type=int, default=1, help="eta, in weight updates (default 1)")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--warmup-steps", type=int, default=90, help="supervised warm-up steps (default 90)")
+    ap.add_argument("--engines", type=int, default=1, help="hf engines on the agent (default 1)")
+    ap.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine (default 1)")
+    ap.add_argument("--trainer-threads", type=int, default=1, help="torch threads of the trainer (default 1)")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out).resolve()
+    if out.exists() and any(out.iterdir()):
+        print(f"{out} is not empty: remove it or pass another --out", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SIGTERM cleans up like Ctrl-C
+
+    import torch
+
+    from agent.hf.model import load_model
+    from examples.grpo import task
+    from examples.grpo.plot import plot
+    from examples.grpo.train import TrainConfig, train
+
+    torch.set_num_threads(args.trainer_threads)
+    started = time.monotonic()
+    print(f"GRPO example: run dir {out}")
+    model_dir = prepare_model(out, warmup_steps=args.warmup_steps, seed=args.seed)
+    dataset = task.write_dataset(out / "data.jsonl", seed=args.seed)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    procs = Processes(out / "logs")
+    try:
+        procs.start("coordinator", coordinator_argv(dataset, out / "coordinator", address, args))
+        procs.start("agent", agent_argv(address, out / "agent", model_dir, args))
+        print(f"started a coordinator at {address} and an agent with {args.engines} hf engine(s); logs in {procs.logs}")
+        wait_ready(address, procs, args.engines)
+        print(f"fleet ready after {time.monotonic() - started:.0f}s; training")
+        model, _ = load_model(str(model_dir))
+        config = TrainConfig(
+            steps=args.steps,
+            lr=args.lr,
+            weights=args.weights,
+            max_staleness=args.max_staleness,
+            target_reward=args.stop_at_reward,
+            seed=args.seed,
+            expect={"n_samples_per_prompt": args.group_size, "rollout_batch_size": args.batch_size},
+        )
+        history = train(address, model, config, out=out)
+    except KeyboardInterrupt:
+        print("interrupted: stopping everything")
+        return 130
+    finally:
+        procs.stop()
+    png = plot(history, out / "grpo.png")
+    first, last = history[0]["reward"], history[-1]["reward"]
+    reached = next((h for h in history if h["reward"] >= 0.8), None)
+    print(f"reward {first:.2f} -> {last:.2f} in {len(history)} steps, {history[-1]['elapsed_s']:.0f}s of training")
+    if reached:
+        print(f"first step with reward >= 0.8: {reached['step']} after {reached['elapsed_s']:.0f}s")
+    print(f"total {time.monotonic() - started:.0f}s; metrics {out / 'metrics.jsonl'}, plot {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""The GRPO trainer: pull a batch, score it against the policy, step, push the weights, repeat.
+
+One step ``t`` (the trainer holds weight version ``t``; version 0 is the warmed-up model the
+engines started from)::
+
+    batch = client.generate(t)                         # B groups x n samples, from the fleet
+    advantages = group_advantages(rewards)             # per group: (r - mean) / std
+    loss = clipped_pg_loss(logprobs, rollout_logprobs, advantages)
+    optimizer.step()
+    client.update_weights(model.named_parameters(), t + 1, backend="gloo")   # or from disk
+
+With ``max_staleness`` 1 (the default) the fleet generates batch ``t + 1`` while the trainer is
+busy with batch ``t``, so a batch holds samples made on version ``t`` and on ``t - 1``; the
+importance ratio against the rollout logprobs corrects for the lag (and the clip bounds it).
+
+The logprob check: every sample records which weight version generated which span of its
+tokens. For the samples generated on a single version the trainer holds (the current one, and
+the ``max_staleness`` before it, kept as copies of the parameters), the trainer recomputes the
+logprob of every response token and compares it with the engine's:
+``train/rollout_logprob_abs_diff`` is the mean absolute difference over those tokens. With the
+same fp32 weights and the same tokens it is ~1e-6; an off-by-one in token alignment, a wrong
+logprob (other temperature, another token's) or a weight push that did not apply makes it
+orders of magnitude larger. ``checked_versions`` lists the versions a step checked, so every
+push is seen checked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from coordinator.client import RolloutClient
+from examples.grpo.policy import clipped_pg_loss, group_advantages, response_logprobs
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 150
+    """Batches to train on (one optimizer step and one weight push each)."""
+    lr: float = 1e-3
+    clip: float = 0.2
+    """PPO clip range of the importance ratio."""
+    max_grad_norm: float = 1.0
+    weights: str = "gloo"
+    """How weights reach the engines: ``gloo`` (broadcast from this process) or ``disk`` (a checkpoint)."""
+    max_staleness: int = 1
+    """The coordinator's ``--max-staleness``; also how many older versions the trainer keeps for the check."""
+    target_reward: float | None = None
+    """Stop early once the mean reward of ``target_window`` consecutive steps reaches it (None: run every step)."""
+    target_window: int = 3
+    seed: int = 0
+    expect: dict = field(default_factory=dict)
+    """Rollout configuration the fleet must have (``RolloutClient(expect=...)``)."""
+
+
+def sample_version(sample) -> int | None:
+    """The weight version that generated all of ``sample``'s response, or None if it spans several."""
+    versions = {_version(span[0]) for span in sample.weight_versions} or {_version(sample.weight_version)}
+    return versions.pop() if len(versions) == 1 else None
+
+
+def _version(label) -> int:
+    return 0 if label in ("", "default", None) else int(label)
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def train(
+    address: str,
+    model,
+    config: TrainConfig,
+    *,
+    out: str | Path,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    """Run GRPO against the fleet at ``address``, updating ``model`` in place; returns one metrics dict per step.
+
+    Metrics are appended to ``out/metrics.jsonl`` as they come; disk checkpoints go under
+    ``out/checkpoints`` (the last two kept).
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(config.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+    history: list[dict] = []
+    metrics_path = out / "metrics.jsonl"
+    metrics_path.write_text("")
+    started = time.monotonic()
+    with RolloutClient(address, expect={"max_staleness": config.max_staleness, **config.expect}) as client:
+        version = client.weight_version()
+        held = {version: snapshot(model)}  # weights of the versions samples may come from
+        for step in range(config.steps):
+            t0 = time.monotonic()
+            batch = client.generate(step)
+            t_generate = time.monotonic() - t0
+            row = {"step": step, "version": version, **_train_step(model, optimizer, batch, version, held, config)}
+            t1 = time.monotonic()
+            version += 1
+            _push(client, model, version, config, out)
+            held[version] = snapshot(model)
+            for old in [v for v in held if v < version - config.max_staleness]:
+                del held[old]
+            row.update(
+                {
+                    "reward": batch.metrics["rollout/reward_mean"],
+                    "response_len": batch.metrics["rollout/response_len_mean"],
+                    "staleness_mean": batch.metrics.get("rollout/staleness_mean", 0.0),
+                    "staleness_max": batch.metrics.get("rollout/staleness_max", 0),
+                    "truncated": batch.metrics["rollout/truncated_ratio"],
+                    "generate_s": round(t_generate, 3),
+                    "train_s": round(t1 - t0 - t_generate, 3),
+                    "push_s": round(time.monotonic() - t1, 3),
+                    "elapsed_s": round(time.monotonic() - started, 1),
+                }
+            )
+            history.append(row)
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            log(format_row(row))
+            window = [h["reward"] for h in history[-config.target_window :]]
+            if config.target_reward is not None and len(window) == config.target_window:
+                if min(window) >= config.target_reward:
+                    log(f"reward >= {config.target_reward} for {config.target_window} steps: done")
+                    break
+    return history
+
+
+def _train_step(model, optimizer, batch, version: int, held: dict, config: TrainConfig) -> dict:
+    samples = batch.samples
+    prompts = [s.prompt_tokens for s in samples]
+    responses = [s.response_tokens for s in samples]
+    rollout_lp, _ = _pad([s.response_logprobs for s in samples])
+    rewards = [torch.tensor([s.reward for s in g.samples]) for g in batch.groups]
+    advantages = torch.cat([group_advantages(r[None, :])[0] for r in rewards])
+
+    logprobs, mask = response_logprobs(model, prompts, responses)
+    loss, stats = clipped_pg_loss(logprobs, rollout_lp.float(), advantages, mask, config.clip)
+    diff = _logprob_check(model, samples, logprobs.detach(), version, held)
+    optimizer.zero_grad()
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+    optimizer.step()
+    return {"loss": loss.item(), "grad_norm": grad_norm.item(), **stats, **diff}
+
+
+def _logprob_check(model, samples, current: torch.Tensor, version: int, held: dict) -> dict:
+    """|trainer logprob - engine logprob| over the response tokens of samples made on weights the trainer holds."""
+    diffs: list[torch.Tensor] = []
+    checked: dict[int, int] = {}
+    by_version: dict[int, list[int]] = {}
+    for i, s in enumerate(samples):
+        v = sample_version(s)
+        if v in held:
+            by_version.setdefault(v, []).append(i)
+    for v, rows in sorted(by_version.items()):
+        if v == version:
+            recomputed = current[rows]
+        else:
+            with torch.no_grad():
+                recomputed, _ = response_logprobs(
+                    model, [samples[i].prompt_tokens for i in rows], [samples[i].response_tokens for i in rows], held[v]
+                )
+        for k, i in enumerate(rows):
+            engine = torch.tensor(samples[i].response_logprobs, dtype=torch.float64)
+            diffs.append((recomputed[k, : len(engine)].double() - engine).abs())
+        checked[v] = len(rows)
+    if not diffs:
+        return {"train/rollout_logprob_abs_diff": math.nan, "logprob_diff_max": math.nan, "checked_versions": {}}
+    flat = torch.cat(diffs)
+    return {
+        "train/rollout_logprob_abs_diff": flat.mean().item(),
+        "logprob_diff_max": flat.max().item(),
+        "checked_versions": {str(v): n for v, n in checked.items()},
+    }
+
+
+def _pad(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max(len(r) for r in rows)
+    values = torch.zeros((len(rows), longest), dtype=torch.float64)
+    mask = torch.zeros((len(rows), longest))
+    for i, r in enumerate(rows):
+        values[i, : len(r)] = torch.tensor(r, dtype=torch.float64)
+        mask[i, : len(r)] = 1
+    return values, mask
+
+
+def _push(client, model, version: int, config: TrainConfig, out: Path) -> None:
+    if config.weights == "gloo":
+        client.update_weights(model.named_parameters(), version, backend="gloo")
+        return
+    path = out / "checkpoints" / f"version-{version}"
+    model.save_pretrained(path)
+    client.update_weights_from_disk(str(path.resolve()), version)
+    stale = out / "checkpoints" / f"version-{version - 2}"
+    if stale.exists():
+        shutil.rmtree(stale)  # engines restarted later reload the latest; keep one before it
+
+
+def format_row(row: dict) -> str:
+    diff = row["train/rollout_logprob_abs_diff"]
+    return (
+        f"step {row['step']:4d}  reward {row['reward']:.3f}  len {row['response_len']:5.1f}  "
+        f"staleness {row['staleness_mean']:.2f}  logprob_diff {diff:.1e}  loss {row['loss']:+.4f}  "
+        f"gen {row['generate_s']:.2f}s train {row['train_s']:.2f}s push {row['push_s']:.2f}s  "
+        f"[{row['elapsed_s']:.0f}s]"
+    )
+
+
+def config_dict(config: TrainConfig) -> dict:
+    return asdict(config)
+
+
+__all__ = ["TrainConfig", "format_row", "response_logprobs", "sample_version", "snapshot", "train"]
+_ = os  # noqa
