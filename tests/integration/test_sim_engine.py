@@ -1,4 +1,9 @@
-"""Tests of agent.sim: the SGLang-compatible CPU engine, seen as a client sees it."""
+"""Tests of agent.sim: the SGLang-compatible CPU engine, seen as a client sees it.
+
+The engine-agnostic SGLang-contract tests take ``serve_engine`` (tests/integration/conftest.py) and run
+against both the sim and the hf engine; requests meant to keep running say ``ignore_eos`` (a real
+model may end them early). Tests of the sim's output model, latencies and flags use ``serve``.
+"""
 
 from __future__ import annotations
 
@@ -218,12 +223,19 @@ async def test_arithmetic_answers_and_determinism():
         assert len({str(await sample({})) for _ in range(4)}) > 1
 
 
-async def test_batch_and_n_expand_into_lists():
-    async with serve(output_len_dist="fixed", output_len_median=5) as (engine, s):
+async def test_batch_and_n_expand_into_lists(serve_engine):
+    async with serve_engine(output_len_dist="fixed", output_len_median=5) as (engine, s):
         out = await gen(s, {"input_ids": [[1, 2, 3], [4]], "rid": "b", "sampling_params": {"max_new_tokens": 16}})
         assert [o["meta_info"]["id"] for o in out] == ["b_0", "b_1"]
         assert [o["meta_info"]["prompt_tokens"] for o in out] == [3, 1]
-        out = await gen(s, {"text": ["ab", "c"], "rid": ["x", "y"], "sampling_params": [{}, {"max_new_tokens": 2}]})
+        out = await gen(
+            s,
+            {
+                "text": ["ab", "c"],
+                "rid": ["x", "y"],
+                "sampling_params": [{}, {"max_new_tokens": 2, "ignore_eos": True}],
+            },
+        )
         assert [o["meta_info"]["id"] for o in out] == ["x", "y"]
         assert out[1]["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
         out = await gen(s, {"input_ids": [[1, 2, 3], [4]], "rid": "n", "sampling_params": {"n": 2}})
@@ -261,11 +273,12 @@ async def test_streaming_cumulative_chunks_then_done():
         assert sorted(c["index"] for c in finals) == [0, 1]
 
 
-async def test_client_disconnect_aborts_request():
-    async with serve(token_latency_ms=5, output_len_dist="fixed", output_len_median=5000) as (engine, s):
+async def test_client_disconnect_aborts_request(serve_engine):
+    async with serve_engine(token_latency_ms=5, output_len_dist="fixed", output_len_median=5000) as (engine, s):
         async with aiohttp.ClientSession(f"http://127.0.0.1:{engine.port}") as other:
             resp = await other.post(
-                "/generate", json={"text": "x", "stream": True, "sampling_params": {"max_new_tokens": 8000}}
+                "/generate",
+                json={"text": "x", "stream": True, "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True}},
             )
             await resp.content.readline()
             await wait_running(s, 1)
@@ -274,16 +287,20 @@ async def test_client_disconnect_aborts_request():
 
         timeout = aiohttp.ClientTimeout(total=0.2)
         with pytest.raises(asyncio.TimeoutError):
-            await s.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 8000}}, timeout=timeout)
+            await s.post(
+                "/generate",
+                json={"text": "x", "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True}},
+                timeout=timeout,
+            )
         await wait_running(s, 0)
 
 
 # --------------------------------------------------------------------------- abort
 
 
-async def test_abort_by_rid_returns_partial_output():
-    async with serve(token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (engine, s):
-        sp = {"max_new_tokens": 4000}
+async def test_abort_by_rid_returns_partial_output(serve_engine):
+    async with serve_engine(token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (engine, s):
+        sp = {"max_new_tokens": 4000, "ignore_eos": True}
         task = asyncio.create_task(
             gen(s, {"text": PROMPT, "rid": "abc-1", "sampling_params": sp, "return_logprob": True})
         )
@@ -321,9 +338,12 @@ async def test_abort_by_rid_returns_partial_output():
         assert (await asyncio.wait_for(tasks["req-2"], 2))["meta_info"]["finish_reason"] == ABORTED
 
 
-async def test_abort_in_waiting_queue_and_abort_all():
-    async with serve(slots=1, token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (engine, s):
-        sp = {"max_new_tokens": 4000}
+async def test_abort_in_waiting_queue_and_abort_all(serve_engine):
+    async with serve_engine(slots=1, token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (
+        engine,
+        s,
+    ):
+        sp = {"max_new_tokens": 4000, "ignore_eos": True}
         a = asyncio.create_task(gen(s, {"text": "a", "rid": "A", "sampling_params": sp}))
         await wait_running(s, 1)
         b = asyncio.create_task(gen(s, {"text": "b", "rid": "B", "sampling_params": sp, "return_logprob": True}))
@@ -344,9 +364,11 @@ async def test_abort_in_waiting_queue_and_abort_all():
         await wait_running(s, 0)
 
 
-async def test_duplicate_rid_rejected_while_in_flight():
-    async with serve(token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (engine, s):
-        first = asyncio.create_task(gen(s, {"text": "x", "rid": "dup", "sampling_params": {"max_new_tokens": 4000}}))
+async def test_duplicate_rid_rejected_while_in_flight(serve_engine):
+    async with serve_engine(token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (engine, s):
+        first = asyncio.create_task(
+            gen(s, {"text": "x", "rid": "dup", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}})
+        )
         await wait_running(s, 1)
         err = await gen(s, {"text": "y", "rid": "dup"}, status=400)
         assert "Duplicate request ID detected" in err["error"]["message"]
@@ -356,8 +378,8 @@ async def test_duplicate_rid_rejected_while_in_flight():
         assert out["meta_info"]["id"] == "dup"
 
 
-async def test_bad_requests_are_400():
-    async with serve() as (engine, s):
+async def test_bad_requests_are_400(serve_engine):
+    async with serve_engine() as (engine, s):
         # Schema errors (0.5.23): {"error": "<message>"}.
         err = await gen(s, {"input_ids": [1, 2], "sampling_params": {"max_tokens": 5}}, status=400)
         assert isinstance(err["error"], str) and "max_tokens" in err["error"]
@@ -396,16 +418,20 @@ async def test_bad_requests_are_400():
 # --------------------------------------------------------------------------- pause, weights, cache
 
 
-async def test_pause_abort_mode_holds_new_requests_until_continue():
-    async with serve(token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (engine, s):
-        running = asyncio.create_task(gen(s, {"text": "a", "sampling_params": {"max_new_tokens": 4000}}))
+async def test_pause_abort_mode_holds_new_requests_until_continue(serve_engine):
+    async with serve_engine(token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (engine, s):
+        running = asyncio.create_task(
+            gen(s, {"text": "a", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}})
+        )
         await wait_running(s, 1)
         async with s.post("/pause_generation", json={}) as resp:  # {} = abort mode
             assert resp.status == 200
             assert await resp.json() == {"message": "Generation paused successfully.", "status": "ok"}
         assert running.done() and running.result()["meta_info"]["finish_reason"] == ABORTED
 
-        held = asyncio.create_task(gen(s, {"text": "b", "rid": "held", "sampling_params": {"max_new_tokens": 10}}))
+        held = asyncio.create_task(
+            gen(s, {"text": "b", "rid": "held", "sampling_params": {"max_new_tokens": 10, "ignore_eos": True}})
+        )
         await wait_live(s, "held")  # it reached the engine; past the gate it would now be running
         assert not held.done()
         ld = await loads(s)
@@ -417,11 +443,15 @@ async def test_pause_abort_mode_holds_new_requests_until_continue():
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
 
 
-async def test_pause_in_place_freezes_and_tracks_weight_versions(tmp_path):
+async def test_pause_in_place_freezes_and_tracks_weight_versions(serve_engine, tmp_path):
     timed = {"token_latency_ms": 5, "output_len_dist": "fixed", "output_len_median": 2000, "health_timeout": 0.2}
-    async with serve(**timed) as (engine, s):
+    async with serve_engine(**timed) as (engine, s):
         budget = 400
-        body = {"text": "a", "stream": True, "sampling_params": {"max_new_tokens": budget, "stream_interval": 4}}
+        body = {
+            "text": "a",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": budget, "stream_interval": 4, "ignore_eos": True},
+        }
         async with s.post("/generate", json=body) as resp:
             assert resp.status == 200
             chunks = sse_chunks(resp)
@@ -455,8 +485,8 @@ async def test_pause_in_place_freezes_and_tracks_weight_versions(tmp_path):
         ]
 
 
-async def test_update_weights_from_disk(tmp_path):
-    async with serve() as (engine, s):
+async def test_update_weights_from_disk(serve_engine, tmp_path):
+    async with serve_engine() as (engine, s):
         async with s.post(
             "/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": "step-3"}
         ) as r:
@@ -487,9 +517,11 @@ async def test_update_weights_from_disk(tmp_path):
         assert (await gen(s, {"text": "x"}))["meta_info"]["weight_version"] == "v9"
 
 
-async def test_weight_update_waits_for_inflight_requests(tmp_path):
-    async with serve(token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (engine, s):
-        first = asyncio.create_task(gen(s, {"text": "a", "sampling_params": {"max_new_tokens": 60}}))
+async def test_weight_update_waits_for_inflight_requests(serve_engine, tmp_path):
+    async with serve_engine(token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (engine, s):
+        first = asyncio.create_task(
+            gen(s, {"text": "a", "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}})
+        )
         await wait_running(s, 1)
 
         async def update():
@@ -508,9 +540,11 @@ async def test_weight_update_waits_for_inflight_requests(tmp_path):
         assert (await asyncio.wait_for(later, 2))["meta_info"]["weight_version"] == "v2"
 
 
-async def test_flush_cache_only_when_idle():
-    async with serve(token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (engine, s):
-        task = asyncio.create_task(gen(s, {"text": "a", "sampling_params": {"max_new_tokens": 200}}))
+async def test_flush_cache_only_when_idle(serve_engine):
+    async with serve_engine(token_latency_ms=5, output_len_dist="fixed", output_len_median=2000) as (engine, s):
+        task = asyncio.create_task(
+            gen(s, {"text": "a", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}})
+        )
         await wait_running(s, 1)
         async with s.get("/flush_cache") as r:
             assert r.status == 400
