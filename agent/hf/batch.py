@@ -16,16 +16,25 @@ a real token of its row; after :meth:`KVBatch.select` no leading column is paddi
 - :meth:`step` feeds ``last`` of every row and returns the next logits;
 - :meth:`select` keeps some rows (finished or aborted ones leave).
 
-Not thread-safe: one thread (the engine's model thread) owns a batch. transformers 5.x names
-the cache ``cache`` (``past_key_values`` is its deprecated alias).
+Not thread-safe: one thread (the engine's model thread) owns a batch. Newer transformers 5.x
+releases name the cache argument and output ``cache`` (``past_key_values`` is then a deprecated
+alias); older ones know only ``past_key_values``: :func:`_cache_names` picks by the model's signature.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from transformers import DynamicCache
+
+
+def _cache_names(model: Any) -> tuple[str, str]:
+    """The forward keyword and the output attribute that carry the KV cache for this transformers version."""
+    if "cache" in inspect.signature(model.forward).parameters:
+        return "cache", "cache"
+    return "past_key_values", "past_key_values"
 
 
 def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -63,6 +72,7 @@ class KVBatch:
         self.cache: Any = None
         self.next_pos: torch.Tensor | None = None
         self.last: torch.Tensor | None = None
+        self._cache_arg, self._cache_out = _cache_names(model)
 
     def __len__(self) -> int:
         return 0 if self.mask is None else int(self.mask.shape[0])
@@ -87,12 +97,12 @@ class KVBatch:
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            cache=DynamicCache(),
             use_cache=True,
             logits_to_keep=0 if all_logits else 1,
+            **{self._cache_arg: DynamicCache()},
         )
         logits = out.logits if all_logits else out.logits[:, -1]
-        return Prefilled(mask, out.cache, positions[:, -1] + 1), logits
+        return Prefilled(mask, getattr(out, self._cache_out), positions[:, -1] + 1), logits
 
     def merge(self, part: Prefilled, first: torch.Tensor) -> None:
         """Append ``part``'s rows, whose next input tokens are ``first``, after the running ones."""
@@ -123,10 +133,10 @@ class KVBatch:
             input_ids=self.last[:, None],
             attention_mask=self.mask,
             position_ids=self.next_pos[:, None],
-            cache=self.cache,
             use_cache=True,
+            **{self._cache_arg: self.cache},
         )
-        self.cache = out.cache
+        self.cache = getattr(out, self._cache_out)
         self.next_pos = self.next_pos + 1
         return out.logits[:, -1]
 

@@ -157,6 +157,8 @@ def main() -> None:
             proc.terminate()
             proc.wait(30)
         tokens = sum(len(o["output_ids"]) for _, o in pairs)
+        if tokens == 0:
+            sys.exit("error: the engine produced no tokens (its log above says why)")
         log(f"{len(pairs)} samples, {tokens} tokens in {wall:.2f} s; recomputing logprobs in float32")
         worst, mean = recompute(model_path, device, pairs)
     setup = {
