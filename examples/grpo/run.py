@@ -169,7 +169,7 @@ def main(argv=None) -> int:
 
     from agent.hf.model import load_model
     from examples.grpo import task
-    from examples.grpo.plot import plot
+    from examples.grpo.plot import load_metrics, plot
     from examples.grpo.train import TrainConfig, train
 
     torch.set_num_threads(args.trainer_threads)
@@ -198,6 +198,9 @@ def main(argv=None) -> int:
         history = train(address, model, config, out=out)
     except KeyboardInterrupt:
         print("interrupted: stopping everything")
+        procs.stop()
+        if (out / "metrics.jsonl").exists() and load_metrics(out / "metrics.jsonl"):
+            print(f"plot of the steps done: {plot(load_metrics(out / 'metrics.jsonl'), out / 'grpo.png')}")
         return 130
     finally:
         procs.stop()

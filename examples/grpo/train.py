@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -214,11 +213,3 @@ def format_row(row: dict) -> str:
         f"gen {row['generate_s']:.2f}s train {row['train_s']:.2f}s push {row['push_s']:.2f}s  "
         f"[{row['elapsed_s']:.0f}s]"
     )
-
-
-def config_dict(config: TrainConfig) -> dict:
-    return asdict(config)
-
-
-__all__ = ["TrainConfig", "format_row", "response_logprobs", "sample_version", "snapshot", "train"]
-_ = os  # noqa
