@@ -224,8 +224,9 @@ def _sim_argv(value: str) -> list[str]:
 
 
 def _hf_argv(value: str, engines: int) -> list[str]:
-    """The words of --hf-args, checked against the hf engine's flags; ``--threads`` defaults to a
-    share of this node's cores (cpu_count // engines), so engines on one CPU do not oversubscribe it."""
+    """The words of --hf-args, checked against the hf engine's flags; ``--threads`` defaults to half
+    of this node's cores shared among the engines (cpu_count // (2 * engines), at least 1): the agent,
+    and often a trainer, run beside them, and an oversubscribed torch runs many times slower."""
     from agent.hf.config import add_arguments
 
     argv = _split("--hf-args", value)
@@ -233,7 +234,7 @@ def _hf_argv(value: str, engines: int) -> list[str]:
     add_arguments(parser)
     parsed = parser.parse_args(["--model-path", "-", *argv])
     if parsed.threads is None:
-        argv += ["--threads", str(max(1, (os.cpu_count() or 1) // engines))]
+        argv += ["--threads", str(max(1, (os.cpu_count() or 1) // (2 * engines)))]
     return argv
 
 
