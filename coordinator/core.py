@@ -51,6 +51,15 @@ Invariants kept across them:
 The shell delivers the messages for one destination in the order the core
 produced them: a ``Send`` waits behind an earlier ``Persist.then`` message to
 the same destination (e.g. a Control never overtakes the Grant before it).
+
+Turns: the shell may hand the core every message it has read in one go as a
+*turn* (``begin_turn``, ``handle`` for each, ``end_turn``). Within a turn the
+handlers' ``pump`` (assembly and admission) is deferred to ``end_turn``, which
+runs it once: the leases freed by a thousand receipts go out as one Grant per
+agent behind one cursor write, instead of a Grant and a write per receipt.
+Nothing else changes: a pump only ever acts on the state the messages left,
+so running it once after them yields what the last of the per-message pumps
+would have, and messages to one destination still leave in order.
 """
 
 from __future__ import annotations
@@ -108,6 +117,8 @@ class CoordinatorCore:
         self.admission = Admission(self, now)
         self.now = now
         """The time of the event being handled (batch metrics read it)."""
+        self._in_turn = False
+        self._pump_due = False
         a, t, w = self.admission, self.trainer, self.weights
         self._routes: dict[type, Callable[[bytes, Any, float], list]] = {
             p.Register: a.on_register,
@@ -149,6 +160,18 @@ class CoordinatorCore:
         self.now = now
         return route(peer, msg, now)
 
+    def begin_turn(self) -> None:
+        """Messages handled from now until ``end_turn`` defer their pump to it."""
+        self._in_turn, self._pump_due = True, False
+
+    def end_turn(self, now: float) -> list:
+        """Close the turn: the one pump its messages asked for."""
+        self._in_turn = False
+        if not self._pump_due:
+            return []
+        self._pump_due = False
+        return self.pump(now)
+
     def tick(self, now: float) -> list:
         """The clock: agents silent past the TTL lose their leases, past ``retire_after`` their groups;
         a weight update past its deadline is aborted."""
@@ -169,7 +192,12 @@ class CoordinatorCore:
         return Persist(ops, then)
 
     def pump(self, now: float) -> list:
-        """Assemble what can be assembled, then admit new prompts up to demand + prefetch."""
+        """Assemble what can be assembled, then admit new prompts up to demand + prefetch.
+
+        Inside a turn it only notes that a pump is due (``end_turn`` runs it)."""
+        if self._in_turn:
+            self._pump_due = True
+            return []
         self.now = now
         out = self.batches.pump()
         if self.trainer.paused:

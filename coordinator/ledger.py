@@ -217,9 +217,13 @@ class Ledger:
         txn.put(b"config", _pack(config), db=self.meta)
 
     def apply(self, ops: list[LedgerOp]) -> None:
-        """Apply ops in one durable transaction. Runs on the writer thread only."""
+        """Apply ops in one durable transaction. Runs on the writer thread only.
+
+        Every ``Persist`` carries the cursors; in one transaction only the last ``SetCursors``
+        is written (each one overwrites the same key, so the result is the same)."""
+        last_cursors = next((i for i in range(len(ops) - 1, -1, -1) if type(ops[i]) is SetCursors), -1)
         with self.env.begin(write=True) as txn:
-            for op in ops:
+            for i, op in enumerate(ops):
                 if isinstance(op, PutPrompt):
                     txn.put(_PROMPT.pack(op.data_epoch, op.index), _encode_prompt(op.state), db=self.prompts)
                 elif isinstance(op, DropPrompt):
@@ -229,7 +233,8 @@ class Ledger:
                 elif isinstance(op, DropBatch):
                     txn.delete(_BATCH.pack(op.rollout_id), db=self.batches)
                 elif isinstance(op, SetCursors):
-                    txn.put(b"cursors", _pack(dict(op.cursors)), db=self.meta)
+                    if i == last_cursors:
+                        txn.put(b"cursors", _pack(dict(op.cursors)), db=self.meta)
                 elif isinstance(op, SetPaused):
                     txn.put(b"paused", _pack(op.paused), db=self.meta)
                 elif isinstance(op, SetMark):

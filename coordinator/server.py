@@ -1,12 +1,20 @@
 """The coordinator's I/O shell: a ZeroMQ ROUTER, the ledger writer, the clock.
 
-It decodes each frame, hands the message to ``CoordinatorCore`` and carries
-out the effects it returns: ``Send`` right away, ``Persist`` through the one
+It reads frames in turns: whenever the ROUTER is readable it takes every
+message waiting (up to ``TURN_MESSAGES``) without awaiting between them,
+hands each to ``CoordinatorCore`` inside one core turn (one pump per turn,
+``coordinator/core.py``), and carries out the effects it returns: ``Send`` right away, ``Persist`` through the one
 ledger writer thread (group commit: every Persist queued meanwhile goes in
 the same transaction), sending its ``then`` messages only after the commit.
 Messages to one destination leave in the order the core produced them: a
 ``Send`` to a peer that still has a message waiting on a commit is queued
 behind it (a Control or Grant never overtakes the Welcome or Grant before it).
+
+The ROUTER is a plain (not asyncio) socket driven from the loop: its
+``zmq.FD`` is watched with ``add_reader`` and every send is non-blocking,
+so a message costs no future, no timer and no task switch. The FD is
+edge-triggered and a send may consume its signal, so every path that sends
+outside a turn re-checks ``zmq.EVENTS`` afterwards (``_poke``).
 
 Nothing blocking runs on the event loop: ledger commits run on the writer
 thread, and the dataset rows a Grant carries (``Send.with_rows``, for agents
@@ -27,7 +35,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import zmq
-import zmq.asyncio
 
 from common import faults
 from common import protocol as p
@@ -39,6 +46,9 @@ from coordinator.core import CoordinatorCore, Persist, Send
 from coordinator.ledger import Ledger
 
 log = logging.getLogger("rollfleet.coordinator")
+
+TURN_MESSAGES = 4096
+"""Most messages handled in one turn before the loop lets the writer and the clock run."""
 
 
 class CoordinatorServer:
@@ -60,7 +70,7 @@ class CoordinatorServer:
         self.max_message_bytes = max_message_bytes
         # Bind before the ledger is touched: a start that fails (port in use, a refused
         # config) leaves the data dir as it was.
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = zmq.Context()
         self.ledger = None
         try:
             self.sock, self.endpoint = router(self.ctx, bind, max_bytes=max_message_bytes)
@@ -92,6 +102,7 @@ class CoordinatorServer:
         self._persist_queue: asyncio.Queue[Persist | None] = asyncio.Queue()
         self._held: dict = {}  # destination -> the last queued Persist holding a message to it
         self._writing = False  # the writer holds a batch it has not finished sending
+        self._readable = asyncio.Event()
         self.errors_sent = 0
         log.info(
             "coordinator generation %d listening on %s (%d prompts)", restored.generation, self.endpoint, len(dataset)
@@ -155,6 +166,7 @@ class CoordinatorServer:
                     if self._held.get(s.to) is eff:
                         del self._held[s.to]
             self._writing = False
+            self._poke()
 
     def _read_rows(self, grants: list[Send]) -> dict[int, p.Grant | None]:
         """Each Grant with its leases' dataset rows added (reader thread); None if a row is unreadable.
@@ -184,8 +196,7 @@ class CoordinatorServer:
 
     # ---------------------------------------------------------------- loops
 
-    def _dispatch(self, peer: bytes, frame: bytes) -> None:
-        now = time.monotonic()
+    def _dispatch(self, peer: bytes, frame: bytes, now: float) -> None:
         try:
             msg = p.decode(frame, max_bytes=self.max_message_bytes)
         except ProtocolError as exc:
@@ -203,21 +214,57 @@ class CoordinatorServer:
             return
         self._run(self.core.handle(peer, msg, now))
 
+    def _on_frames(self, frames: list, now: float) -> None:
+        if len(frames) != 2:
+            if frames:
+                self._send(frames[0], p.Error("malformed", f"expected one message frame, got {len(frames) - 1}"))
+            return
+        try:
+            self._dispatch(frames[0], frames[1], now)
+        except Exception:
+            # A bug handling one message must not take the fleet down; it is logged loudly.
+            log.exception("internal error handling a message from %r", frames[0][:40])
+            self._send(frames[0], p.Error("internal", "internal coordinator error; see its log", p.peek_req(frames[1])))
+
+    def _turn(self) -> int:
+        """Handle every message waiting (up to ``TURN_MESSAGES``) as one core turn; how many there were."""
+        sock, now, n = self.sock, time.monotonic(), 0
+        self.core.begin_turn()
+        try:
+            while n < TURN_MESSAGES:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                n += 1
+                self._on_frames(frames, now)
+        finally:
+            self._run(self.core.end_turn(now))
+        return n
+
+    def _poke(self) -> None:
+        """A send may have consumed the FD's edge: wake the reader if messages wait."""
+        if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._readable.set()
+
     async def _recv_loop(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart()
-            if len(frames) != 2:
-                if frames:
-                    self._send(frames[0], p.Error("malformed", f"expected one message frame, got {len(frames) - 1}"))
-                continue
-            try:
-                self._dispatch(frames[0], frames[1])
-            except Exception:
-                # A bug handling one message must not take the fleet down; it is logged loudly.
-                log.exception("internal error handling a message from %r", frames[0][:40])
-                self._send(
-                    frames[0], p.Error("internal", "internal coordinator error; see its log", p.peek_req(frames[1]))
-                )
+        loop = asyncio.get_running_loop()
+        fd = self.sock.getsockopt(zmq.FD)
+        loop.add_reader(fd, self._readable.set)
+        try:
+            while True:
+                try:
+                    # The timeout only backs up _poke: a missed edge costs at most this much delay.
+                    async with asyncio.timeout(0.1):
+                        await self._readable.wait()
+                except TimeoutError:
+                    pass
+                self._readable.clear()
+                while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    self._turn()
+                    await asyncio.sleep(0)  # the writer's commits and the clock run between turns
+        finally:
+            loop.remove_reader(fd)
 
     async def _clock(self) -> None:
         interval = self.core.liveness.heartbeat_interval
@@ -228,6 +275,7 @@ class CoordinatorServer:
             self._run(self.core.tick(now))
             for beat in self.core.heartbeats():
                 self._deliver(beat)  # behind any grant still waiting on the ledger
+            self._poke()
             if now - last_report > 30:
                 last_report = now
                 s = self.core.statistics()
