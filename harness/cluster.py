@@ -143,8 +143,12 @@ class Cluster:
         engine_urls=(),
         wait: bool = True,
         coordinator: str | None = None,
+        engine: str = "sim",
     ) -> Proc:
-        """``coordinator``: the address it joins (default the cluster's; e.g. a ``TcpProxy`` in front of it)."""
+        """``coordinator``: the address it joins (default the cluster's; e.g. a ``TcpProxy`` in front of it).
+
+        ``engine``: the kind ``agent join --engine`` launches (``sim``, or ``hf`` with ``--model-path`` in ``extra``).
+        """
         argv = [
             sys.executable,
             "-m",
@@ -165,7 +169,7 @@ class Cluster:
             for url in engine_urls:
                 argv += ["--engine-url", url]
         else:
-            argv += ["--engine", "sim", "--engines", str(engines)]
+            argv += ["--engine", engine, "--engines", str(engines)]
             if sim_args:
                 argv.append(f"--sim-args={sim_args}")  # '=' form: the value may start with '--'
         argv += list(extra)

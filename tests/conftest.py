@@ -24,3 +24,17 @@ def make_cluster(tmp_path):
         leaks.append(f"{len(leaked_threads)} RolloutClient loop thread(s) left running (a client not closed)")
     if leaks:
         pytest.fail("the test left things behind:\n  " + "\n  ".join(leaks))
+
+
+@pytest.fixture(scope="session")
+def hf_model_dir(tmp_path_factory) -> str:
+    """A tiny random Llama model directory (agent.hf.model.make_model), made once per session."""
+    pytest.importorskip("transformers")
+    from transformers.utils import logging as transformers_logging
+
+    from agent.hf.model import make_model
+
+    transformers_logging.disable_progress_bar()
+    path = tmp_path_factory.mktemp("hf") / "tiny"
+    make_model(str(path), context_length=8192)
+    return str(path)

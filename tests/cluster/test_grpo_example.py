@@ -54,15 +54,13 @@ def start_fleet(make_cluster, tmp_path):
         dynamic_filter="none",
     )
     cluster.start_coordinator()
-    # the harness starts sim engines; the later --engine flag picks the hf engine instead
     cluster.start_agent(
         "node-0",
-        "--engine",
-        "hf",
         "--model-path",
         str(model_dir),
         f"--hf-args=--threads 1 --slots {BATCH * GROUP}",
         concurrency=BATCH * GROUP,
+        engine="hf",
     )
     model, _ = load_model(str(model_dir))
     return cluster, model

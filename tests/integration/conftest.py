@@ -18,7 +18,6 @@ from aiohttp import web
 from agent.sim import make_app
 from harness.sim_server import serve as serve_sim
 
-HF_CONTEXT_LENGTH = 8192
 SIM_ONLY = {
     "token_latency_ms",
     "prefill_latency_ms",
@@ -28,20 +27,6 @@ SIM_ONLY = {
     "output_len_max",
     "accuracy",
 }
-
-
-@pytest.fixture(scope="session")
-def hf_model_dir(tmp_path_factory) -> str:
-    """A tiny random Llama model directory (agent.hf.model.make_model), made once per session."""
-    pytest.importorskip("transformers")
-    from transformers.utils import logging as transformers_logging
-
-    from agent.hf.model import make_model
-
-    transformers_logging.disable_progress_bar()
-    path = tmp_path_factory.mktemp("hf") / "tiny"
-    make_model(str(path), context_length=HF_CONTEXT_LENGTH)
-    return str(path)
 
 
 @contextlib.asynccontextmanager
