@@ -6,6 +6,11 @@ Settings, and why:
   invalidates readers and has a history of bugs);
 - ``sync``/``metasync`` on by default with ``writemap`` off: a commit that
   returned survives a crash (``--no-sync`` trades that for speed);
+- ``metasync=False`` (the agent store): a commit flushes its data pages but
+  only writes its meta page, which the next commit's flush (or an
+  ``env.sync(True)``) makes durable; integrity is kept, and an OS crash can
+  undo only the last commit, so its owner must not treat that commit as
+  durable until the next flush returned (agent/store.py does exactly that);
 - ``reader_check()`` at open clears reader slots left by killed processes,
   which would otherwise pin old pages and grow the file.
 Local disks only: LMDB's locking and mmap break on NFS.
@@ -24,10 +29,19 @@ from common.errors import ConfigError
 MAP_SIZE = 1 << 40
 
 
-def open_env(path: Path, *, sync: bool = True, max_readers: int = 256, max_dbs: int = 4) -> lmdb.Environment:
+def open_env(
+    path: Path, *, sync: bool = True, metasync: bool | None = None, max_readers: int = 256, max_dbs: int = 4
+) -> lmdb.Environment:
+    """Open (creating) the environment at ``path``; ``metasync`` defaults to ``sync``."""
     path.mkdir(parents=True, exist_ok=True)
     env = lmdb.open(
-        str(path), map_size=MAP_SIZE, max_dbs=max_dbs, max_readers=max_readers, sync=sync, metasync=sync, writemap=False
+        str(path),
+        map_size=MAP_SIZE,
+        max_dbs=max_dbs,
+        max_readers=max_readers,
+        sync=sync,
+        metasync=sync if metasync is None else metasync,
+        writemap=False,
     )
     env.reader_check()
     return env

@@ -137,3 +137,53 @@ def test_store_sigkilled_at_random_moments_keeps_every_commit_whole(tmp_path):
         finally:
             store.close()
     assert len(acknowledged) > 50
+
+
+class _FlushLog(GroupStore):
+    """The real store, logging from its writer thread each transaction (and whether its commit
+    flushed the file) and each explicit flush."""
+
+    def __init__(self, *args, **kwargs):
+        self.log: list[tuple] = []
+        super().__init__(*args, **kwargs)
+
+    def _apply(self, ops):
+        flushed = super()._apply(ops)
+        self.log.append(("txn", flushed, [key.decode() for kind, key, _ in ops if kind == "group"]))
+        return flushed
+
+    def _sync(self):
+        super()._sync()
+        self.log.append(("sync",))
+
+
+def test_a_commit_returns_only_after_a_flush_that_followed_its_transaction(tmp_path):
+    """A transaction's meta page is written without a flush of its own, so its commits may return
+    only once a later commit's fsync or an explicit sync has run: whether writes stream in (many
+    queued, a few per transaction) or come one at a time."""
+
+    async def run(store):
+        async def one(key):
+            await store.commit(key, key.encode() * 1000, {"key": key})
+            store.log.append(("returned", key))
+
+        await asyncio.gather(*(one(f"0:{i}:1") for i in range(40)))  # queued: 4 per transaction
+        for i in range(40, 43):  # alone: each needs its own flush
+            await one(f"0:{i}:1")
+        await store.ack("0:0:1", True)
+
+    store = _FlushLog(tmp_path, agent_id="n1", max_batch=4)
+    try:
+        asyncio.run(run(store))
+        committed_at = {}
+        for at, entry in enumerate(store.log):
+            if entry[0] == "txn":
+                committed_at.update(dict.fromkeys(entry[2], at))
+        flushes = [at for at, e in enumerate(store.log) if e[0] == "sync" or (e[0] == "txn" and e[1])]
+        returned = [(at, e[1]) for at, e in enumerate(store.log) if e[0] == "returned"]
+        assert len(returned) == 43 and max(len(e[2]) for e in store.log if e[0] == "txn") == 4
+        for at, key in returned:
+            assert any(committed_at[key] < f < at for f in flushes), f"{key} returned before a flush after its commit"
+        assert any(e[0] == "txn" and len(e[2]) == 4 for e in store.log), "no transaction took several commits"
+    finally:
+        store.close()
