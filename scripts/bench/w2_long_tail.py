@@ -2,10 +2,14 @@
 """W2 — long tail and utilisation, as the benchmark brief defines it, with the staleness bound at 0, 1 and 4.
 
 Every configuration runs on a fresh loopback cluster (``harness.cluster``): ``coordinator serve``
-and 2 agents with one sim engine each. The engines have ``--slots`` equal to the agent's
-``--concurrency`` (so a slot idle means the pipeline, not the engine, left it idle), a per-token
-time, and output lengths lognormal with median 512, sigma 1.0, capped at 8192
-(``--max-new-tokens 8192``). This process is the trainer: per step it calls ``generate(step)``,
+and 2 agents with one sim engine each. The engines have ``--slots`` slots (32), a per-token time,
+and output lengths lognormal with median 512, sigma 1.0, capped at 8192 (``--max-new-tokens
+8192``). Each agent keeps ``--overcommit`` (4) times as many samples in flight as its engine has
+slots (``agent join --concurrency``); the rest wait in the engine's queue, as they do on SGLang,
+and take a slot the moment one frees. With as many samples as slots, a group would hold its 8
+slots until its longest sample ends, and utilisation could not pass ``tail_bound`` (about 0.33).
+The coordinator's ``--prefetch`` is what the agents can hold (so its bound never idles a slot
+while the trainer waits). This process is the trainer: per step it calls ``generate(step)``,
 touches every sample, "trains" for a fixed time (a sleep), then pushes a weight update (a
 small disk checkpoint by default, or a small gloo broadcast) and goes on to the next step.
 
@@ -28,8 +32,8 @@ the last batch):
 - ``samples_per_s`` delivered to the trainer.
 
 Each bounded configuration is also reported as ratios against the floor (``*_ratio_to_floor``).
-``tail_bound`` (context) is what the long tail alone allows: a group holds its 8 slots until its
-longest sample ends, so utilisation cannot pass mean length / mean longest-of-8 (about 0.33).
+``tail_bound`` (context) is what the long tail allows with ``--overcommit 1``: a group holds its 8
+slots until its longest sample ends, so utilisation cannot pass mean length / mean longest-of-8.
 Output: one JSON object per line on stdout (a ``summary`` line last), progress and a table on stderr.
 
     python scripts/bench/w2_long_tail.py --quick     # 0.5 ms/token, 5 steps per configuration
@@ -191,7 +195,7 @@ class Updater:
 
 def run_config(name: str, workdir: Path, args, max_staleness: int | None, update: str | None) -> dict:
     sim_args = (
-        f"--slots {args.concurrency} --token-latency-ms {args.token_ms} --output-len-dist lognormal "
+        f"--slots {args.slots} --token-latency-ms {args.token_ms} --output-len-dist lognormal "
         f"--output-len-median {OUTPUT_MEDIAN} --output-len-sigma {OUTPUT_SIGMA} --output-len-max {OUTPUT_MAX}"
     )
     config = {
@@ -199,6 +203,9 @@ def run_config(name: str, workdir: Path, args, max_staleness: int | None, update
         "n_samples_per_prompt": GROUP,
         "max_new_tokens": OUTPUT_MAX,
         "dynamic_filter": "none",
+        # Ready-or-leased groups beyond the trainer's demand: by default what the agents can hold,
+        # so the coordinator's bound never leaves a slot idle while the trainer waits.
+        "prefetch": args.prefetch if args.prefetch is not None else AGENTS * args.slots * args.overcommit // GROUP,
     }
     if max_staleness is not None:
         config["max_staleness"] = max_staleness
@@ -211,7 +218,9 @@ def run_config(name: str, workdir: Path, args, max_staleness: int | None, update
     try:
         cluster.start_coordinator(*sync)
         for i in range(AGENTS):
-            cluster.start_agent(f"agent-{i}", *sync, engines=1, concurrency=args.concurrency, sim_args=sim_args)
+            cluster.start_agent(
+                f"agent-{i}", *sync, engines=1, concurrency=args.slots * args.overcommit, sim_args=sim_args
+            )
         urls = wait_for(lambda: (u := engine_urls(cluster)) and len(u) == AGENTS and u, 60, "healthy engines")
         with LoadPoller(urls) as poller, cluster.client(timeout=600) as client:
             for step in range(steps):
@@ -247,7 +256,7 @@ def run_config(name: str, workdir: Path, args, max_staleness: int | None, update
         if leaks:
             progress(f"{name}: teardown found leaks: {leaks}")
     wall = window_end - window_start
-    capacity_tokens = AGENTS * args.concurrency * wall / (args.token_ms / 1000.0)
+    capacity_tokens = AGENTS * args.slots * wall / (args.token_ms / 1000.0)
     return {
         "config": name,
         "max_staleness": max_staleness,
@@ -302,11 +311,18 @@ def main(argv=None) -> int:
     ap.add_argument("--token-ms", type=float, default=None, help="sim decode time per token (default 1, quick 0.5)")
     ap.add_argument("--step-s", type=float, default=None, help="the trainer's fixed step time (default 0.5, quick 0.2)")
     ap.add_argument("--batch", type=int, default=8, help="groups per batch (default 8)")
+    ap.add_argument("--slots", type=int, default=32, help="each engine's slots (max_running_requests; default 32)")
     ap.add_argument(
-        "--concurrency",
+        "--overcommit",
         type=int,
-        default=32,
-        help="samples in flight per engine = the engine's slots (default 32: 4 groups)",
+        default=4,
+        help="the agent's --concurrency as a multiple of the slots (default 4; 1 = no sample waits in the engine)",
+    )
+    ap.add_argument(
+        "--prefetch",
+        type=int,
+        default=None,
+        help="the coordinator's --prefetch (default: the agents' capacity in groups)",
     )
     ap.add_argument("--update", choices=("disk", "broadcast"), default="disk", help="the update pushed every step")
     ap.add_argument("--staleness", default="0,1,4", help="bounds to run, comma-separated (default 0,1,4)")
@@ -331,7 +347,8 @@ def main(argv=None) -> int:
     started = time.monotonic()
     progress(
         f"workdir {workdir}; {args.steps} steps + 1 warm-up per configuration, batch {args.batch} x {GROUP}, "
-        f"{AGENTS} engines x {args.concurrency} slots, {args.token_ms} ms/token, trainer step {args.step_s}s, "
+        f"{AGENTS} engines x {args.slots} slots, {args.overcommit}x as many samples in flight, "
+        f"{args.token_ms} ms/token, trainer step {args.step_s}s, "
         f"update: {args.update}"
     )
     rows = []
@@ -351,7 +368,8 @@ def main(argv=None) -> int:
         "token_ms": args.token_ms,
         "step_s": args.step_s,
         "batch": args.batch,
-        "slots_per_engine": args.concurrency,
+        "slots_per_engine": args.slots,
+        "in_flight_per_engine": args.slots * args.overcommit,
         "engines": AGENTS,
         "tail_bound": round(tail_bound(), 3),
     }
