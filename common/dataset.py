@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-import random
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,7 +49,7 @@ try:
 except ImportError:  # pragma: no cover - orjson is a dependency
     orjson = None
 
-__all__ = ["Dataset", "Row", "epoch_permutation"]
+__all__ = ["Dataset", "Row", "ShuffledOrder", "epoch_permutation"]
 
 _JSON_TYPE = {
     dict: "object",
@@ -100,8 +100,15 @@ class Row:
     """The row's other keys."""
 
 
+_CHUNK = 1 << 20
+"""Bytes read per step of the load scan."""
+_BLOCK_BYTES = 16 << 10
+"""Rows per checkpoint are chosen so that a block is about this many bytes: what ``row`` re-reads."""
+_MAX_BLOCK_ROWS = 64
+
+
 class Dataset:
-    """A validated JSONL prompt file, indexed by byte offset."""
+    """A validated JSONL prompt file, indexed by a checkpoint every ``block_rows`` rows."""
 
     def __init__(self, path: str | os.PathLike, *, input_key: str = "prompt", label_key: str = "label"):
         if not input_key or not isinstance(input_key, str):
@@ -111,7 +118,10 @@ class Dataset:
         self.path = os.fspath(path)
         self.input_key = input_key
         self.label_key = label_key
-        self._offsets = array("q")
+        self._size = 0
+        self.block_rows = 1
+        self._block_offsets = array("q")  # byte offset of row k * block_rows
+        self._block_lines = array("q")  # its 1-based line number
         self._file = None
         try:
             self._file = open(self.path, "rb")
@@ -123,6 +133,8 @@ class Dataset:
             raise DatasetError(f"cannot open: {e.strerror or e}", path=self.path) from None
         try:
             self.fingerprint = self._scan()
+            st = os.fstat(self._file.fileno())
+            self._stat = (st.st_size, st.st_mtime_ns)
         except BaseException:
             self.close()
             raise
@@ -132,23 +144,51 @@ class Dataset:
     def _scan(self) -> str:
         f = self._file
         hasher = hashlib.sha256()
-        offsets = self._offsets
+        offsets, line_numbers = self._block_offsets, self._block_lines
         check = self._check_row
-        offset = 0
+        rows = 0
         lineno = 0
-        for line in f:  # binary line iteration; the buffer is reused
-            lineno += 1
-            hasher.update(line)
-            if line.strip():
-                try:
-                    check(_loads(line))
-                except ValueError as e:
-                    raise DatasetError(str(e), path=self.path, line=lineno) from None
-                offsets.append(offset)
-            offset += len(line)
-        if not offsets:
+        offset = 0  # of the next line
+        block = 0  # rows per checkpoint, chosen from the first chunk's mean line length
+        carry = b""
+        while True:
+            data = f.read(_CHUNK)
+            hasher.update(data)
+            buf = carry + data if carry else data
+            if data:
+                cut = buf.rfind(b"\n") + 1
+                if not cut:
+                    carry = buf
+                    continue
+                carry, buf = buf[cut:], buf[:cut]
+            elif not buf:
+                break
+            else:
+                carry = b""
+            lines = buf.split(b"\n")
+            if not lines[-1]:
+                lines.pop()
+            if not block:
+                mean = max(1, len(buf) // max(1, len(lines)))
+                block = self.block_rows = max(1, min(_MAX_BLOCK_ROWS, _BLOCK_BYTES // mean))
+            for line in lines:
+                lineno += 1
+                if line.strip():
+                    try:
+                        check(_loads(line))
+                    except ValueError as e:
+                        raise DatasetError(str(e), path=self.path, line=lineno) from None
+                    if not rows % block:
+                        offsets.append(offset)
+                        line_numbers.append(lineno)
+                    rows += 1
+                offset += len(line) + 1
+            if not data:
+                break
+        if not rows:
             what = "is empty" if lineno == 0 else "has only blank lines"
             raise DatasetError(f"no rows: the file {what}", path=self.path)
+        self._size = rows
         return hasher.hexdigest()
 
     def _check_row(self, obj: Any) -> None:
@@ -187,24 +227,43 @@ class Dataset:
     # ------------------------------------------------------------------ access
 
     def __len__(self) -> int:
-        return len(self._offsets)
+        return self._size
 
     def row(self, i: int) -> Row:
-        """Row ``i`` (0-based), re-read from disk."""
-        if not 0 <= i < len(self._offsets):
-            raise IndexError(f"row {i} out of range for {len(self._offsets)} rows")
-        if self._file is None:
+        """Row ``i`` (0-based), re-read from disk: its block's checkpoint, then forward to the row."""
+        if not 0 <= i < self._size:
+            raise IndexError(f"row {i} out of range for {self._size} rows")
+        f = self._file
+        if f is None:
             raise Closed(f"dataset {self.path} is closed")
-        offset = self._offsets[i]
-        self._file.seek(offset)
-        line = self._file.readline()
+        st = os.fstat(f.fileno())
+        if (st.st_size, st.st_mtime_ns) != self._stat:
+            # Checked before reading: a block's rows are found by counting lines from its checkpoint.
+            raise DatasetError(
+                f"row {i} cannot be read: the file changed after it was loaded (size or mtime differ)", path=self.path
+            )
+        block, skip = divmod(i, self.block_rows)
+        lineno = self._block_lines[block]
+        f.seek(self._block_offsets[block])
+        while True:
+            line = f.readline()
+            if line.strip():
+                if not skip:
+                    break
+                skip -= 1
+            elif not line:
+                raise DatasetError(
+                    f"row {i} is past the end; was the file changed after it was loaded?", path=self.path
+                )
+            lineno += 1
         try:
             obj = _loads(line)
             self._check_row(obj)
         except ValueError as e:
             raise DatasetError(
-                f"row {i} at byte {offset} no longer parses ({e}); was the file changed after it was loaded?",
+                f"row {i} no longer parses ({e}); was the file changed after it was loaded?",
                 path=self.path,
+                line=lineno,
             ) from None
         label = obj.pop(self.label_key, None)
         prompt = obj.pop(self.input_key)
@@ -225,22 +284,83 @@ class Dataset:
         return f"Dataset({self.path!r}, rows={len(self)}, fingerprint={self.fingerprint[:12]})"
 
 
-def epoch_permutation(n: int, data_epoch: int, seed: int | None) -> Sequence[int]:
-    """The order in which rows are served in data epoch ``data_epoch``.
+_M64 = (1 << 64) - 1
+_ROUNDS = 4
 
-    ``seed is None`` → ``range(n)`` (file order every epoch). Otherwise a
-    permutation of ``range(n)`` as ``array('q')``, a pure function of
-    ``(n, seed, data_epoch)``: every epoch is shuffled differently, and the
-    same epoch is shuffled identically in every process and after a restart
-    (the RNG is seeded from a sha256 of the pair, not from ``hash()``, which
-    varies per process).
+
+class ShuffledOrder(Sequence[int]):
+    """A pseudo-random permutation of ``range(n)`` computed per position: O(1) memory, ~1 us a lookup.
+
+    ``order[pos]`` is a keyed Feistel network on the mixed-radix domain ``Z_a x Z_b``
+    (``a = ceil(sqrt(n))``, ``b = ceil(n / a)``, so ``a * b - n < a``): each round maps
+    ``(hi, lo) -> (lo, (hi + F(lo)) mod |Z_hi|)``, which is invertible, so the network permutes
+    ``range(a * b)``; positions that land at or beyond ``n`` are encrypted again ("cycle walking"),
+    which stays inside ``range(n)`` and is rare (fewer than ``a`` of ``a * b`` values). ``F`` is
+    splitmix64's finaliser of ``lo ^ key``, one 64-bit key per round.
+    """
+
+    __slots__ = ("_a", "_b", "_keys", "_n")
+
+    def __init__(self, n: int, keys: Sequence[int]):
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if len(keys) % 2:
+            raise ValueError("an even number of round keys is needed (the domain's shape is restored every 2 rounds)")
+        self._n = n
+        self._a = math.isqrt(max(0, n - 1)) + 1
+        self._b = max(1, -(-n // self._a))
+        self._keys = tuple(k & _M64 for k in keys)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, pos):
+        if isinstance(pos, slice):
+            return [self[i] for i in range(*pos.indices(self._n))]
+        n = self._n
+        if pos < 0:
+            pos += n
+        if not 0 <= pos < n:
+            raise IndexError(f"position {pos} out of range for {n}")
+        a, b, keys = self._a, self._b, self._keys
+        x = pos
+        while True:
+            hi, lo = divmod(x, b)
+            m_hi, m_lo = a, b
+            for k in keys:
+                z = lo ^ k
+                z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+                z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+                hi, lo = lo, (hi + (z ^ (z >> 31))) % m_hi
+                m_hi, m_lo = m_lo, m_hi
+            x = hi * b + lo
+            if x < n:
+                return x
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, ShuffledOrder):
+            return (self._n, self._keys) == (other._n, other._keys)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self._n, self._keys))
+
+    def __repr__(self) -> str:
+        return f"ShuffledOrder(n={self._n})"
+
+
+def epoch_permutation(n: int, data_epoch: int, seed: int | None) -> Sequence[int]:
+    """The order in which rows are served in data epoch ``data_epoch``: ``order[pos]`` is a row index.
+
+    ``seed is None`` -> ``range(n)`` (file order every epoch). Otherwise a ``ShuffledOrder``, a
+    pure function of ``(n, seed, data_epoch)`` that holds no per-row state: every epoch is
+    shuffled differently, and the same epoch identically in every process and after a restart
+    (the round keys are a sha256 of the pair, not ``hash()``, which varies per process).
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     if seed is None:
         return range(n)
     digest = hashlib.sha256(f"rollfleet-epoch:{int(seed)}:{int(data_epoch)}".encode()).digest()
-    rng = random.Random(int.from_bytes(digest[:16], "big"))
-    order = list(range(n))
-    rng.shuffle(order)
-    return array("q", order)
+    keys = [int.from_bytes(digest[8 * r : 8 * r + 8], "big") for r in range(_ROUNDS)]
+    return ShuffledOrder(n, keys)

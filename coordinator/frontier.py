@@ -10,7 +10,9 @@ index)`` is at any moment exactly one of
     FILTERED   the dynamic filter rejected its group (with a reason)
 
 Memory per epoch is one byte per prompt plus a cursor and a requeue, so it
-does not grow with row content or run length. Epochs close in order: the
+does not grow with row content or run length; the epoch's order is a
+``Sequence`` computed per position (``common.dataset.epoch_permutation``),
+not a list of indices. Epochs close in order: the
 oldest open epoch closes once every prompt is DELIVERED or FILTERED, a newer
 epoch is open and the caller agrees (the coordinator waits until every batch
 holding its prompts was fetched). A closed epoch is never opened again: its
@@ -189,10 +191,7 @@ class Frontier:
             ep = self.epochs[data_epoch]
             ep.cursor = cursor
             ep.orphans_not_before = now + orphan_delay
-            for pos in range(cursor):
-                index = ep.order[pos]
-                if ep.state[index] == PENDING:
-                    ep.orphans.append(index)
+            ep.orphans.extend(_pending_below(ep, cursor))
 
     def adopt(self, data_epoch: int, index: int) -> bool:
         """An agent re-registering still generates this prompt: lease it back if still pending."""
@@ -213,3 +212,37 @@ class Frontier:
             for i, name in enumerate(STATE_NAMES):
                 out[name] += ep.state.count(i)
         return out
+
+
+def _pending_below(ep: EpochFrontier, cursor: int) -> list[int]:
+    """The PENDING prompts at positions below ``cursor``, in position order.
+
+    Write-ahead leases put every prompt the ledger has a record of below the persisted cursor,
+    so exactly ``cursor - (recorded prompts)`` of the positions below it are pending. The search
+    runs from the cursor down and stops when it has them all: prompts in flight at a crash are
+    mostly the last ones leased, so a restart looks at a few positions past the fleet's
+    in-flight count, not at the whole epoch. (At worst, a prompt leased at the epoch's start and
+    never finished, it reads every position below the cursor: about 1 us each when shuffled.)
+    File order (``range``) needs no order lookups: a scan of the state bytes for PENDING.
+    """
+    state = ep.state
+    missing = cursor - (len(state) - state.count(PENDING))
+    if missing <= 0:
+        return []
+    order = ep.order
+    if isinstance(order, range) and order == range(len(state)):
+        found = []
+        pos = state.find(PENDING, 0, cursor)
+        while pos >= 0 and len(found) < missing:
+            found.append(pos)
+            pos = state.find(PENDING, pos + 1, cursor)
+        return found
+    found = []
+    for pos in range(cursor - 1, -1, -1):
+        index = order[pos]
+        if state[index] == PENDING:
+            found.append(index)
+            if len(found) == missing:
+                break
+    found.reverse()
+    return found

@@ -8,7 +8,7 @@ from array import array
 
 import pytest
 
-from common.dataset import Dataset, Row, epoch_permutation
+from common.dataset import _MAX_BLOCK_ROWS, Dataset, Row, ShuffledOrder, epoch_permutation
 from common.errors import DatasetError
 
 
@@ -138,22 +138,91 @@ def test_file_changed_after_load_is_reported(tmp_path):
     ds.close()
 
 
-def test_offsets_not_rows_are_kept(tmp_path):
+def test_only_a_checkpoint_per_block_of_rows_is_kept(tmp_path):
     path = write(tmp_path, jsonl(*({"prompt": "x" * 1000, "label": i} for i in range(50))))
     ds = Dataset(path)
-    # Only an array of offsets per row: nothing holding row content.
-    assert isinstance(ds._offsets, array) and len(ds._offsets) == 50
-    assert ds.row(49).label == 49
+    # ~1 KB rows: 15 rows per 16 KiB block, so 4 checkpoints for 50 rows; nothing holding row content.
+    assert ds.block_rows == 15
+    assert isinstance(ds._block_offsets, array) and len(ds._block_offsets) == 4
+    assert [ds.row(i).label for i in (49, 0, 15, 14, 16, 30, 45)] == [49, 0, 15, 14, 16, 30, 45]
     ds.close()
+
+
+def test_rows_across_blocks_with_blank_lines_and_a_tail_without_newline(tmp_path):
+    lines = []
+    for i in range(500):
+        lines.append(json.dumps({"prompt": f"p{i}", "label": i}))
+        if i % 7 == 3:
+            lines.append("  ")
+        if i % 11 == 5:
+            lines.append("")
+    path = write(tmp_path, "\n".join(lines))  # no newline after the last row
+    with Dataset(path) as ds:
+        assert len(ds) == 500 and ds.block_rows == _MAX_BLOCK_ROWS
+        assert [ds.row(i).label for i in range(500)] == list(range(500))
+        assert [ds.row(i).label for i in range(499, -1, -37)] == list(range(499, -1, -37))
+
+
+def test_a_file_changed_after_load_is_caught_before_a_row_is_read(tmp_path):
+    text = jsonl(*({"prompt": f"p{i}"} for i in range(200)))
+    path = write(tmp_path, text)
+    ds = Dataset(path)
+    # Same size, a later mtime: the change is caught before the row is parsed.
+    path.write_text(text.replace('"p150"', '"q150"'))
+    with pytest.raises(DatasetError, match="changed after it was loaded") as info:
+        ds.row(150)
+    assert info.value.path == str(path)
+    ds.close()
+
+
+def test_loading_reads_in_chunks_across_lines(tmp_path, monkeypatch):
+    import common.dataset as dataset_module
+
+    monkeypatch.setattr(dataset_module, "_CHUNK", 7)  # every read ends mid-line
+    text = "\n" + jsonl(*({"prompt": f"row {i}", "label": i} for i in range(30))) + '{"question": 1}\n'
+    path = write(tmp_path, text)
+    with pytest.raises(DatasetError) as info:
+        Dataset(path)
+    assert info.value.line == 32
+    good = write(tmp_path, text.rsplit('{"question"', 1)[0], "good.jsonl")
+    with Dataset(good) as ds:
+        assert ds.fingerprint == hashlib.sha256(good.read_bytes()).hexdigest()
+        assert [ds.row(i).label for i in range(30)] == list(range(30))
 
 
 def test_epoch_permutation_is_deterministic_and_varies_by_epoch():
     assert epoch_permutation(5, 3, None) == range(5)
     p0 = epoch_permutation(1000, 0, seed=42)
-    assert isinstance(p0, array)
+    assert isinstance(p0, ShuffledOrder) and len(p0) == 1000
     assert sorted(p0) == list(range(1000))
     assert p0 == epoch_permutation(1000, 0, seed=42)
-    assert p0 != epoch_permutation(1000, 1, seed=42)
-    assert p0 != epoch_permutation(1000, 0, seed=43)
+    assert list(p0) == list(epoch_permutation(1000, 0, seed=42))
+    assert list(p0) != list(epoch_permutation(1000, 1, seed=42))
+    assert list(p0) != list(epoch_permutation(1000, 0, seed=43))
     assert list(p0) != list(range(1000))
     assert list(epoch_permutation(0, 0, seed=1)) == []
+    assert p0[-1] == p0[999] and p0[10:13] == [p0[10], p0[11], p0[12]]
+    with pytest.raises(IndexError):
+        p0[1000]
+
+
+def test_shuffled_order_is_a_permutation_for_every_size():
+    for n in [*range(0, 130), 255, 256, 257, 1023, 4097, 10_007]:
+        order = epoch_permutation(n, 1, seed=7)
+        assert sorted(order) == list(range(n)), n
+
+
+def test_shuffled_order_is_pinned():
+    """The order is part of a data dir's resume: a run restarted on a newer build must serve the same order."""
+    assert epoch_permutation(10_000_000, 0, seed=1)[:6] == [9871401, 8811912, 8686977, 6979033, 7067506, 2431347]
+    assert epoch_permutation(10, 3, seed=0)[:] == [3, 8, 5, 1, 2, 6, 4, 9, 7, 0]
+
+
+def test_shuffled_order_mixes_the_file():
+    """Neighbouring positions land far apart: a batch does not come from one region of a sorted file."""
+    n = 100_000
+    order = epoch_permutation(n, 0, seed=3)
+    gaps = [abs(order[i + 1] - order[i]) for i in range(5000)]
+    assert sum(gaps) / len(gaps) > n / 4  # uniform pairs average n / 3
+    first_tenth = sum(1 for i in range(10_000) if order[i] < n // 10)
+    assert 800 < first_tenth < 1200  # ~1,000 of the first 10,000 positions in each tenth of the file
