@@ -38,6 +38,10 @@ def _require(*modules: str) -> None:
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError(f"{' and '.join(missing)} not installed: pip install 'rollfleet[hf]'")
+    if "transformers" in modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # per-shard bars would clutter engine logs and examples
 
 
 def byte_symbols() -> list[str]:
