@@ -16,6 +16,9 @@ small disk checkpoint by default, or a small gloo broadcast) and goes on to the 
 Configurations, one after the other in the same run:
 
 - ``floor``: unbounded staleness and no weight updates (the best the fleet can do here);
+- ``covered``: the same, with the trainer's step 1.5x the floor's time per batch, so the
+  prefetch covers the step: its trainer wait should be about 0 (and its utilisation about 1/1.5,
+  the trainer being the bottleneck);
 - ``eta=0``, ``eta=1``, ``eta=4``: ``--max-staleness`` 0, 1, 4 and an update after every step.
 
 Per configuration, over the steady-state window (from the end of the warm-up batch to the end of
@@ -26,6 +29,7 @@ the last batch):
 - ``token_utilisation``: response tokens delivered to the trainer / what the slots could have
   decoded at the per-token time (useful work only: tokens of filtered or re-generated samples
   are not counted);
+- ``all_slots_idle_share``: the share of polls that found no slot running anywhere (an update's pause);
 - ``trainer_wait_s_per_step``: mean time inside ``generate()``;
 - ``group_latency_p50_s`` / ``p99``: the groups' ``gen_seconds`` (first request to last response);
 - ``staleness_mean`` / ``staleness_max`` / ``admission_stall_s`` (per step) from the batch metrics;
@@ -149,6 +153,11 @@ class LoadPoller:
                 self.samples.append((time.monotonic(), running, slots))
             self._stop.wait(POLL_S)
 
+    def stopped(self, t0: float, t1: float) -> float:
+        """The share of polls in ``[t0, t1]`` that found no slot of any engine running (an update's pause)."""
+        window = [r for t, r, _ in self.samples if t0 <= t <= t1]
+        return sum(r == 0 for r in window) / len(window) if window else 0.0
+
     def utilisation(self, t0: float, t1: float) -> float:
         window = [(r, s) for t, r, s in self.samples if t0 <= t <= t1]
         return sum(r for r, _ in window) / sum(s for _, s in window) if window else 0.0
@@ -193,7 +202,10 @@ class Updater:
 # --------------------------------------------------------------------------- one configuration
 
 
-def run_config(name: str, workdir: Path, args, max_staleness: int | None, update: str | None) -> dict:
+def run_config(
+    name: str, workdir: Path, args, max_staleness: int | None, update: str | None, step_s: float | None = None
+) -> dict:
+    step_s = args.step_s if step_s is None else step_s
     sim_args = (
         f"--slots {args.slots} --token-latency-ms {args.token_ms} --output-len-dist lognormal "
         f"--output-len-median {OUTPUT_MEDIAN} --output-len-sigma {OUTPUT_SIGMA} --output-len-max {OUTPUT_MAX}"
@@ -247,10 +259,11 @@ def run_config(name: str, workdir: Path, args, max_staleness: int | None, update
                 )
                 if step == steps - 1:
                     break
-                time.sleep(args.step_s)  # the trainer's fixed step
+                time.sleep(step_s)  # the trainer's fixed step
                 if updater is not None:
                     updates.append(updater.push(client, step + 1))
             util = poller.utilisation(window_start, window_end)
+            stopped = poller.stopped(window_start, window_end)
     finally:
         leaks = cluster.stop_all()
         if leaks:
@@ -262,7 +275,9 @@ def run_config(name: str, workdir: Path, args, max_staleness: int | None, update
         "max_staleness": max_staleness,
         "update": update,
         "steps": args.steps,
+        "step_s": round(step_s, 3),
         "slot_utilisation": round(util, 3),
+        "all_slots_idle_share": round(stopped, 3),
         "token_utilisation": round(tokens / capacity_tokens, 3),
         "trainer_wait_s_per_step": round(mean(waits), 3),
         "group_latency_p50_s": round(quantile(gen_s, 0.5), 3),
@@ -283,6 +298,8 @@ COLUMNS = [
     ("config", "config", "{}"),
     ("slot_utilisation", "slot util", "{:.3f}"),
     ("token_utilisation", "token util", "{:.3f}"),
+    ("step_s", "step s", "{:.2f}"),
+    ("all_slots_idle_share", "all idle", "{:.3f}"),
     ("trainer_wait_s_per_step", "wait/step s", "{:.2f}"),
     ("group_latency_p50_s", "grp p50 s", "{:.2f}"),
     ("group_latency_p99_s", "grp p99 s", "{:.2f}"),
@@ -327,6 +344,9 @@ def main(argv=None) -> int:
     ap.add_argument("--update", choices=("disk", "broadcast"), default="disk", help="the update pushed every step")
     ap.add_argument("--staleness", default="0,1,4", help="bounds to run, comma-separated (default 0,1,4)")
     ap.add_argument("--no-sync", action="store_true", help="coordinator and agents without fsync")
+    ap.add_argument(
+        "--no-covered", dest="covered", action="store_false", help="skip the run whose trainer step outlasts generation"
+    )
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
     args = ap.parse_args(argv)
     if args.steps is None:
@@ -354,6 +374,11 @@ def main(argv=None) -> int:
     rows = []
     try:
         rows.append(run_config("floor", workdir, args, None, None))
+        if args.covered:
+            # The trainer slower than generation (its step 1.5x the floor's time per batch): the
+            # prefetch then covers the step, and the trainer should not wait at all.
+            batch_s = args.batch * GROUP / rows[0]["samples_per_s"]
+            rows.append(run_config("covered", workdir, args, None, None, step_s=1.5 * batch_s))
         for eta in [int(x) for x in args.staleness.split(",") if x]:
             rows.append(run_config(f"eta={eta}", workdir, args, eta, args.update))
     finally:
@@ -366,7 +391,7 @@ def main(argv=None) -> int:
     common = {
         "quick": args.quick,
         "token_ms": args.token_ms,
-        "step_s": args.step_s,
+        "trainer_step_s": args.step_s,
         "batch": args.batch,
         "slots_per_engine": args.slots,
         "in_flight_per_engine": args.slots * args.overcommit,
