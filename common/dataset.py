@@ -1,16 +1,27 @@
 """The prompt dataset the coordinator leases out: a JSONL file, one row a line.
 
 Design: the coordinator may serve a multi-million-row dataset for days, so
-its memory must not grow with row content. ``Dataset`` reads the file once
-at load, in a single streaming pass that
+its memory must not grow with row content, and a 10-million-row file must
+load in seconds. ``Dataset`` reads the file once at load, in a streaming
+pass over 1 MiB chunks that
 
 * validates every row (so a bad row fails at start-up, naming file and
   line, not hours into a run),
 * computes ``fingerprint`` (sha256 of the file bytes, used to detect that a
   resumed run points at a different file), and
-* records only each row's byte offset, in an ``array('q')`` (8 bytes/row).
+* records a checkpoint, the byte offset and line number of every
+  ``block_rows``-th row (``block_rows`` <= 64, chosen so a block is about
+  16 KiB), in two ``array('q')``: 16 bytes per block, ~2.5 MB for 10M short
+  rows.
 
-``row(i)`` seeks to the offset and parses that one line again.
+``row(i)`` seeks to its block's checkpoint and reads forward to the row,
+then parses that one line again.
+
+``index_path`` (the coordinator passes ``<data dir>/dataset.index``) caches
+the checkpoints: a later load of the same bytes with the same keys hashes
+the file (~0.6 s per GB) and skips validation, which is most of a load
+(~0.45 us per row). The cache is keyed by the fingerprint, never trusted for
+it, so a changed file is still refused by the ledger.
 
 Row format: a JSON object with
 
@@ -25,18 +36,23 @@ are the real 1-based file line numbers. Every problem raises
 ``DatasetError`` whose message reads ``<path>:<line>: <what is wrong>``.
 
 The file must not change while it is loaded; ``row`` raises ``DatasetError``
-if a line no longer parses.
+if its size or mtime changed since, or if a line no longer parses.
 
 Shuffling: ``epoch_permutation(n, data_epoch, seed)`` is the order in which
-the rows of data epoch ``data_epoch`` are served.
+the rows of data epoch ``data_epoch`` are served: ``range(n)``, or a
+``ShuffledOrder`` that computes ``order[pos]`` on demand (a keyed Feistel
+permutation, O(1) memory), never a list of n indices.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
+import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,6 +64,8 @@ try:
     import orjson
 except ImportError:  # pragma: no cover - orjson is a dependency
     orjson = None
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Dataset", "Row", "ShuffledOrder", "epoch_permutation"]
 
@@ -105,12 +123,25 @@ _CHUNK = 1 << 20
 _BLOCK_BYTES = 16 << 10
 """Rows per checkpoint are chosen so that a block is about this many bytes: what ``row`` re-reads."""
 _MAX_BLOCK_ROWS = 64
+_INDEX_FORMAT = "rollfleet-dataset-index-1"
+
+
+def _index_check(header: dict, body: bytes) -> str:
+    """A digest of an index file's header and checkpoints: a damaged or edited index reads as a miss."""
+    return hashlib.sha256(json.dumps(header, sort_keys=True).encode() + b"\0" + body).hexdigest()
 
 
 class Dataset:
     """A validated JSONL prompt file, indexed by a checkpoint every ``block_rows`` rows."""
 
-    def __init__(self, path: str | os.PathLike, *, input_key: str = "prompt", label_key: str = "label"):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        input_key: str = "prompt",
+        label_key: str = "label",
+        index_path: str | os.PathLike | None = None,
+    ):
         if not input_key or not isinstance(input_key, str):
             raise ConfigError(f"input_key must be a non-empty string, got {input_key!r}")
         if not isinstance(label_key, str) or label_key == input_key:
@@ -131,10 +162,15 @@ class Dataset:
             raise DatasetError("is a directory, expected a JSONL file", path=self.path) from None
         except OSError as e:
             raise DatasetError(f"cannot open: {e.strerror or e}", path=self.path) from None
+        self.index_path = os.fspath(index_path) if index_path is not None else None
         try:
-            self.fingerprint = self._scan()
+            # Taken first: a change during the scan then shows as a changed file on the first read.
             st = os.fstat(self._file.fileno())
             self._stat = (st.st_size, st.st_mtime_ns)
+            self.index_loaded = self._load_index()
+            if not self.index_loaded:
+                self.fingerprint = self._scan()
+                self._save_index()
         except BaseException:
             self.close()
             raise
@@ -143,6 +179,7 @@ class Dataset:
 
     def _scan(self) -> str:
         f = self._file
+        f.seek(0)  # a missed index may have read it
         hasher = hashlib.sha256()
         offsets, line_numbers = self._block_offsets, self._block_lines
         check = self._check_row
@@ -190,6 +227,74 @@ class Dataset:
             raise DatasetError(f"no rows: the file {what}", path=self.path)
         self._size = rows
         return hasher.hexdigest()
+
+    def _index_header(self) -> dict:
+        return {
+            "format": _INDEX_FORMAT,
+            "byteorder": sys.byteorder,
+            "input_key": self.input_key,
+            "label_key": self.label_key,
+        }
+
+    def _load_index(self) -> bool:
+        """Take the checkpoints from ``index_path`` if it was written for these exact bytes and keys.
+
+        The file is hashed again in any case (~0.6 s per GB): the fingerprint is what the ledger
+        compares, so it is never taken from the index. Anything unexpected reads as a miss.
+        """
+        if self.index_path is None:
+            return False
+        try:
+            with open(self.index_path, "rb") as f:
+                header = json.loads(f.readline())
+                body = f.read()
+        except (OSError, ValueError):
+            return False
+        if not isinstance(header, dict) or any(header.get(k) != v for k, v in self._index_header().items()):
+            return False
+        if header.pop("check", None) != _index_check(header, body):
+            return False
+        try:
+            rows, block_rows, blocks = int(header["rows"]), int(header["block_rows"]), int(header["blocks"])
+        except (KeyError, TypeError, ValueError):
+            return False
+        if rows <= 0 or block_rows <= 0 or blocks != -(-rows // block_rows) or len(body) != 16 * blocks:
+            return False
+        hasher = hashlib.sha256()
+        self._file.seek(0)
+        while data := self._file.read(_CHUNK << 3):
+            hasher.update(data)
+        if hasher.hexdigest() != header.get("fingerprint"):
+            return False
+        self._block_offsets.frombytes(body[: 8 * blocks])
+        self._block_lines.frombytes(body[8 * blocks :])
+        self.fingerprint, self._size, self.block_rows = header["fingerprint"], rows, block_rows
+        return True
+
+    def _save_index(self) -> None:
+        """Write the checkpoints for the next load (atomically; a failure only costs that load a scan)."""
+        if self.index_path is None:
+            return
+        header = {
+            **self._index_header(),
+            "fingerprint": self.fingerprint,
+            "rows": self._size,
+            "block_rows": self.block_rows,
+            "blocks": len(self._block_offsets),
+            "path": self.path,
+        }
+        body = self._block_offsets.tobytes() + self._block_lines.tobytes()
+        header["check"] = _index_check(header, body)
+        tmp = f"{self.index_path}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(self.index_path)), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(json.dumps(header).encode() + b"\n" + body)
+            os.replace(tmp, self.index_path)
+        except OSError as e:
+            log.warning("cannot write the dataset index %s (%s); the next start scans %s again", tmp, e, self.path)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
     def _check_row(self, obj: Any) -> None:
         """Raise ValueError describing what is wrong with a parsed row, if anything."""

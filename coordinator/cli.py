@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 
 from common.config import ArgumentParser, Liveness, RolloutConfig, log_level, message_bytes, number, seconds
@@ -100,7 +101,9 @@ def serve(args) -> int:
     # Fail here, with the spec named, rather than on every agent later.
     load_reward(config.reward)
     load_filter(config.dynamic_filter)
-    dataset = Dataset(args.dataset, input_key=args.input_key, label_key=args.label_key)
+    # The row index is cached beside the ledger: a restart on the same file skips validation.
+    index = os.path.join(args.data_dir, "dataset.index")
+    dataset = Dataset(args.dataset, input_key=args.input_key, label_key=args.label_key, index_path=index)
     server = CoordinatorServer(
         dataset=dataset,
         config=config,

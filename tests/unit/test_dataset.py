@@ -226,3 +226,46 @@ def test_shuffled_order_mixes_the_file():
     assert sum(gaps) / len(gaps) > n / 4  # uniform pairs average n / 3
     first_tenth = sum(1 for i in range(10_000) if order[i] < n // 10)
     assert 800 < first_tenth < 1200  # ~1,000 of the first 10,000 positions in each tenth of the file
+
+
+def test_index_cache_skips_validation_only_for_the_same_bytes_and_keys(tmp_path, monkeypatch):
+    import common.dataset as dataset_module
+
+    rows = [{"prompt": f"p{i}", "q": f"q{i}", "label": i} for i in range(300)]
+    path = write(tmp_path, jsonl(*rows))
+    index = tmp_path / "dir" / "dataset.index"
+    with Dataset(path, index_path=index) as first:
+        assert not first.index_loaded and index.exists()
+    parsed = []
+    real_loads = dataset_module._loads
+    monkeypatch.setattr(dataset_module, "_loads", lambda line: parsed.append(line) or real_loads(line))
+    with Dataset(path, index_path=index) as again:
+        assert again.index_loaded and not parsed  # no row parsed at load
+        assert (len(again), again.fingerprint, again.block_rows) == (300, first.fingerprint, first.block_rows)
+        assert [again.row(i).label for i in (0, 64, 299)] == [0, 64, 299]
+    # Other keys: validated again (and the index rewritten for them).
+    with Dataset(path, input_key="q", index_path=index) as other:
+        assert not other.index_loaded and other.row(5).prompt == "q5"
+    # Other bytes: the fingerprint is the new file's, so the ledger refuses it; a bad row is still named.
+    path.write_text(jsonl(*rows).replace('"p7"', '"x7"'))
+    with Dataset(path, input_key="q", index_path=index) as changed:
+        assert not changed.index_loaded and changed.fingerprint != first.fingerprint
+    path.write_text(jsonl(*rows[:10]) + '{"prompt": ""}\n')
+    with pytest.raises(DatasetError) as info:
+        Dataset(path, input_key="q", index_path=index)
+    assert (info.value.path, info.value.line) == (str(path), 11)
+
+
+def test_a_damaged_or_unwritable_index_costs_only_a_scan(tmp_path):
+    path = write(tmp_path, jsonl(*({"prompt": f"p{i}"} for i in range(100))))
+    index = tmp_path / "dataset.index"
+    Dataset(path, index_path=index).close()
+    data = index.read_bytes()
+    for damaged in (data[:-8], b"", b"not json\n", data.replace(b'"rows": 100', b'"rows": 101')):
+        index.write_bytes(damaged)
+        with Dataset(path, index_path=index) as ds:
+            assert not ds.index_loaded and len(ds) == 100 and ds.row(99).prompt == "p99"
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with Dataset(path, index_path=blocked / "dataset.index") as ds:  # its directory is a file
+        assert not ds.index_loaded and ds.row(3).prompt == "p3"
