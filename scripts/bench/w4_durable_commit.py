@@ -3,28 +3,33 @@
 
 Store side: ``agent.store.GroupStore`` (the class the agent runs), ``sync=True``, groups of
 ``--group-mb`` MiB (random bytes, so nothing can be deduplicated or compressed) committed through
-``GroupStore.commit`` with their receipts, ``--batch`` groups at a time: each wave is
-``--batch`` concurrent ``commit()`` calls, which the store's flush loop writes in one transaction
-(the bench checks this through ``GroupStore.statistics()``), and the next wave starts when all of
-its commits have returned (every commit returned = durable, so a receipt could leave).
+``GroupStore.commit`` with their receipts. ``--in-flight`` commits (default 4 x batch) are kept
+going at once, as an agent's leases do, and the store takes ``--batch`` of them per transaction
+(``max_batch``; the bench reports ``groups_per_transaction`` from ``GroupStore.statistics()``).
+A commit counts when ``commit()`` returned, i.e. once durable (a receipt could leave then).
+Each round uses a new data dir, so the store, like the floor, grows a new file.
 
-Floor side: the same payload bytes appended to a plain file with ``os.write`` and one
+Floor side: the same payload bytes appended to a new plain file with ``os.write`` and one
 ``os.fsync`` per ``--batch`` groups: the least a durable append of those bytes can cost here.
 
 So "batch" means the same on both sides: ``--batch`` groups per durable flush (one LMDB
-transaction, whose commit is an fdatasync of the data pages plus a synchronous meta-page write;
-one fsync of the file). The two sides run interleaved, ``--rounds`` times, each round on fresh
-files, and the medians are reported (the disk is shared and noisy).
+transaction, whose commit fdatasyncs the file, its meta page made durable by the next commit's
+fdatasync; one fsync of the file). The sides run interleaved, their order rotated, ``--rounds``
+times; medians are reported (the disk is shared and noisy), with each side's CPU per MB.
 
-Beside it (never instead): the same store with ``sync=False`` (``--no-sync``), and a streaming
-run where ``--in-flight`` commits are kept going at once, as the agent's leases do, so the store
-batches whatever is queued when the previous transaction ends.
+Beside it (never instead), each against the same floor:
+
+- ``alone``: waves of ``--batch`` concurrent commits, each wave waiting for the last, so no
+  transaction ever has another queued behind it (its meta page then costs a flush of its own);
+- ``steady``: one long-lived store, each round's groups trimmed after it as an agent does once
+  trainers fetched them, so commits rewrite freed pages instead of growing a new file;
+- ``no_sync``: the store with ``sync=False`` (what ``--no-sync`` buys, never the headline).
 
 Output: one JSON object per line on stdout (``commit_mb_per_s``, ``fsync_floor_mb_per_s``,
 ``ratio_to_fsync_floor`` ...), a summary on stderr.
 
-    python scripts/bench/w4_durable_commit.py --quick      # 128 MiB per side per round, 7 rounds
-    python scripts/bench/w4_durable_commit.py              # 256 MiB per side per round, 9 rounds
+    python scripts/bench/w4_durable_commit.py --quick      # 128 MiB per side per round, 15 rounds
+    python scripts/bench/w4_durable_commit.py              # 256 MiB per side per round, 21 rounds
 """
 
 from __future__ import annotations
@@ -144,16 +149,29 @@ def store_run(workdir: Path, data: list[bytes], *, sync: bool, batch: int, strea
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def steady_run(store: GroupStore, data: list[bytes], tag: str) -> float:
+    """Commit every payload into a long-lived store, then trim them, as an agent does once trainers
+    fetched them (so the next run rewrites freed pages); returns the seconds of the commits."""
+
+    async def go() -> float:
+        seconds = await store_stream(store, data, 4 * store.max_batch, tag)
+        await store.trim([f"{tag}:{i}:1" for i in range(len(data))])
+        await store.drain()
+        return seconds
+
+    return asyncio.run(go())
+
+
 # --------------------------------------------------------------------------- main
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="128 MiB per side per round, 7 rounds (well under a minute)")
+    ap.add_argument("--quick", action="store_true", help="128 MiB per side per round, 15 rounds (well under a minute)")
     ap.add_argument("--group-mb", type=float, default=1.0, help="group payload size in MiB (default 1)")
     ap.add_argument("--batch", type=int, default=8, help="groups per transaction / per fsync (default 8)")
     ap.add_argument("--mb", type=int, default=None, help="MiB written per side per round (default 256, quick 128)")
-    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 9, quick 7)")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 21, quick 15)")
     ap.add_argument(
         "--in-flight", type=int, default=None, help="commits in flight in the store run (default 4 x batch)"
     )
@@ -162,7 +180,7 @@ def main(argv=None) -> int:
     if args.mb is None:
         args.mb = 128 if args.quick else 256
     if args.rounds is None:
-        args.rounds = 7 if args.quick else 9
+        args.rounds = 15 if args.quick else 21
     if args.in_flight is None:
         args.in_flight = 4 * args.batch
     size = int(args.group_mb * MB)
@@ -175,11 +193,13 @@ def main(argv=None) -> int:
         f"{root}: {n} groups of {size / MB:.2f} MiB per side per round, {args.batch} groups per transaction/fsync, "
         f"{args.in_flight} commits in flight, {args.rounds} rounds"
     )
-    sides = ["floor", "store", "alone", "nosync"]
+    sides = ["floor", "store", "alone", "nosync", "steady"]
     secs: dict[str, list[float]] = {side: [] for side in sides}
     cpu = dict.fromkeys(sides, 0.0)
     stats: dict[str, dict] = {}
+    steady = GroupStore(root / "steady", agent_id="w4", sync=True, max_batch=args.batch)
     try:
+        steady_run(steady, data, "warm")
         for r in range(args.rounds):
             # Rotate the order, so no side always follows another's writeback.
             for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
@@ -188,6 +208,8 @@ def main(argv=None) -> int:
                 if side == "floor":
                     secs[side].append(floor_run(root / f"floor-{r}.bin", data, args.batch))
                     (root / f"floor-{r}.bin").unlink()
+                elif side == "steady":
+                    secs[side].append(steady_run(steady, data, f"r{r}"))
                 else:
                     seconds, stats[side] = store_run(
                         root / f"{side}-{r}",
@@ -200,6 +222,7 @@ def main(argv=None) -> int:
                 cpu[side] += time.process_time() - cpu0
             progress(f"round {r}: " + ", ".join(f"{side} {total_mb / secs[side][-1]:.0f} MB/s" for side in sides))
     finally:
+        steady.close()
         shutil.rmtree(root, ignore_errors=True)
 
     def rate(side: str) -> float:
@@ -223,11 +246,21 @@ def main(argv=None) -> int:
     emit("ratio_to_fsync_floor", ratio("store"), "ratio", per_round=per_round, target=0.8, **common)
     alone = {"cpu_ms_per_mb": cpu_ms["alone"], **stats["alone"], **common}
     emit("commit_mb_per_s_alone", rate("alone"), "MB/s", sync=True, ratio_to_fsync_floor=ratio("alone"), **alone)
+    emit(
+        "commit_mb_per_s_steady",
+        rate("steady"),
+        "MB/s",
+        sync=True,
+        ratio_to_fsync_floor=ratio("steady"),
+        cpu_ms_per_mb=cpu_ms["steady"],
+        **common,
+    )
     emit("commit_mb_per_s_no_sync", rate("nosync"), "MB/s", sync=False, in_flight=args.in_flight, **common)
     progress(
         f"store {rate('store')} MB/s ({stats['store']['groups_per_transaction']} groups/txn), floor {rate('floor')} "
         f"MB/s, ratio {ratio('store')} (target 0.8); one wave at a time {rate('alone')} MB/s, ratio {ratio('alone')}; "
-        f"no-sync {rate('nosync')} MB/s; CPU ms/MB store {cpu_ms['store']} floor {cpu_ms['floor']}; "
+        f"long-lived store {rate('steady')} MB/s, ratio {ratio('steady')}; no-sync {rate('nosync')} MB/s; "
+        f"CPU ms/MB store {cpu_ms['store']} floor {cpu_ms['floor']}; "
         f"{time.monotonic() - started:.1f}s"
     )
     return 0
