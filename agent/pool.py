@@ -7,6 +7,13 @@ capacity.
 - Capacity is the node's total engine concurrency in samples; the
   coordinator leases ``capacity // n_samples_per_prompt`` groups to the node,
   so the pool itself never has to queue groups.
+- Concurrency is samples sent, not the engine's slots: a group keeps its
+  share until its longest sample ends, so with concurrency equal to the
+  engine's ``max_running_requests`` a long tail leaves most slots idle
+  (lognormal lengths with sigma 1.0: utilisation at most 0.33). Sending about
+  4x the slots lets the engine's own queue refill each slot the moment it
+  frees (scripts/bench/w2_long_tail.py: 1.000), at the price of queueing in
+  a group's latency.
 - All samples of a group go to one engine, so its prompt prefix is cached
   once (radix cache), and the least-loaded healthy engine gets the group.
 - An engine that goes down stops receiving groups at once; groups that were
