@@ -52,8 +52,11 @@ import json
 import logging
 import math
 import os
+import pickle
+import subprocess
 import sys
 from array import array
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,7 +126,147 @@ _CHUNK = 1 << 20
 _BLOCK_BYTES = 16 << 10
 """Rows per checkpoint are chosen so that a block is about this many bytes: what ``row`` re-reads."""
 _MAX_BLOCK_ROWS = 64
-_INDEX_FORMAT = "rollfleet-dataset-index-1"
+_INDEX_FORMAT = "rollfleet-dataset-index-2"
+_PARALLEL_BYTES = 64 << 20
+"""Files this large are validated by worker processes, one span of the file each."""
+_MAX_WORKERS = 8
+
+
+def _scan_workers(size: int) -> int:
+    if size < _PARALLEL_BYTES:
+        return 1
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(_MAX_WORKERS, cpus))
+
+
+def _spans(f, size: int, workers: int) -> list[tuple[int, int | None]]:
+    """``workers`` byte ranges ``[lo, hi)`` of about equal size, each starting at a line start."""
+    if workers <= 1:
+        return [(0, None)]
+    bounds = [0]
+    for k in range(1, workers):
+        f.seek(size * k // workers)
+        f.readline()
+        pos = f.tell()
+        if bounds[-1] < pos < size:
+            bounds.append(pos)
+    bounds.append(size)
+    return list(zip(bounds, bounds[1:], strict=False))
+
+
+def _scan_span(f, lo: int, hi: int | None, input_key: str, block: int, hasher=None) -> tuple:
+    """Validate the lines in ``[lo, hi)`` (``hi`` None: to the end) and checkpoint every ``block``-th row.
+
+    Returns ``(rows, lines, offsets, line numbers, error)``: line numbers count from 1 at ``lo``;
+    ``error`` is ``(line, message)`` for the first bad row (the rest is then partial), else None.
+    """
+    f.seek(lo)
+    offsets, line_numbers = array("q"), array("q")
+    rows = lineno = 0
+    offset = lo  # of the next line
+    carry = b""
+    while True:
+        want = _CHUNK if hi is None else min(_CHUNK, hi - offset - len(carry))
+        data = f.read(want) if want > 0 else b""
+        if hasher is not None:
+            hasher.update(data)
+        buf = carry + data if carry else data
+        if data:
+            cut = buf.rfind(b"\n") + 1
+            if not cut:
+                carry = buf
+                continue
+            carry, buf = buf[cut:], buf[:cut]
+        elif not buf:
+            break
+        else:
+            carry = b""
+        lines = buf.split(b"\n")
+        if not lines[-1]:
+            lines.pop()
+        for line in lines:
+            lineno += 1
+            if line.strip():
+                try:
+                    _check_row(_loads(line), input_key)
+                except ValueError as e:
+                    return rows, lineno, offsets, line_numbers, (lineno, str(e))
+                if not rows % block:
+                    offsets.append(offset)
+                    line_numbers.append(lineno)
+                rows += 1
+            offset += len(line) + 1
+        if not data:
+            break
+    return rows, lineno, offsets, line_numbers, None
+
+
+def _scan_span_file(path: str, lo: int, hi: int | None, input_key: str, block: int) -> tuple:
+    """``_scan_span`` in a worker process."""
+    with open(path, "rb") as f:
+        return _scan_span(f, lo, hi, input_key, block)
+
+
+_WORKER = (
+    "import pickle, sys\n"
+    "from common.dataset import _scan_span_file\n"
+    "path, lo, hi, key, block = sys.argv[1:]\n"
+    "sys.stdout.buffer.write(pickle.dumps(_scan_span_file(path, int(lo), int(hi), key, int(block))))\n"
+)
+
+
+def _start_worker(path: str, lo: int, hi: int, input_key: str, block: int) -> subprocess.Popen:
+    """A plain interpreter running ``_scan_span_file`` on one span; its result comes back pickled on stdout.
+
+    Not multiprocessing: its spawn and forkserver modes re-import the caller's main module
+    (a script building a Dataset at top level would recurse), and fork is unsafe in a process
+    with threads.
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+    argv = [sys.executable, "-c", _WORKER, path, str(lo), str(hi), input_key, str(block)]
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env)
+
+
+def _worker_result(worker: subprocess.Popen, path: str) -> tuple:
+    out = worker.stdout.read()
+    if worker.wait() != 0:
+        raise DatasetError(f"the validation worker {worker.pid} failed (exit {worker.returncode})", path=path)
+    return pickle.loads(out)
+
+
+def _check_row(obj: Any, key: str) -> None:
+    """Raise ValueError describing what is wrong with a parsed row, if anything."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"row is a JSON {_json_type(obj)}, expected an object")
+    if key not in obj:
+        keys = list(obj)
+        shown = ", ".join(str(k) for k in keys[:10]) + (", ..." if len(keys) > 10 else "")
+        raise ValueError(f"missing key {key!r} (keys: {shown or 'none'})")
+    prompt = obj[key]
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError(f"{key!r} is an empty string")
+        return
+    if not isinstance(prompt, list):
+        raise ValueError(f"{key!r} must be a non-empty string or a list of messages, got a JSON {_json_type(prompt)}")
+    if not prompt:
+        raise ValueError(f"{key!r} is an empty list of messages")
+    for i, message in enumerate(prompt):
+        where = f"{key!r} message {i}"
+        if not isinstance(message, dict):
+            raise ValueError(f"{where} is a JSON {_json_type(message)}, expected an object")
+        if not isinstance(message.get("role"), str) or not message["role"]:
+            raise ValueError(f"{where} needs a non-empty string 'role'")
+        if "content" not in message:
+            raise ValueError(f"{where} is missing 'content'")
+        if not isinstance(message["content"], (str, list)):
+            raise ValueError(
+                f"{where} 'content' must be a string or a list, got a JSON {_json_type(message['content'])}"
+            )
 
 
 def _index_check(header: dict, body: bytes) -> str:
@@ -153,6 +296,8 @@ class Dataset:
         self.block_rows = 1
         self._block_offsets = array("q")  # byte offset of row k * block_rows
         self._block_lines = array("q")  # its 1-based line number
+        self._span_rows = array("q")  # first row of each span of the load scan (one span unless parallel)
+        self._span_blocks = array("q")  # its first checkpoint
         self._file = None
         try:
             self._file = open(self.path, "rb")
@@ -178,55 +323,54 @@ class Dataset:
     # ------------------------------------------------------------------ load
 
     def _scan(self) -> str:
+        """Validate every row and record the checkpoints; returns the fingerprint.
+
+        A file of ``_PARALLEL_BYTES`` or more is cut at line starts into one span per CPU (up to
+        ``_MAX_WORKERS``), validated by worker processes while this one hashes the whole file;
+        each span's checkpoints start at its first row (``_span_rows``, ``_span_blocks``).
+        """
         f = self._file
         f.seek(0)  # a missed index may have read it
-        hasher = hashlib.sha256()
-        offsets, line_numbers = self._block_offsets, self._block_lines
-        check = self._check_row
-        rows = 0
-        lineno = 0
-        offset = 0  # of the next line
-        block = 0  # rows per checkpoint, chosen from the first chunk's mean line length
-        carry = b""
-        while True:
-            data = f.read(_CHUNK)
-            hasher.update(data)
-            buf = carry + data if carry else data
-            if data:
-                cut = buf.rfind(b"\n") + 1
-                if not cut:
-                    carry = buf
-                    continue
-                carry, buf = buf[cut:], buf[:cut]
-            elif not buf:
-                break
-            else:
-                carry = b""
-            lines = buf.split(b"\n")
-            if not lines[-1]:
-                lines.pop()
-            if not block:
-                mean = max(1, len(buf) // max(1, len(lines)))
-                block = self.block_rows = max(1, min(_MAX_BLOCK_ROWS, _BLOCK_BYTES // mean))
-            for line in lines:
-                lineno += 1
-                if line.strip():
-                    try:
-                        check(_loads(line))
-                    except ValueError as e:
-                        raise DatasetError(str(e), path=self.path, line=lineno) from None
-                    if not rows % block:
-                        offsets.append(offset)
-                        line_numbers.append(lineno)
-                    rows += 1
-                offset += len(line) + 1
-            if not data:
-                break
+        head = f.read(_CHUNK)
+        lines = head.count(b"\n") or 1
+        mean = max(1, (head.rfind(b"\n") + 1 or len(head)) // lines)
+        block = self.block_rows = max(1, min(_MAX_BLOCK_ROWS, _BLOCK_BYTES // mean))
+        spans = _spans(f, self._stat[0], _scan_workers(self._stat[0]))
+        if len(spans) == 1:
+            hasher = hashlib.sha256()
+            results = [_scan_span(f, 0, None, self.input_key, block, hasher)]
+            fingerprint = hasher.hexdigest()
+        else:
+            workers = [_start_worker(self.path, lo, hi, self.input_key, block) for lo, hi in spans]
+            try:
+                hasher = hashlib.sha256()
+                f.seek(0)
+                while data := f.read(_CHUNK << 3):
+                    hasher.update(data)
+                fingerprint = hasher.hexdigest()
+                results = [_worker_result(w, self.path) for w in workers]
+            finally:
+                for w in workers:
+                    if w.poll() is None:
+                        w.kill()
+                    w.wait()
+                    w.stdout.close()
+        rows = lines = 0
+        for span_rows, span_lines, offsets, line_numbers, error in results:
+            if error is not None:
+                line, message = error
+                raise DatasetError(message, path=self.path, line=lines + line)
+            self._span_rows.append(rows)
+            self._span_blocks.append(len(self._block_offsets))
+            self._block_offsets.extend(offsets)
+            self._block_lines.extend(line_numbers if not lines else array("q", (x + lines for x in line_numbers)))
+            rows += span_rows
+            lines += span_lines
         if not rows:
-            what = "is empty" if lineno == 0 else "has only blank lines"
+            what = "is empty" if lines == 0 else "has only blank lines"
             raise DatasetError(f"no rows: the file {what}", path=self.path)
         self._size = rows
-        return hasher.hexdigest()
+        return fingerprint
 
     def _index_header(self) -> dict:
         return {
@@ -255,10 +399,11 @@ class Dataset:
         if header.pop("check", None) != _index_check(header, body):
             return False
         try:
-            rows, block_rows, blocks = int(header["rows"]), int(header["block_rows"]), int(header["blocks"])
+            rows, block_rows = int(header["rows"]), int(header["block_rows"])
+            blocks, spans = int(header["blocks"]), int(header["spans"])
         except (KeyError, TypeError, ValueError):
             return False
-        if rows <= 0 or block_rows <= 0 or blocks != -(-rows // block_rows) or len(body) != 16 * blocks:
+        if rows <= 0 or block_rows <= 0 or spans <= 0 or len(body) != 16 * (blocks + spans):
             return False
         hasher = hashlib.sha256()
         self._file.seek(0)
@@ -266,8 +411,10 @@ class Dataset:
             hasher.update(data)
         if hasher.hexdigest() != header.get("fingerprint"):
             return False
-        self._block_offsets.frombytes(body[: 8 * blocks])
-        self._block_lines.frombytes(body[8 * blocks :])
+        parts = (self._block_offsets, self._block_lines, self._span_rows, self._span_blocks)
+        for part, size in zip(parts, (blocks, blocks, spans, spans), strict=True):
+            part.frombytes(body[: 8 * size])
+            body = body[8 * size :]
         self.fingerprint, self._size, self.block_rows = header["fingerprint"], rows, block_rows
         return True
 
@@ -281,9 +428,12 @@ class Dataset:
             "rows": self._size,
             "block_rows": self.block_rows,
             "blocks": len(self._block_offsets),
+            "spans": len(self._span_rows),
             "path": self.path,
         }
-        body = self._block_offsets.tobytes() + self._block_lines.tobytes()
+        body = b"".join(
+            a.tobytes() for a in (self._block_offsets, self._block_lines, self._span_rows, self._span_blocks)
+        )
         header["check"] = _index_check(header, body)
         tmp = f"{self.index_path}.{os.getpid()}.tmp"
         try:
@@ -297,37 +447,7 @@ class Dataset:
                 os.unlink(tmp)
 
     def _check_row(self, obj: Any) -> None:
-        """Raise ValueError describing what is wrong with a parsed row, if anything."""
-        if not isinstance(obj, dict):
-            raise ValueError(f"row is a JSON {_json_type(obj)}, expected an object")
-        key = self.input_key
-        if key not in obj:
-            keys = list(obj)
-            shown = ", ".join(str(k) for k in keys[:10]) + (", ..." if len(keys) > 10 else "")
-            raise ValueError(f"missing key {key!r} (keys: {shown or 'none'})")
-        prompt = obj[key]
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise ValueError(f"{key!r} is an empty string")
-            return
-        if not isinstance(prompt, list):
-            raise ValueError(
-                f"{key!r} must be a non-empty string or a list of messages, got a JSON {_json_type(prompt)}"
-            )
-        if not prompt:
-            raise ValueError(f"{key!r} is an empty list of messages")
-        for i, message in enumerate(prompt):
-            where = f"{key!r} message {i}"
-            if not isinstance(message, dict):
-                raise ValueError(f"{where} is a JSON {_json_type(message)}, expected an object")
-            if not isinstance(message.get("role"), str) or not message["role"]:
-                raise ValueError(f"{where} needs a non-empty string 'role'")
-            if "content" not in message:
-                raise ValueError(f"{where} is missing 'content'")
-            if not isinstance(message["content"], (str, list)):
-                raise ValueError(
-                    f"{where} 'content' must be a string or a list, got a JSON {_json_type(message['content'])}"
-                )
+        _check_row(obj, self.input_key)
 
     # ------------------------------------------------------------------ access
 
@@ -347,7 +467,9 @@ class Dataset:
             raise DatasetError(
                 f"row {i} cannot be read: the file changed after it was loaded (size or mtime differ)", path=self.path
             )
-        block, skip = divmod(i, self.block_rows)
+        span = bisect_right(self._span_rows, i) - 1
+        block, skip = divmod(i - self._span_rows[span], self.block_rows)
+        block += self._span_blocks[span]
         lineno = self._block_lines[block]
         f.seek(self._block_offsets[block])
         while True:

@@ -58,12 +58,19 @@ def emit(metric: str, value, unit: str, **extra) -> None:
 
 def rss_mb(pid: int) -> tuple[float, float]:
     """(VmRSS, VmHWM) of ``pid`` in MiB."""
+    out = status_mb(pid)
+    return out.get("VmRSS", 0.0), out.get("VmHWM", 0.0)
+
+
+def status_mb(pid: int) -> dict[str, float]:
+    """The memory lines of /proc/PID/status in MiB: RssAnon is the heap; RssFile counts mapped file
+    pages such as the ledger's LMDB map, which the kernel can drop."""
     out = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
+            if line.startswith(("VmRSS:", "VmHWM:", "RssAnon:", "RssFile:")):
                 out[line.split(":")[0]] = int(line.split()[1]) / 1024
-    return out.get("VmRSS", 0.0), out.get("VmHWM", 0.0)
+    return out
 
 
 # --------------------------------------------------------------------------- dataset
@@ -124,6 +131,14 @@ def run_trainer(spec: str) -> None:
                     raise RuntimeError(f"batch {rollout_id} has {len(batch.groups)} groups")
                 if rollout_id == 0:
                     print(json.dumps({"first_batch_at": time.time()}), flush=True)
+                if cfg["checkpoint_every"] and (rollout_id + 1) % cfg["checkpoint_every"] == 0:
+                    # As a trainer saving a checkpoint: the coordinator drops the batches behind the
+                    # previous one (it keeps the batches since, to deliver them again on a resume).
+                    await client.pause(drain=True)
+                    await client.state_dict()
+                    await client.resume()
+                if rollout_id + 1 == cfg["batches"] // 2:
+                    print(json.dumps({"half_at": time.time()}), flush=True)
             print(json.dumps({"done_at": time.time(), "batches": cfg["batches"]}), flush=True)
 
     asyncio.run(main())
@@ -162,6 +177,7 @@ def measure(rows: int, args, workdir: Path) -> dict:
     try:
         coord, address, out["startup_s"] = start_coordinator(procs, f"coordinator-{rows}", dataset, data_dir, args)
         out["rss_start_mb"], out["rss_start_peak_mb"] = rss_mb(coord.pid)
+        out["rss_anon_start_mb"] = status_mb(coord.pid)["RssAnon"]
         progress(f"{rows} rows: answered after {out['startup_s']:.2f}s, RSS {out['rss_start_mb']:.0f} MiB")
         far = time.time() + 3600
         spec = {
@@ -174,7 +190,12 @@ def measure(rows: int, args, workdir: Path) -> dict:
             "stop_at": far,
         }
         load = procs.start(f"load-{rows}", [sys.executable, __file__, "--load-worker", json.dumps(spec)], cwd=str(ROOT))
-        trainer_spec = {"coordinator": address, "batches": args.batches, "batch_groups": args.batch_groups}
+        trainer_spec = {
+            "coordinator": address,
+            "batches": args.batches,
+            "batch_groups": args.batch_groups,
+            "checkpoint_every": args.checkpoint_every,
+        }
         trainer = procs.start(
             f"trainer-{rows}", [sys.executable, __file__, "--trainer-worker", json.dumps(trainer_spec)], cwd=str(ROOT)
         )
@@ -192,21 +213,55 @@ def measure(rows: int, args, workdir: Path) -> dict:
 
         first = wait_until(lambda: trainer_line("first_batch_at"), READY_TIMEOUT, "first batch", check=alive)
         out["first_batch_s"] = first["first_batch_at"] - t_agents
-        done = wait_until(lambda: trainer_line("done_at"), 3600, f"{args.batches} batches", check=alive)
+        wait_until(lambda: trainer_line("half_at"), 3600, f"{args.batches // 2} batches", interval=0.01, check=alive)
+        rss_half, _ = rss_mb(coord.pid)
+        anon_half = status_mb(coord.pid)["RssAnon"]
+        done = wait_until(lambda: trainer_line("done_at"), 3600, f"{args.batches} batches", interval=0.01, check=alive)
         out["batches_per_s"] = (args.batches - 1) / max(1e-9, done["done_at"] - first["first_batch_at"])
         out["rss_after_batches_mb"], out["rss_peak_mb"] = rss_mb(coord.pid)
+        mem = status_mb(coord.pid)
+        out["rss_anon_after_batches_mb"], out["rss_file_after_batches_mb"] = mem["RssAnon"], mem["RssFile"]
+        # Growth over the second half only: the first batches also warm allocator pools and buffers.
+        out["rss_growth_kb_per_1000_batches"] = (
+            (out["rss_after_batches_mb"] - rss_half) * 1024 / (args.batches - args.batches // 2) * 1000
+        )
+        out["rss_anon_growth_kb_per_1000_batches"] = (
+            (out["rss_anon_after_batches_mb"] - anon_half) * 1024 / (args.batches - args.batches // 2) * 1000
+        )
         progress(
             f"{rows} rows: {args.batches} batches at {out['batches_per_s']:.0f}/s, "
-            f"RSS {out['rss_after_batches_mb']:.0f} MiB (peak {out['rss_peak_mb']:.0f})"
+            f"RSS {out['rss_after_batches_mb']:.0f} MiB (peak {out['rss_peak_mb']:.0f}), "
+            f"+{out['rss_growth_kb_per_1000_batches']:.0f} KiB per 1,000 batches over the second half "
+            f"(heap +{out['rss_anon_growth_kb_per_1000_batches']:.0f}; "
+            f"file-backed {out['rss_file_after_batches_mb']:.0f} MiB)"
         )
         procs.stop()
         coord, address, out["restart_s"] = start_coordinator(procs, f"restart-{rows}", dataset, data_dir, args)
         out["rss_restart_mb"], _ = rss_mb(coord.pid)
+        out["rss_anon_restart_mb"] = status_mb(coord.pid)["RssAnon"]
         progress(f"{rows} rows: restarted in {out['restart_s']:.2f}s, RSS {out['rss_restart_mb']:.0f} MiB")
     finally:
         procs.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
     return out
+
+
+# --------------------------------------------------------------------------- load scan alone
+
+
+def scan_scaling(rows: int, workers: list[int]) -> None:
+    """``Dataset`` load time of ``rows`` rows validated by 1, 2, 4, ... worker processes (no index)."""
+    import common.dataset as dataset_module
+
+    path = dataset_path(rows)
+    for w in workers:
+        dataset_module._scan_workers = lambda size, w=w: w
+        t0 = time.monotonic()
+        with dataset_module.Dataset(path) as ds:
+            seconds = time.monotonic() - t0
+            spans = len(ds._span_rows)
+        emit("load_s", round(seconds, 3), "s", rows=rows, workers=w, spans=spans, cpus=len(os.sched_getaffinity(0)))
+        progress(f"{rows} rows, {w} worker(s): loaded in {seconds:.2f}s")
 
 
 # --------------------------------------------------------------------------- main
@@ -221,7 +276,19 @@ def main() -> int:
     ap.add_argument("--group", type=int, default=1, help="samples per group")
     ap.add_argument("--agents", type=int, default=4, help="simulated agents (one load-generator process)")
     ap.add_argument("--capacity-groups", type=int, default=8, help="groups in flight per agent")
+    ap.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=100,
+        help="batches between the trainer's checkpoints (pause, state_dict, resume); 0: never, and the "
+        "coordinator keeps every batch so that a resume can deliver it again",
+    )
     ap.add_argument("--quick", action="store_true", help="1M and 100k rows, 100 batches")
+    ap.add_argument(
+        "--scan-workers",
+        default="",
+        help="only time the dataset load of --rows rows with these worker counts, e.g. 1,2,4,8 (no coordinator)",
+    )
     ap.add_argument("--load-worker", help=argparse.SUPPRESS)
     ap.add_argument("--trainer-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -233,8 +300,12 @@ def main() -> int:
         return 0
     if args.quick:
         args.rows, args.small_rows, args.batches = 1_000_000, 100_000, 100
+    if args.scan_workers:
+        scan_scaling(args.rows, [int(w) for w in args.scan_workers.split(",")])
+        return 0
     sizes = [r for r in (args.small_rows, args.rows) if r > 0]
     mode = {"batches": args.batches, "batch_groups": args.batch_groups, "group": args.group, "quick": args.quick}
+    mode["checkpoint_every"] = args.checkpoint_every
     with tempfile.TemporaryDirectory(prefix="rollfleet-data-scale-") as tmp:
         for rows in sizes:
             row = measure(rows, args, Path(tmp))
@@ -243,6 +314,7 @@ def main() -> int:
                 ("rss_start_mb", "MiB"),
                 ("first_batch_s", "s"),
                 ("rss_after_batches_mb", "MiB"),
+                ("rss_growth_kb_per_1000_batches", "KiB"),
                 ("restart_s", "s"),
                 ("rss_restart_mb", "MiB"),
             ):

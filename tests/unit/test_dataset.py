@@ -269,3 +269,34 @@ def test_a_damaged_or_unwritable_index_costs_only_a_scan(tmp_path):
     blocked.write_text("")
     with Dataset(path, index_path=blocked / "dataset.index") as ds:  # its directory is a file
         assert not ds.index_loaded and ds.row(3).prompt == "p3"
+
+
+def test_a_large_file_is_validated_in_spans_by_worker_processes(tmp_path, monkeypatch):
+    import common.dataset as dataset_module
+
+    lines = []
+    for i in range(3000):
+        lines.append(json.dumps({"prompt": f"p{i}", "label": i}))
+        if i % 13 == 0:
+            lines.append("")
+    text = "\n".join(lines) + "\n"
+    path = write(tmp_path, text)
+    serial = Dataset(path)
+    monkeypatch.setattr(dataset_module, "_PARALLEL_BYTES", 0)
+    monkeypatch.setattr(dataset_module, "_scan_workers", lambda size: 3)
+    index = tmp_path / "dataset.index"
+    for expect_index in (False, True):
+        with Dataset(path, index_path=index) as ds:
+            assert ds.index_loaded is expect_index
+            assert len(ds._span_rows) == 3  # the spans were scanned apart
+            assert (len(ds), ds.fingerprint) == (len(serial), serial.fingerprint)
+            assert [ds.row(i).label for i in range(3000)] == list(range(3000))
+    # A bad row in the last span is named by its line in the file.
+    bad = len(lines) - 5
+    lines[bad] = '{"prompt": 3}'
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DatasetError) as info:
+        Dataset(path, index_path=index)
+    assert (info.value.path, info.value.line) == (str(path), bad + 1)
+    assert "'prompt' must be a non-empty string" in str(info.value)
+    serial.close()
