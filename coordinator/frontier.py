@@ -12,8 +12,10 @@ index)`` is at any moment exactly one of
 Memory per epoch is one byte per prompt plus a cursor and a requeue, so it
 does not grow with row content or run length; the epoch's order is a
 ``Sequence`` computed per position (``common.dataset.epoch_permutation``),
-not a list of indices. Epochs close in order: the
-oldest open epoch closes once every prompt is DELIVERED or FILTERED, a newer
+not a list of indices. Per-state tallies are kept as prompts move, so
+``counts()`` (the statistics) costs O(epochs), not a pass over the bytes.
+
+Epochs close in order: the oldest open epoch closes once every prompt is DELIVERED or FILTERED, a newer
 epoch is open and the caller agrees (the coordinator waits until every batch
 holding its prompts was fetched). A closed epoch is never opened again: its
 prompts all count as done, and only ``take`` opens a new (latest + 1) epoch.
@@ -35,11 +37,11 @@ class EpochFrontier:
         self.data_epoch = data_epoch
         self.order = order
         self.state = bytearray(len(order))
+        self.tally = [len(order), 0, 0, 0, 0]  # prompts per state, kept as they move (stats read it)
         self.cursor = 0
         self.requeue: deque[int] = deque()
         self.orphans: deque[int] = deque()
         self.orphans_not_before = 0.0
-        self.finished = 0  # DELIVERED + FILTERED
 
     def take(self, now: float) -> int | None:
         # Due orphans first: they have waited longest.
@@ -63,6 +65,18 @@ class EpochFrontier:
     def exhausted(self) -> bool:
         """No fresh prompts left beyond the cursor (requeued ones may remain)."""
         return self.cursor >= len(self.order)
+
+    def move(self, index: int, state: int) -> None:
+        """Every state change goes through here, so ``tally`` stays exact."""
+        tally = self.tally
+        tally[self.state[index]] -= 1
+        tally[state] += 1
+        self.state[index] = state
+
+    @property
+    def finished(self) -> int:
+        """DELIVERED + FILTERED."""
+        return self.tally[DELIVERED] + self.tally[FILTERED]
 
     @property
     def complete(self) -> bool:
@@ -109,14 +123,14 @@ class Frontier:
         for data_epoch in sorted(self.epochs):
             index = self.epochs[data_epoch].take(now)
             if index is not None:
-                self.epochs[data_epoch].state[index] = LEASED
+                self.epochs[data_epoch].move(index, LEASED)
                 return data_epoch, index
         latest = self.epochs[self.latest]
         if latest.exhausted:
             nxt = self._open(latest.data_epoch + 1)
             index = nxt.take(now)
             if index is not None:
-                nxt.state[index] = LEASED
+                nxt.move(index, LEASED)
                 return nxt.data_epoch, index
         return None
 
@@ -131,21 +145,15 @@ class Frontier:
 
     def set(self, data_epoch: int, index: int, state: int) -> None:
         ep = self.epochs[data_epoch]
-        old = ep.state[index]
-        if old == state:
-            return
-        if old in (DELIVERED, FILTERED):
-            ep.finished -= 1
-        if state in (DELIVERED, FILTERED):
-            ep.finished += 1
-        ep.state[index] = state
+        if ep.state[index] != state:
+            ep.move(index, state)
 
     def release(self, data_epoch: int, index: int) -> None:
         """A lease ended without a result: the prompt is pending again, first in line."""
         ep = self.epochs.get(data_epoch)
         if ep is None or ep.state[index] != LEASED:
             return
-        ep.state[index] = PENDING
+        ep.move(index, PENDING)
         ep.requeue.append(index)
 
     def reopen(self, data_epoch: int, index: int) -> None:
@@ -207,10 +215,11 @@ class Frontier:
         return {e: ep.cursor for e, ep in self.epochs.items()}
 
     def counts(self) -> dict[str, int]:
+        """Prompts per state over the open epochs: O(epochs), read from the tallies, not the state bytes."""
         out = dict.fromkeys(STATE_NAMES, 0)
         for ep in self.epochs.values():
             for i, name in enumerate(STATE_NAMES):
-                out[name] += ep.state.count(i)
+                out[name] += ep.tally[i]
         return out
 
 
@@ -226,7 +235,7 @@ def _pending_below(ep: EpochFrontier, cursor: int) -> list[int]:
     File order (``range``) needs no order lookups: a scan of the state bytes for PENDING.
     """
     state = ep.state
-    missing = cursor - (len(state) - state.count(PENDING))
+    missing = cursor - (len(state) - ep.tally[PENDING])
     if missing <= 0:
         return []
     order = ep.order
