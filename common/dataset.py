@@ -231,11 +231,18 @@ def _start_worker(path: str, lo: int, hi: int, input_key: str, block: int) -> su
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env)
 
 
-def _worker_result(worker: subprocess.Popen, path: str) -> tuple:
+class _WorkerFailed(Exception):
+    """A validation worker exited without a result; the loading process then validates the file itself."""
+
+
+def _worker_result(worker: subprocess.Popen) -> tuple:
     out = worker.stdout.read()
     if worker.wait() != 0:
-        raise DatasetError(f"the validation worker {worker.pid} failed (exit {worker.returncode})", path=path)
-    return pickle.loads(out)
+        raise _WorkerFailed(f"worker {worker.pid} exited with {worker.returncode}")
+    try:
+        return pickle.loads(out)
+    except Exception as e:
+        raise _WorkerFailed(f"worker {worker.pid} sent no result ({e})") from None
 
 
 def _check_row(obj: Any, key: str) -> None:
@@ -336,25 +343,16 @@ class Dataset:
         mean = max(1, (head.rfind(b"\n") + 1 or len(head)) // lines)
         block = self.block_rows = max(1, min(_MAX_BLOCK_ROWS, _BLOCK_BYTES // mean))
         spans = _spans(f, self._stat[0], _scan_workers(self._stat[0]))
-        if len(spans) == 1:
+        results = None
+        if len(spans) > 1:
+            try:
+                results, fingerprint = self._scan_in_workers(spans, block)
+            except (OSError, _WorkerFailed) as e:
+                log.warning("validating %s in worker processes failed (%s); validating it here", self.path, e)
+        if results is None:
             hasher = hashlib.sha256()
             results = [_scan_span(f, 0, None, self.input_key, block, hasher)]
             fingerprint = hasher.hexdigest()
-        else:
-            workers = [_start_worker(self.path, lo, hi, self.input_key, block) for lo, hi in spans]
-            try:
-                hasher = hashlib.sha256()
-                f.seek(0)
-                while data := f.read(_CHUNK << 3):
-                    hasher.update(data)
-                fingerprint = hasher.hexdigest()
-                results = [_worker_result(w, self.path) for w in workers]
-            finally:
-                for w in workers:
-                    if w.poll() is None:
-                        w.kill()
-                    w.wait()
-                    w.stdout.close()
         rows = lines = 0
         for span_rows, span_lines, offsets, line_numbers, error in results:
             if error is not None:
@@ -371,6 +369,23 @@ class Dataset:
             raise DatasetError(f"no rows: the file {what}", path=self.path)
         self._size = rows
         return fingerprint
+
+    def _scan_in_workers(self, spans: list, block: int) -> tuple[list, str]:
+        f = self._file
+        workers = []
+        try:
+            workers.extend(_start_worker(self.path, lo, hi, self.input_key, block) for lo, hi in spans)
+            hasher = hashlib.sha256()
+            f.seek(0)
+            while data := f.read(_CHUNK << 3):
+                hasher.update(data)
+            return [_worker_result(w) for w in workers], hasher.hexdigest()
+        finally:
+            for w in workers:
+                if w.poll() is None:
+                    w.kill()
+                w.wait()
+                w.stdout.close()
 
     def _index_header(self) -> dict:
         return {

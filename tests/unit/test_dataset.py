@@ -300,3 +300,14 @@ def test_a_large_file_is_validated_in_spans_by_worker_processes(tmp_path, monkey
     assert (info.value.path, info.value.line) == (str(path), bad + 1)
     assert "'prompt' must be a non-empty string" in str(info.value)
     serial.close()
+
+
+def test_a_failed_validation_worker_falls_back_to_validating_in_process(tmp_path, monkeypatch):
+    import common.dataset as dataset_module
+
+    path = write(tmp_path, jsonl(*({"prompt": f"p{i}"} for i in range(500))))
+    monkeypatch.setattr(dataset_module, "_PARALLEL_BYTES", 0)
+    monkeypatch.setattr(dataset_module, "_scan_workers", lambda size: 2)
+    monkeypatch.setattr(dataset_module, "_WORKER", "import sys; sys.exit(3)")
+    with Dataset(path) as ds:
+        assert len(ds._span_rows) == 1 and len(ds) == 500 and ds.row(499).prompt == "p499"
