@@ -326,8 +326,9 @@ class Batches:
         size = self.core.config.rollout_batch_size
         while self.pending and not self.repairs and len(self.ready_info) >= size:
             leased = (lease.start for lease in self.core.admission.leases.values())
-            if self.core.staleness.holds_batch(self.pending[0].rollout_id, leased):
-                break  # a lease that must join this batch is still in flight
+            ready = (st.start for st in self.ready_info.values())
+            if self.core.staleness.holds_batch(self.pending[0].rollout_id, leased, ready):
+                break  # leases in flight need this batch's places (staleness rule 2)
             out.append(self.assemble(self.pending.pop(0)))
         if (self.pending or self.repairs) and len(self.ready_info) < size:
             hopeless = self._hopeless()

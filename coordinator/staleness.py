@@ -9,12 +9,33 @@ Two rules make that hold without discarding any group:
    where ``delivered = t_next * B`` counts the groups of the batches before the next one
    (``t_next``, the rollout id the next batch gets) and ``B`` is ``rollout_batch_size``.
 2. Assembly, oldest first: batch ``t`` takes ready groups by ``(start, acceptance order)`` and is
-   not assembled while a lease with ``start <= t - ETA`` is in flight (that group must join
-   batch ``t``, the last one it may join).
+   not assembled while, for the start ``s`` of some lease in flight, fewer than ``B`` ready groups
+   have ``start <= s`` and more than ``(s + ETA - t) * B`` leases with ``start <= s`` are in
+   flight. Taking a younger group then would leave those leases more groups than batches
+   ``t+1..s+ETA``, the last they may join, can hold. For ``s = t - ETA`` that is any such lease:
+   it must join batch ``t``.
 
-Rule 1 bounds the groups with ``start <= t - ETA`` to ``(t + 1) * B``: they fit in batches
-``0..t``, and rule 2 puts them there. With ``ETA`` None (the default) neither rule applies and
-batches take ready groups in acceptance order, as without weight updates.
+Why it holds. Write ``U(s)`` for the groups leased or ready with ``start <= s``, ``L(s)`` and
+``R(s)`` for its leased and ready parts. Before batch ``t`` is assembled, ``U(s) <= (s + ETA + 1 -
+t) * B`` for every ``s``:
+
+- Rule 1 keeps it: a grant at ``updates = u`` has ``start = u`` and leaves ``leased + ready <= (u +
+  ETA + 1 - t) * B``, which bounds ``U(s)`` for every ``s >= u``; ``U(s)`` for ``s < u`` is
+  untouched. A release or a filter verdict only lowers ``U``.
+- Rule 2 carries it to batch ``t + 1``: for every ``s``, batch ``t`` either takes ``B`` groups with
+  ``start <= s`` (``R(s) >= B``, oldest first) or all of them, leaving ``U(s) = L(s) <= (s + ETA -
+  t) * B``.
+
+With ``s = t - ETA - 1`` the bound is 0: no group older than ``t - ETA`` is left for batch ``t``.
+Rule 2 only ever waits on leases in flight: once they land, ``R(s) = U(s)`` and the bound above
+ends the hold; a lease granted meanwhile has ``start = updates``, the newest, and rule 1 keeps it
+from starting a hold. Without the second condition (the first version of rule 2 waited only for
+``start <= t - ETA``) an early batch could take younger groups while old ones were in flight and
+leave more old groups than the last batch they may join holds: W2's eta=4 run had a group of
+``start`` 0 in batch 5.
+
+With ``ETA`` None (the default) neither rule applies and batches take ready groups in acceptance
+order, as without weight updates.
 
 The time rule 1 held admission back (demand it refused) is summed per batch as
 ``rollout/admission_stall_s``, beside ``rollout/staleness_mean`` and ``rollout/staleness_max``
@@ -52,12 +73,30 @@ class Staleness:
             self._stall_s += max(0.0, now - self._stalled_since)
             self._stalled_since = None
 
-    def holds_batch(self, t: int, leased_starts: Iterable[int]) -> bool:
-        """Rule 2: batch ``t`` waits while a lease that must join it is still in flight."""
+    def holds_batch(self, t: int, leased_starts: Iterable[int], ready_starts: Iterable[int]) -> bool:
+        """Rule 2: batch ``t`` waits while taking a younger group would strand a lease in flight.
+
+        That is: for the start ``s`` of some lease, fewer than ``B`` ready groups have ``start <= s``
+        (the batch would take a younger one) and more than ``(s + ETA - t) * B`` leases have
+        ``start <= s`` (more than batches ``t+1..s+ETA`` can hold). It only waits on leases in
+        flight, so it ends once they land or are released.
+        """
         if self.eta is None:
             return False
-        limit = t - self.eta
-        return any(start <= limit for start in leased_starts)
+        leased = sorted(leased_starts)
+        ready = sorted(ready_starts)
+        size = self.batch_size
+        r = 0
+        for i, s in enumerate(leased):
+            if i + 1 < len(leased) and leased[i + 1] == s:
+                continue  # count every lease with this start first
+            while r < len(ready) and ready[r] <= s:
+                r += 1
+            if r >= size:
+                return False  # the batch takes B groups with start <= s, and so for every later s
+            if i + 1 > (s + self.eta - t) * size:
+                return True
+        return False
 
     def metrics(self, t: int, starts: list[int], now: float) -> dict[str, float]:
         """The staleness metrics of batch ``t`` (its groups' starts); restarts the stall count."""
