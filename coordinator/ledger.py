@@ -201,6 +201,17 @@ class Ledger:
     def _check_config(self, txn, config: dict, allow_change: bool, generation: int) -> None:
         raw = txn.get(b"config", db=self.meta)
         known = _unpack(raw) if raw is not None else config  # a ledger from before configs were kept
+        if config.get("shuffle_seed") is not None and known.get("shuffle_seed") is not None:
+            # A ledger from before the order was recorded was shuffled by order 1. Never allowed to change,
+            # --allow-config-change or not: the cursor is a position, and a position names another row.
+            old, new = known.get("shuffle_order") or 1, config.get("shuffle_order") or 1
+            if old != new:
+                raise ConfigError(
+                    f"data dir {self.path.parent} was shuffled with shuffle order {old} (--shuffle-seed "
+                    f"{known['shuffle_seed']}) and this build shuffles with order {new}: the prompts it recorded "
+                    "by position would name other rows; finish the run with the build that started it, or use "
+                    "a fresh --data-dir"
+                )
         # Only settings both starts know: a field added to the config since is taken as it comes.
         changed = {k: [known[k], config[k]] for k in sorted(set(known) & set(config)) if known[k] != config[k]}
         if changed and not allow_change:

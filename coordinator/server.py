@@ -39,8 +39,9 @@ import zmq
 from common import faults
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
-from common.dataset import Dataset, epoch_permutation
+from common.dataset import Dataset
 from common.errors import ProtocolError
+from common.shuffle import SHUFFLE_ORDER, epoch_permutation
 from common.transport import router, send_nowait, stop_on_signals
 from coordinator.core import CoordinatorCore, Persist, Send
 from coordinator.ledger import Ledger
@@ -77,7 +78,9 @@ class CoordinatorServer:
         try:
             self.sock, self.endpoint = router(self.ctx, bind, max_bytes=max_message_bytes)
             self.ledger = Ledger(data_dir, sync=sync)
-            shape = {**config.batch_shape(), "shuffle_seed": seed}
+            # The shuffle algorithm is part of the shape: positions in one order name other rows in another.
+            order = SHUFFLE_ORDER if seed is not None else None
+            shape = {**config.batch_shape(), "shuffle_seed": seed, "shuffle_order": order}
             restored = self.ledger.open_run(
                 len(dataset), dataset.fingerprint, config=shape, allow_change=allow_config_change
             )

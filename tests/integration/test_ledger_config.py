@@ -57,3 +57,33 @@ def test_a_setting_the_stored_config_does_not_know_is_not_a_change(tmp_path):
     finally:
         ledger.close()
     assert read_config_changes(tmp_path) == []
+
+
+def test_a_data_dir_shuffled_by_another_algorithm_is_refused_even_with_allow_config_change(tmp_path):
+    """The frontier's cursor is a position in the epoch's order: another order would name other rows."""
+    from common.shuffle import SHUFFLE_ORDER
+
+    shape = {**RolloutConfig().batch_shape(), "shuffle_seed": 7}
+    ledger = Ledger(tmp_path, sync=False)
+    try:
+        ledger.open_run(10, "f" * 16, config=shape)  # an older build recorded no order: it shuffled with order 1
+        current = {**shape, "shuffle_order": SHUFFLE_ORDER}
+        for allow in (False, True):
+            with pytest.raises(ConfigError, match=f"shuffle order 1 .* this build shuffles with order {SHUFFLE_ORDER}"):
+                ledger.open_run(10, "f" * 16, config=current, allow_change=allow)
+    finally:
+        ledger.close()
+    assert read_ledger(tmp_path).generation == 1, "a refused start wrote to the ledger"
+    # A run recorded with the current order restarts as before.
+    for _ in range(2):
+        _open_ordered(tmp_path / "current", 7, SHUFFLE_ORDER)
+    assert read_ledger(tmp_path / "current").generation == 2
+
+
+def _open_ordered(data_dir, seed, order):
+    ledger = Ledger(data_dir, sync=False)
+    try:
+        shape = {**RolloutConfig().batch_shape(), "shuffle_seed": seed, "shuffle_order": order}
+        return ledger.open_run(10, "f" * 16, config=shape)
+    finally:
+        ledger.close()
