@@ -166,6 +166,17 @@ MUTATIONS = [
     ),
     Mutation(
         "8",
+        "assembly-waits-only-for-its-own-leases",
+        "batch t waits only for leases with start <= t - ETA (it may take younger groups and strand older ones)",
+        "coordinator/staleness.py",
+        "            if r >= size:\n"
+        "                return False  # the batch takes B groups with start <= s, and so for every later s\n"
+        "            if i + 1 > (s + self.eta - t) * size:\n                return True\n",
+        "            if s <= t - self.eta:\n                return True\n",
+        "tests/unit/test_staleness_assembly.py",
+    ),
+    Mutation(
+        "8",
         "version-mismatch-unchecked",
         "an engine that does not report the new version passes",
         "agent/weights.py",
