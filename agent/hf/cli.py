@@ -12,40 +12,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 
-from aiohttp import web
-
 from agent.hf.config import add_arguments
-from agent.sim.http import make_app
+from agent.sim.cli import serve
 from common.config import ArgumentParser
 from common.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "main"]
-
-
-async def serve(engine, host: str, port: int) -> None:
-    """Serve ``engine`` on ``host:port`` until SIGTERM/SIGINT; sets ``engine.port`` to the bound port."""
-    runner = web.AppRunner(make_app(engine), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    try:
-        await site.start()
-    except OSError as exc:
-        await runner.cleanup()
-        raise ConfigError(f"--port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    engine.port = runner.addresses[0][1]
-    print(f"rollfleet-hf listening on http://{host}:{engine.port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        engine.shutdown()
-        await runner.cleanup()
 
 
 def run(args: argparse.Namespace) -> None:
@@ -53,7 +27,7 @@ def run(args: argparse.Namespace) -> None:
     from agent.hf.engine import HFEngine
 
     engine = HFEngine(args)
-    asyncio.run(serve(engine, engine.host, engine.port))
+    asyncio.run(serve(engine, engine.host, engine.port, name="rollfleet-hf"))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,8 +25,12 @@ from common.errors import ConfigError
 __all__ = ["add_arguments", "run", "main"]
 
 
-async def serve(engine: SimEngine, host: str, port: int) -> None:
-    """Serve ``engine`` on ``host:port`` until SIGTERM/SIGINT; sets ``engine.port`` to the bound port."""
+async def serve(engine: SimEngine, host: str, port: int, name: str = "rollfleet-sim") -> None:
+    """Serve ``engine`` on ``host:port`` until SIGTERM/SIGINT; sets ``engine.port`` to the bound port.
+
+    Prints ``{name} listening on http://HOST:PORT`` once bound (the supervisor reads that line).
+    Any engine with SimEngine's surface can be served (the hf engine is).
+    """
     runner = web.AppRunner(make_app(engine), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -36,7 +40,7 @@ async def serve(engine: SimEngine, host: str, port: int) -> None:
         await runner.cleanup()
         raise ConfigError(f"--port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     engine.port = runner.addresses[0][1]
-    print(f"rollfleet-sim listening on http://{host}:{engine.port}", flush=True)
+    print(f"{name} listening on http://{host}:{engine.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
