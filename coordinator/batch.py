@@ -37,13 +37,16 @@ class RolloutBatch:
         attention = torch.zeros((n, width), dtype=torch.long)
         loss_mask = torch.zeros((n, width), dtype=torch.float32)
         logprobs = torch.zeros((n, width), dtype=torch.float32)
+        # Each sample's arrays are viewed in place (torch.frombuffer) and copied once, into the padded rows.
         for row, s in enumerate(samples):
             lp, lr = len(s.prompt_tokens), len(s.response_tokens)
-            tokens[row, :lp] = torch.tensor(s.prompt_tokens, dtype=torch.long)
+            if lp:
+                tokens[row, :lp] = torch.frombuffer(s.prompt_tokens, dtype=torch.int32)
             if lr:
-                tokens[row, lp : lp + lr] = torch.tensor(s.response_tokens, dtype=torch.long)
-                loss_mask[row, lp : lp + lr] = torch.tensor(s.loss_mask, dtype=torch.float32)
-                logprobs[row, lp : lp + lr] = torch.tensor(s.response_logprobs, dtype=torch.float32)
+                end = lp + lr
+                tokens[row, lp:end] = torch.frombuffer(s.response_tokens, dtype=torch.int32)
+                loss_mask[row, lp:end] = torch.frombuffer(s.loss_mask, dtype=torch.int8)
+                logprobs[row, lp:end] = torch.frombuffer(s.response_logprobs, dtype=torch.float64)
             attention[row, : lp + lr] = 1
         return {
             "tokens": tokens,

@@ -45,7 +45,7 @@ def test_sim_agent_and_url_agent_deliver_complete_batches(make_cluster):
                 assert len(group.samples) == n
                 for s in group.samples:
                     assert len(s.response_tokens) == len(s.response_logprobs) == len(s.loss_mask) > 0
-                    assert s.prompt_tokens == list(rows[group.index]["prompt"].encode())
+                    assert s.prompt_tokens.tolist() == list(rows[group.index]["prompt"].encode())
                     assert s.reward in (0.0, 1.0)
                     assert s.status in ("completed", "truncated")
                     assert s.label == rows[group.index]["label"]

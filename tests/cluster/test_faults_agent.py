@@ -301,7 +301,7 @@ def test_agent_with_its_own_dataset_replica_must_match_the_coordinators(make_clu
         batch = TrainerView(cluster).take(client.generate(0))
         for g in batch.groups:  # prompts were read from the agent's replica
             assert g.label == rows[g.index]["label"]
-            assert g.samples[0].prompt_tokens == list(rows[g.index]["prompt"].encode())
+            assert g.samples[0].prompt_tokens.tolist() == list(rows[g.index]["prompt"].encode())
 
     changed = cluster.tmp / "changed.jsonl"  # same size, one label differs
     edited = [dict(r) for r in rows]

@@ -311,7 +311,7 @@ TRAINER = textwrap.dedent(
     address, mode, state_path, out_path = sys.argv[1:5]
 
     def ids(batch):
-        return [[g.data_epoch, g.index, g.agent_id, [s.response_tokens for s in g.samples]] for g in batch.groups]
+        return [[g.data_epoch, g.index, g.agent_id, [list(s.response_tokens) for s in g.samples]] for g in batch.groups]
 
     with RolloutClient(address, timeout=60, retry_interval=0.5) as client:
         out = {}

@@ -115,4 +115,4 @@ def test_group_payload_round_trip_keeps_exact_logprobs():
     g = Group(index=9, samples=[s, s], data_epoch=2, rollout_id=4, label=7, agent_id="n1", gen_seconds=0.5)
     back = Group.from_wire(g.to_wire())
     assert back == g
-    assert back.samples[0].response_logprobs == [-0.1, -1e-9, -12.123456789]
+    assert back.samples[0].response_logprobs.tolist() == [-0.1, -1e-9, -12.123456789]

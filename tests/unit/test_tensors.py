@@ -20,3 +20,13 @@ def test_rows_are_prompt_plus_response_right_padded_with_aligned_logprobs():
     assert t["rewards"].tolist() == [1.0, 0.0]
     assert t["response_lengths"].tolist() == [2, 4]
     assert t["group_index"].tolist() == [11, 11]
+
+
+def test_decoded_samples_hold_machine_arrays_that_torch_views_without_a_copy():
+    s = Sample([1, 2, 3], [4, 5], [-0.5, -0.25], [1, 0], 1.0, "completed", "v1")
+    back = Group.from_wire(Group(index=3, samples=[s]).to_wire()).samples[0]
+    assert back == s and back.response_logprobs.tolist() == [-0.5, -0.25]
+    assert (back.prompt_tokens.typecode, back.response_logprobs.typecode, back.loss_mask.typecode) == ("i", "d", "b")
+    view = torch.frombuffer(back.response_tokens, dtype=torch.int32)
+    back.response_tokens[0] = 40  # the tensor shares the array's memory
+    assert view.tolist() == [40, 5]
