@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """W1 — orchestration overhead (the ceiling), as the benchmark brief defines it.
 
-Two measurements in one run, never at the same time (2 shared cores):
+Three measurements in one run, never at the same time (2 shared cores):
 
 floor
     Two freshly started sim engines (instant mode, 512 fixed output tokens),
@@ -10,6 +10,11 @@ floor
     input ids, the coordinator's sampling params, ``return_logprob``), each
     body read whole and not decoded. Its throughput and its own CPU per sample
     are the floor.
+agent floor
+    The agent's hot path alone on two fresh engines of the same flags
+    (``w1_floors.py agent``): groups of 8 calls, orjson decode, msgpack encode
+    and an LMDB sync commit, none of rollfleet's machinery. The agents' CPU
+    per sample is compared with its CPU per sample.
 rollfleet
     ``coordinator serve`` + 2 x ``agent join`` (1 sim engine each, identical
     sim flags, ``--concurrency 256`` = 32 groups of 8 in flight per agent),
@@ -32,7 +37,6 @@ Output: one JSON object per line on stdout; progress on stderr.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
@@ -235,77 +239,6 @@ def sampling_params() -> dict:
 # --------------------------------------------------------------------------- floor
 
 
-async def _floor_client(urls: list[str], concurrency: int, warmup: int, measured: int, engine_pids: list[int]) -> dict:
-    """Closed loop: ``concurrency`` workers per engine, each one request at a time."""
-    import aiohttp
-    import orjson
-
-    from common.tokenizer import ByteTokenizer
-
-    input_ids = ByteTokenizer().encode(make_prompt(0)[0])
-    params = sampling_params()
-    target = warmup + measured
-    state = {"done": 0, "bytes": 0, "errors": 0}
-    marks: dict[str, tuple[float, float, int, int, float, float]] = {}
-    finished = asyncio.Event()
-    counter = iter(range(1 << 62))
-
-    def mark(name: str) -> None:
-        marks[name] = (
-            time.monotonic(),
-            time.process_time(),
-            state["done"],
-            state["bytes"],
-            cpu_seconds(engine_pids),
-            busy_cpu_seconds(),
-        )
-
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=None, connect=10)
-    ) as session:
-
-        async def worker(url: str) -> None:
-            while not finished.is_set():
-                body = orjson.dumps(
-                    {
-                        "input_ids": input_ids,
-                        "sampling_params": params,
-                        "return_logprob": True,
-                        "rid": f"floor-{next(counter):016x}-000-0000",
-                    }
-                )
-                async with session.post(
-                    url + "/generate", data=body, headers={"Content-Type": "application/json"}
-                ) as resp:
-                    raw = await resp.read()
-                    if resp.status != 200:
-                        state["errors"] += 1
-                        if state["errors"] > 10:
-                            raise RuntimeError(f"floor: {url} answered HTTP {resp.status}: {raw[:200]!r}")
-                        continue
-                state["done"] += 1
-                state["bytes"] += len(raw)
-                if state["done"] == warmup:
-                    mark("start")
-                if state["done"] == target:
-                    mark("end")
-                    finished.set()
-
-        mark("begin")
-        await asyncio.gather(*(worker(u) for u in urls for _ in range(concurrency)))
-    (t0, c0, n0, b0, e0, m0), (t1, c1, n1, b1, e1, m1) = marks["start"], marks["end"]
-    return {
-        "samples": n1 - n0,
-        "wall_s": t1 - t0,
-        "cpu_s": c1 - c0,
-        "bytes": b1 - b0,
-        "engine_cpu_s": e1 - e0,
-        "machine_busy_s": m1 - m0,
-        "errors": state["errors"],
-    }
-
-
 def start_floor_engines(procs: Procs, n: int) -> list[tuple[Proc, str]]:
     from agent.engine_plan import plan_engines
 
@@ -341,36 +274,23 @@ def start_floor_engines(procs: Procs, n: int) -> list[tuple[Proc, str]]:
     return list(zip(out, found, strict=True))
 
 
-def run_floor(procs: Procs, measured_samples: int, warmup_samples: int) -> dict:
-    progress(f"floor: starting {AGENTS} sim engines ({' '.join(SIM_ARGS)})")
+def run_floor(procs: Procs, kind: str, measured_samples: int, warmup_samples: int) -> dict:
+    """One floor (``w1_floors.py``: ``bare`` or ``agent``) on fresh sim engines; its result dict."""
+    progress(f"{kind} floor: starting {AGENTS} sim engines ({' '.join(SIM_ARGS)})")
     engines = start_floor_engines(procs, AGENTS)
     urls = [u for _, u in engines]
     engine_pids = [p.pid for p, _ in engines]
     progress(
-        f"floor: bare aiohttp client, {CONCURRENCY} concurrent requests per engine at {', '.join(urls)}; "
+        f"{kind} floor: {CONCURRENCY} concurrent requests per engine at {', '.join(urls)}; "
         f"{warmup_samples} warm-up + {measured_samples} measured samples"
     )
-    worker = procs.start(
-        "floor-client",
-        [
-            sys.executable,
-            os.path.abspath(__file__),
-            "--floor-worker",
-            "--urls",
-            ",".join(urls),
-            "--concurrency",
-            str(CONCURRENCY),
-            "--warmup",
-            str(warmup_samples),
-            "--measured",
-            str(measured_samples),
-            "--engine-pids",
-            ",".join(map(str, engine_pids)),
-        ],
-    )
+    argv = [sys.executable, str(Path(__file__).resolve().parent / "w1_floors.py"), kind, "--urls", ",".join(urls)]
+    argv += ["--concurrency", str(CONCURRENCY), "--warmup", str(warmup_samples), "--measured", str(measured_samples)]
+    argv += ["--engine-pids", ",".join(map(str, engine_pids)), "--dir", str(procs.workdir / f"{kind}-floor-store")]
+    worker = procs.start(f"{kind}-floor-client", argv)
     rc = worker.popen.wait()
     if rc != 0:
-        raise RuntimeError(f"floor client failed (exit {rc}):\n{worker.log_text()[-3000:]}")
+        raise RuntimeError(f"{kind} floor client failed (exit {rc}):\n{worker.log_text()[-3000:]}")
     procs.items.remove(worker)
     result = json.loads(worker.log_text().strip().splitlines()[-1])
     procs.stop([p for p, _ in engines])
@@ -588,29 +508,9 @@ def main(argv=None) -> int:
         help="run coordinator and agents under cProfile, writing DIR/<process>.prof "
         "(whole process lifetime, main thread only; CPU figures are then inflated)",
     )
-    # Internal: the floor client runs in its own process so its CPU is measured alone.
-    ap.add_argument("--floor-worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--urls", help=argparse.SUPPRESS)
-    ap.add_argument("--concurrency", type=int, default=CONCURRENCY, help=argparse.SUPPRESS)
-    ap.add_argument("--warmup", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--measured", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--engine-pids", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    if args.floor_worker:
-        result = asyncio.run(
-            _floor_client(
-                args.urls.split(","),
-                args.concurrency,
-                args.warmup,
-                args.measured,
-                [int(x) for x in args.engine_pids.split(",") if x],
-            )
-        )
-        print(json.dumps(result), flush=True)
-        return 0
-
     if args.batches is None:
         args.batches = 8 if args.quick else 30
     if args.batches < 1:
@@ -638,11 +538,13 @@ def main(argv=None) -> int:
     started = time.monotonic()
     try:
         if args.floor == "before":
-            floor = run_floor(procs, floor_samples, batch_samples)
+            floor = run_floor(procs, "bare", floor_samples, batch_samples)
+            agent_floor = run_floor(procs, "agent", floor_samples, batch_samples)
             rf = run_rollfleet(procs, workdir, args)
         else:
             rf = run_rollfleet(procs, workdir, args)
-            floor = run_floor(procs, floor_samples, batch_samples)
+            floor = run_floor(procs, "bare", floor_samples, batch_samples)
+            agent_floor = run_floor(procs, "agent", floor_samples, batch_samples)
     finally:
         procs.stop()
         if args.keep:
@@ -704,7 +606,29 @@ def main(argv=None) -> int:
         engine_cpu_us_per_sample=round(floor["engine_cpu_s"] / floor["samples"] * 1e6, 1),
         **common,
     )
-    emit("cpu_ratio_to_floor", round(orch_cpu_us / floor_cpu_us, 2), "ratio", **common)
+    emit("cpu_ratio_to_floor", round(orch_cpu_us / floor_cpu_us, 2), "ratio", target=1.5, **common)
+    # The agents' CPU per sample they generated (each makes about half) against the agent hot-path floor.
+    agents_us = sum(v for k, v in split.items() if k.startswith("agent-"))
+    agent_floor_us = agent_floor["cpu_s"] / agent_floor["samples"] * 1e6
+    emit(
+        "agent_floor_cpu_us_per_sample",
+        round(agent_floor_us, 1),
+        "us/sample",
+        samples_per_s=round(agent_floor["samples"] / agent_floor["wall_s"], 1),
+        transactions=agent_floor["transactions"],
+        engine_cpu_us_per_sample=round(agent_floor["engine_cpu_s"] / agent_floor["samples"] * 1e6, 1),
+        **common,
+    )
+    emit("agent_cpu_us_per_sample", round(agents_us, 1), "us/sample", **common)
+    emit("agent_cpu_ratio_to_floor", round(agents_us / agent_floor_us, 2), "ratio", target=1.1, **common)
+    emit("coordinator_cpu_us_per_sample", split["coordinator"], "us/sample", target=15, **common)
+    emit("trainer_cpu_us_per_sample", split["trainer"], "us/sample", target=30, **common)
+    progress(
+        f"orchestration {orch_cpu_us:.0f} us/sample = {orch_cpu_us / floor_cpu_us:.2f} x the bare client "
+        f"({floor_cpu_us:.0f}; target 1.5); agents {agents_us:.0f} = {agents_us / agent_floor_us:.2f} x the agent "
+        f"floor ({agent_floor_us:.0f}; target 1.1); coordinator {split['coordinator']:.0f} (target 15); "
+        f"trainer {split['trainer']:.0f} (target 30)"
+    )
     progress(f"done in {time.monotonic() - started:.1f}s")
     return 0
 
