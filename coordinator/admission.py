@@ -73,6 +73,7 @@ class Admission:
         rec = self.core.membership.agents.get(lease.agent_id)
         if rec is not None:
             rec.leases.discard(lease_id)
+            self.core.membership.note_room(rec)
         return lease
 
     def release_agent_leases(self, rec: AgentRecord, keep: set[int] = frozenset()) -> None:
@@ -87,7 +88,8 @@ class Admission:
         """Lease up to ``budget`` pending prompts to agents with free capacity: one Grant per agent."""
         membership, frontier = self.core.membership, self.core.frontier
         granted: list[Send] = []
-        for agent_id, n in membership.distribute(budget).items():
+        split = membership.distribute(budget)
+        for agent_id, n in split.items():
             rec = membership.agents[agent_id]
             leases = []
             for _ in range(n):
@@ -109,6 +111,7 @@ class Admission:
                 )
             if leases:
                 granted.append(Send(agent_id, p.Grant(rec.session, leases), with_rows=not rec.local_dataset))
+            membership.note_room(rec)  # the frontier ran out before its share: it still has room
         return granted
 
     # ------------------------------------------------------------------ agent messages
@@ -336,6 +339,7 @@ class Admission:
             return self._fence(peer, msg)
         rec.capacity = max(0, msg.capacity) // self.core.config.n_samples_per_prompt
         rec.engines = [e for e in msg.engines if isinstance(e, dict)]
+        self.core.membership.note_room(rec)
         return self.core.pump(now)
 
     # ------------------------------------------------------------------ time
@@ -350,6 +354,7 @@ class Admission:
                 rec.last_seen += stalled
         self._last_tick = now
         dead, retired = core.membership.expire(now, core.liveness.ttl, core.liveness.retire_after)
+        core.membership.refresh_room()
         out: list = []
         for rec in dead:
             self.release_agent_leases(rec)

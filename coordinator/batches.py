@@ -356,6 +356,8 @@ class Batches:
         """
         if self.core.weights.locked or self.core.weights.log.kind == "disk":
             return False  # after a disk update, agents reload stale engines from the recorded path themselves
+        if self.core.membership.find("serving", _may_serve) is not None:
+            return False
         states = {
             e.get("state") for r in self.core.membership.agents.values() if r.status != RETIRED for e in r.engines
         }
@@ -371,3 +373,8 @@ class Batches:
         if code == "starved":
             self.core.admission.starvation.answered.update(waiting)
         return [Send(peer, p.Error(code, why, req)) for peer, req in waiting]
+
+
+def _may_serve(rec) -> bool:
+    """A not-retired agent with an engine that is healthy or starting."""
+    return rec.status != RETIRED and any(e.get("state") in ("healthy", "starting") for e in rec.engines)

@@ -16,6 +16,7 @@ Pure: no I/O; time is passed in.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import islice
 
 ALIVE, DEAD, RETIRED = "alive", "dead", "retired"
 
@@ -55,7 +56,13 @@ class Membership:
         self._counter = 0
         self.agents: dict[str, AgentRecord] = {}
         self._by_session: dict[int, AgentRecord] = {}
-        self._rr = 0
+        self._witness: dict[str, str] = {}
+        self.room: dict[str, None] = {}
+        """Agents that may have free capacity, in grant order (the longest without a grant first).
+        ``distribute`` checks each one it reaches and drops the full ones; ``note_room`` adds an
+        agent whose capacity may have grown (a lease ended, a Capacity, a registration);
+        ``refresh_room`` (the clock) re-adds any that was missed. Free capacity is never found by
+        scanning the fleet, so a pump costs what it grants, not the number of agents."""
 
     def new_session(self) -> int:
         self._counter += 1
@@ -77,6 +84,7 @@ class Membership:
         rec = AgentRecord(agent_id, self.new_session(), incarnation, peer, capacity, payload_address, engines, now)
         self.agents[agent_id] = rec
         self._by_session[rec.session] = rec
+        self.note_room(rec)
         return rec
 
     def placeholder(self, agent_id: str, now: float) -> None:
@@ -105,37 +113,59 @@ class Membership:
     def alive(self) -> list[AgentRecord]:
         return [r for r in self.agents.values() if r.status == ALIVE]
 
+    def find(self, name: str, pred) -> AgentRecord | None:
+        """An agent for which ``pred`` holds, or None: the one found under ``name`` last time while
+        it still qualifies, else by a scan. Fleet-wide "is there any ..." questions asked on every
+        pump cost O(1) while the answer stays yes."""
+        agent_id = self._witness.get(name)
+        rec = self.agents.get(agent_id) if agent_id is not None else None
+        if rec is not None and pred(rec):
+            return rec
+        for rec in self.agents.values():
+            if pred(rec):
+                self._witness[name] = rec.agent_id
+                return rec
+        self._witness.pop(name, None)
+        return None
+
     def all_gone(self) -> bool:
-        """Agents have joined, and none of them can generate any more."""
-        return bool(self.agents) and all(
-            r.status == RETIRED or (r.status == ALIVE and not r.usable) for r in self.agents.values()
-        )
+        """Agents have joined, and none of them can generate any more (each retired, or alive with no usable
+        engine)."""
+        may_generate = lambda r: r.status == DEAD or (r.status == ALIVE and r.usable)  # noqa: E731
+        return bool(self.agents) and self.find("may_generate", may_generate) is None
+
+    def note_room(self, rec: AgentRecord) -> None:
+        if rec.agent_id not in self.room and rec.free > 0:
+            self.room[rec.agent_id] = None
+
+    def refresh_room(self) -> None:
+        """Every agent with free capacity is in ``room`` (O(agents); the clock runs it)."""
+        for rec in self.agents.values():
+            self.note_room(rec)
 
     def distribute(self, budget: int) -> dict[str, int]:
-        """Split ``budget`` new leases over agents by free capacity, round robin.
+        """Split ``budget`` new leases over agents with free capacity, round robin.
 
-        O(agents) per call: each pass hands every agent with room an equal
-        share (at least one), starting from a rotating offset.
+        Each pass hands the first ``budget`` agents in ``room`` an equal share (at least one)
+        and sends each to the back of the line while it has room left. The work is
+        O(leases granted + full agents met), whatever the size of the fleet.
         """
         out: dict[str, int] = {}
-        free = {r.agent_id: r.free for r in self.agents.values() if r.free > 0}
-        if not free or budget <= 0:
-            return out
-        order = list(free)
-        start = self._rr % len(order)
-        self._rr += 1
-        order = order[start:] + order[:start]
-        while budget > 0 and order:
-            share = max(1, budget // len(order))
-            still = []
-            for agent_id in order:
+        room, agents = self.room, self.agents
+        while budget > 0 and room:
+            batch = list(islice(room, budget))
+            share = max(1, budget // len(batch))
+            for agent_id in batch:
+                rec = agents.get(agent_id)
+                left = (rec.free if rec is not None else 0) - out.get(agent_id, 0)
+                del room[agent_id]
+                if left <= 0:
+                    continue
+                n = min(share, left, budget)
+                out[agent_id] = out.get(agent_id, 0) + n
+                budget -= n
+                if left > n:
+                    room[agent_id] = None
                 if budget <= 0:
                     break
-                n = min(share, free[agent_id], budget)
-                out[agent_id] = out.get(agent_id, 0) + n
-                free[agent_id] -= n
-                budget -= n
-                if free[agent_id] > 0:
-                    still.append(agent_id)
-            order = still
         return out
