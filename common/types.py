@@ -35,7 +35,8 @@ def as_array(typecode: str, values) -> array:
     return array(typecode, values)
 
 
-def _pack_array(arr: array) -> bytes:
+def _pack_array(typecode: str, values) -> bytes:
+    arr = as_array(typecode, values)  # a field assigned after construction may hold a list
     if not _LITTLE:
         arr = array(arr.typecode, arr)
         arr.byteswap()
@@ -84,10 +85,10 @@ class Sample:
 
     def to_wire(self) -> dict:
         return {
-            "p": _pack_array(self.prompt_tokens),
-            "r": _pack_array(self.response_tokens),
-            "lp": _pack_array(self.response_logprobs),
-            "m": _pack_array(self.loss_mask),
+            "p": _pack_array("i", self.prompt_tokens),
+            "r": _pack_array("i", self.response_tokens),
+            "lp": _pack_array("d", self.response_logprobs),
+            "m": _pack_array("b", self.loss_mask),
             "rw": float(self.reward),
             "s": self.status,
             "wv": self.weight_version,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.errors import RolloutError
-from common.types import Group
+from common.types import Group, as_array
 
 
 @dataclass
@@ -41,12 +41,12 @@ class RolloutBatch:
         for row, s in enumerate(samples):
             lp, lr = len(s.prompt_tokens), len(s.response_tokens)
             if lp:
-                tokens[row, :lp] = torch.frombuffer(s.prompt_tokens, dtype=torch.int32)
+                tokens[row, :lp] = torch.frombuffer(as_array("i", s.prompt_tokens), dtype=torch.int32)
             if lr:
                 end = lp + lr
-                tokens[row, lp:end] = torch.frombuffer(s.response_tokens, dtype=torch.int32)
-                loss_mask[row, lp:end] = torch.frombuffer(s.loss_mask, dtype=torch.int8)
-                logprobs[row, lp:end] = torch.frombuffer(s.response_logprobs, dtype=torch.float64)
+                tokens[row, lp:end] = torch.frombuffer(as_array("i", s.response_tokens), dtype=torch.int32)
+                loss_mask[row, lp:end] = torch.frombuffer(as_array("b", s.loss_mask), dtype=torch.int8)
+                logprobs[row, lp:end] = torch.frombuffer(as_array("d", s.response_logprobs), dtype=torch.float64)
             attention[row, : lp + lr] = 1
         return {
             "tokens": tokens,

@@ -15,6 +15,7 @@ Pure: no I/O; time is passed in.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -57,12 +58,13 @@ class Membership:
         self.agents: dict[str, AgentRecord] = {}
         self._by_session: dict[int, AgentRecord] = {}
         self._witness: dict[str, str] = {}
-        self.room: dict[str, None] = {}
+        self.room: OrderedDict[str, None] = OrderedDict()
         """Agents that may have free capacity, in grant order (the longest without a grant first).
         ``distribute`` checks each one it reaches and drops the full ones; ``note_room`` adds an
         agent whose capacity may have grown (a lease ended, a Capacity, a registration);
         ``refresh_room`` (the clock) re-adds any that was missed. Free capacity is never found by
-        scanning the fleet, so a pump costs what it grants, not the number of agents."""
+        scanning the fleet, so a pump costs what it grants, not the number of agents. An
+        OrderedDict (a linked list): removing at the front leaves no holes to skip."""
 
     def new_session(self) -> int:
         self._counter += 1

@@ -30,3 +30,11 @@ def test_decoded_samples_hold_machine_arrays_that_torch_views_without_a_copy():
     view = torch.frombuffer(back.response_tokens, dtype=torch.int32)
     back.response_tokens[0] = 40  # the tensor shares the array's memory
     assert view.tolist() == [40, 5]
+
+
+def test_a_field_assigned_a_list_after_construction_still_encodes_and_pads():
+    s = Sample([1, 2], [3, 4], [-0.5, -0.25], [1, 1], 1.0, "completed", "v1")
+    s.loss_mask = [1, 0]  # reward or filter code may do this
+    back = Group.from_wire(Group(index=0, samples=[s]).to_wire()).samples[0]
+    assert back.loss_mask.tolist() == [1, 0]
+    assert RolloutBatch(0, [Group(index=0, samples=[s])]).to_tensors()["loss_mask"].tolist() == [[0, 0, 1, 0]]
