@@ -48,6 +48,7 @@ from pathlib import Path
 
 import lmdb
 
+from common.errors import NoCapacity
 from coordinator.ledger import read_ledger
 from harness.chaos_check import KINDS, Findings, RunEvidence, batch_record, check
 from harness.chaos_evidence import (
@@ -58,6 +59,7 @@ from harness.chaos_evidence import (
     serving_engines,
     unfetched_by_agent,
 )
+from harness.chaos_trainer import rescue_from_disk
 from harness.cluster import ROOT, Cluster
 from harness.polling import wait_for
 from harness.proxy import TcpProxy
@@ -116,6 +118,7 @@ class ChaosRun:
         self.weights_every = weights_every
         self.weights_log = workdir / "weights.jsonl"
         torch = importlib.util.find_spec("torch") is not None  # the trainer broadcasts only with it
+        self.with_torch = torch
         self.weight_kinds = () if not weights_every else ("disk", "distributed") if torch else ("disk",)
         self.engine_versions: dict[str, str | None] = {}
         self.trainer: subprocess.Popen | None = None
@@ -381,7 +384,15 @@ class ChaosRun:
         deadline = time.monotonic() + 60
         with open(self.consumed, "a") as log:
             while behind and self.extra_batches < 10 and time.monotonic() < deadline:
-                batch = client.generate(self.batches + self.extra_batches)
+                try:
+                    batch = client.generate(self.batches + self.extra_batches)
+                except NoCapacity as exc:
+                    if "stale" not in str(exc):
+                        raise
+                    # Every engine restarted after the last broadcast: a disk update brings them back.
+                    self.log(f"chaos: {exc}: a disk update")
+                    rescue_from_disk(client, self.workdir / "weights", self.weights_log, self.with_torch)
+                    continue
                 log.write(json.dumps(batch_record(batch, "reissue")) + "\n")
                 log.flush()
                 self.extra_batches += 1

@@ -126,6 +126,19 @@ def write_checkpoint(root: Path, version: int, with_torch: bool) -> Path:
     return path
 
 
+def rescue_from_disk(client, root: Path, weights_log: Path, with_torch: bool) -> int:
+    """A disk update above every version pushed so far (sync ``client``), appended to ``weights_log`` like a
+    trainer's push; the version. For a harness that finds every engine stale once the trainer is gone."""
+    with open(weights_log) as f:
+        pushed = [r["version"] for r in map(json.loads, f) if r.get("ok")]
+    version = max([client.weight_version(), *pushed]) + 1
+    result = client.update_weights_from_disk(str(write_checkpoint(root, version, with_torch)), version, timeout=60)
+    with open(weights_log, "a") as log:
+        record = {"run": "harness", "pid": os.getpid(), "rid": -1, "kind": "disk", "rescue": True, "ok": True}
+        append(log, {**record, "version": result["version"], "engines": result["engines"], "seconds": 0.0})
+    return result["version"]
+
+
 def append(log, record: dict) -> None:
     log.write(json.dumps(record) + "\n")
     log.flush()
