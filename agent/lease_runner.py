@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,8 @@ from common.filters import FilterError
 from common.protocol import failure_reason
 from common.rewards import RewardError
 from common.types import Group, Sample
+
+_ONE = array("b", [1])
 
 log = logging.getLogger("rollfleet.agent")
 
@@ -138,7 +141,8 @@ class LeaseRunner:
         started = time.monotonic()
         results = await self._generate(input_ids)
         gen_seconds = time.monotonic() - started
-        samples = [self._sample(answers, input_ids, label, metadata) for answers in results]
+        prompt_tokens = array("i", input_ids)  # one array shared by the group's samples, as the list was
+        samples = [self._sample(answers, prompt_tokens, label, metadata) for answers in results]
         for sample, reward in zip(samples, await ctx.reward.score(samples), strict=True):
             sample.reward = float(reward)
         verdict = await ctx.filter.check(samples)
@@ -173,7 +177,7 @@ class LeaseRunner:
             faults.INJECTED.after_commit(receipt.key)
         self._dispatch(LeaseCommitted(lease, receipt))
 
-    def _sample(self, answers: list[dict], input_ids: list[int], label, metadata: dict) -> Sample:
+    def _sample(self, answers: list[dict], prompt_tokens: array, label, metadata: dict) -> Sample:
         """One sample from its ``/generate`` answers (several when a weight update interrupted it)."""
         try:
             tokens, response_logprobs, text, spans = spans_join(answers)
@@ -181,10 +185,10 @@ class LeaseRunner:
             raise EngineError(f"{exc} for lease {self.lease:x}") from None
         meta = answers[-1]["meta_info"]
         return Sample(
-            prompt_tokens=input_ids,
+            prompt_tokens=prompt_tokens,
             response_tokens=tokens,
             response_logprobs=response_logprobs,
-            loss_mask=[1] * len(tokens),
+            loss_mask=_ONE * len(tokens),
             reward=0.0,
             status=sample_status(meta.get("finish_reason")),
             weight_version=str(spans[-1][0] if spans else meta.get("weight_version", "")),
