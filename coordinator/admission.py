@@ -53,7 +53,7 @@ class Admission:
         self._lease_counter = 0
         self.failures: dict[Prompt, int] = {}  # prompts whose generation failed, by count
         self.filtered_total = 0
-        self.starvation = Starvation(core.starve_after)
+        self.starvation = Starvation(core.starve_after, core.starve_after_drops)
         self.fenced: dict[str, int] = {}  # messages refused for a stale session, by type
         self._last_tick = now
 
@@ -261,6 +261,7 @@ class Admission:
         ops: list = []
         accepted, reason = self._accept(rec, msg.lease, msg.data_epoch, msg.index, msg.key, msg.stats, ops)
         self.starvation.ok()  # a group went through reward and filter
+        self.starvation.kept()
         self.failures.pop((msg.data_epoch, msg.index), None)
         ack = Send(rec.agent_id, p.ReceiptAck(msg.lease, msg.key, accepted, reason))
         return [self.core.persist(ops, [ack])] + self.core.pump(now)
@@ -275,7 +276,10 @@ class Admission:
             return self.core.pump(now)  # lease was reissued; the successor accounts for the prompt
         self.end_lease(msg.lease)
         # The lease's prompt, whatever the message claims.
-        return self._filter(lease.prompt, rec.agent_id, msg.reason) + self.core.pump(now)
+        out = self._filter(lease.prompt, rec.agent_id, msg.reason)
+        if out:
+            self.starvation.dropped(msg.reason)  # a streak of them starves the rollout (coordinator/starvation.py)
+        return out + self.core.pump(now)
 
     def _filter(self, prompt: Prompt, agent_id: str, reason: str) -> list:
         core = self.core

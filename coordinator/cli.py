@@ -62,6 +62,13 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
         help="failed groups in a row (reward/filter raised) after which generate() raises Starved and admission "
         "stops (default: max(64, 2 x --rollout-batch-size))",
     )
+    sp.add_argument(
+        "--starve-after-drops",
+        type=_COUNT,
+        default=None,
+        help="groups in a row the filter dropped (none kept) after which generate() raises Starved with the drop "
+        "counts and admission stops (default: the dataset's size, one data epoch)",
+    )
     sp.add_argument("--no-sync", action="store_true", help="skip fsync on ledger commits (faster, not crash-safe)")
     sp.add_argument("--allow-config-change", action="store_true", help="restart with other batch settings; recorded")
     sp.add_argument("--log-level", type=log_level, default="INFO", help="DEBUG, INFO, WARNING or ERROR")
@@ -114,6 +121,7 @@ def serve(args) -> int:
         sync=not args.no_sync,
         max_message_bytes=args.max_message_bytes,
         starve_after=args.starve_after,
+        starve_after_drops=args.starve_after_drops,
         allow_config_change=args.allow_config_change,
     )
     print(f"coordinator listening on {server.endpoint}", flush=True)

@@ -100,10 +100,13 @@ class CoordinatorCore:
         restored: LedgerSnapshot | None = None,
         now: float = 0.0,
         starve_after: int | None = None,
+        starve_after_drops: int | None = None,
     ):
         self.config = config
         self.starve_after = starve_after or default_starve_after(config.rollout_batch_size)
         """Consecutive failed groups after which the rollout is starved (``coordinator/starvation.py``)."""
+        self.starve_after_drops = starve_after_drops or dataset_size or None
+        """Consecutive filter drops after which the rollout is starved (default: the dataset's size, an epoch)."""
         self.liveness = liveness
         self.dataset_size = dataset_size
         self.dataset_fingerprint = dataset_fingerprint

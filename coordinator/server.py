@@ -68,6 +68,7 @@ class CoordinatorServer:
         max_message_bytes: int = p.DEFAULT_MAX_MESSAGE_BYTES,
         allow_config_change: bool = False,
         starve_after: int | None = None,
+        starve_after_drops: int | None = None,
     ):
         self.dataset = dataset
         self.max_message_bytes = max_message_bytes
@@ -100,6 +101,7 @@ class CoordinatorServer:
             restored=restored,
             now=time.monotonic(),
             starve_after=starve_after,
+            starve_after_drops=starve_after_drops,
         )
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
         # One thread: the dataset's file handle is used from it alone.

@@ -32,6 +32,18 @@ Invariants (with ``coordinator/admission.py``, which owns the prompts):
   streak ends at ``after`` errors); nothing here is persisted, so a restarted
   coordinator starts unstarved (its trainer's next ``generate`` would clear it anyway).
 
+A filter that drops every group (a rollout setting that makes every reward
+equal, e.g. ``--max-new-tokens`` so small that every sample is truncated) is
+the same stall by another road: the prompts are filtered, legitimately, by
+the filter's verdict, and the dataset burns through while ``generate()``
+waits. ``Starvation`` counts the drops in a row too (a kept group, a receipt,
+ends the streak). At ``after`` of them it logs a WARNING with the drop counts
+by reason, once per streak; at ``drop_after`` (default: the dataset's size,
+a whole data epoch) the rollout is starved with a reason carrying those
+counts, e.g. ``the filter dropped every group of the last 20000 (none kept):
+zero_std_0=20000``. The dropped prompts stay filtered: that was the
+filter's verdict on them.
+
 Pure: no I/O, no clock.
 """
 
@@ -64,10 +76,13 @@ class FreshStart:
 class Starvation:
     """The current streak of failed groups, and the starved state it may lead to."""
 
-    def __init__(self, after: int):
-        if not isinstance(after, int) or isinstance(after, bool) or after < 1:
-            raise ValueError(f"starve_after must be a positive integer, got {after!r}")
+    def __init__(self, after: int, drop_after: int | None = None):
+        for name, value in (("starve_after", after), ("starve_after_drops", drop_after)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.after = after
+        self.drop_after = drop_after
+        """Filter drops in a row after which the rollout is starved; None: never."""
         self.reason: str | None = None
         """Why the rollout is starved; None while it is not."""
         self.answered: set[tuple[bytes, int]] = set()
@@ -77,6 +92,8 @@ class Starvation:
         self._failed: set[Prompt] = set()  # failed during the streak
         self._details: Counter[str] = Counter()
         self._streak = 0
+        self._drops: Counter[str] = Counter()  # drop reasons of the current streak of drops
+        self._drop_streak = 0
 
     @property
     def starved(self) -> bool:
@@ -86,6 +103,35 @@ class Starvation:
         """A group went through reward and filter: the streak is over, and its filtered prompts
         stay filtered (the rollout works for other prompts, so they failed on their own account)."""
         self._reset()
+
+    def kept(self) -> None:
+        """A group was kept (a receipt): any streak of filter drops is over."""
+        self._drops.clear()
+        self._drop_streak = 0
+
+    def dropped(self, reason: str) -> bool:
+        """The filter dropped a group (``reason``); True when this drop starves the rollout."""
+        if self.starved:
+            return False
+        self._drop_streak += 1
+        self._drops[reason] += 1
+        if self._drop_streak == self.after:
+            log.warning(
+                "the filter dropped every group of the last %d (none kept): %s; generate() waits for groups that "
+                "pass it (check --dynamic-filter against the rollout settings)",
+                self._drop_streak,
+                self._drop_counts(),
+            )
+        if self.drop_after is None or self._drop_streak < self.drop_after:
+            return False
+        self.reason = f"the filter dropped every group of the last {self._drop_streak} (none kept): "
+        self.reason += self._drop_counts()
+        log.error("rollout starved, admission stopped until the next generate(): %s", self.reason)
+        self.kept()
+        return True
+
+    def _drop_counts(self) -> str:
+        return ", ".join(f"{reason}={n}" for reason, n in self._drops.most_common())
 
     def error(self, prompt: Prompt, kind: str, detail: str) -> FreshStart | None:
         """A group of ``prompt`` failed.
@@ -120,6 +166,7 @@ class Starvation:
         self.reason = None
         self.answered.clear()
         self._reset()
+        self.kept()
 
     def _reset(self) -> None:
         self._filtered.clear()

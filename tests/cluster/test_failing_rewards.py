@@ -114,3 +114,24 @@ def test_filter_that_raises_starves_generate_too(make_cluster, support):
         with pytest.raises(Starved):
             client.generate(0)
         assert_nothing_burned(settled_status(cluster))
+
+
+def test_filter_that_drops_every_group_warns_then_starves_generate_with_the_counts(make_cluster):
+    """The stall a newcomer hit: ``--max-new-tokens 8`` truncates every sim answer before its
+    ``\\boxed{}``, so every reward is 0 and the default filter (``nonzero_std``) drops every group.
+    Red if: generate() keeps waiting while the dataset burns (the default is one data epoch of
+    drops, here 200 rows), the coordinator says nothing, or the error lacks the counts by reason."""
+    cluster = make_cluster(rows=200, max_new_tokens=8)
+    coordinator = cluster.start_coordinator("--starve-after", "16")
+    cluster.start_agent("a1", sim_args=FAST)
+    with cluster.client(timeout=60) as client:
+        with pytest.raises(Starved) as caught:
+            client.generate(0)
+        why = str(caught.value)
+        assert why.startswith("the filter dropped every group of the last 200 (none kept): zero_std_0="), why
+        status = settled_status(cluster)
+        assert status["starved"] == why and status["last_rollout_id"] == -1
+        # Dropped prompts stay filtered (the filter's verdict), counted: one epoch's worth, not ten.
+        assert ROWS > status["filtered_total"] >= 200 and status["prompts"]["filtered"] >= 1, status
+    warning = "the filter dropped every group of the last 16 (none kept): zero_std_0=16"
+    assert warning in coordinator.text(), "no WARNING while the groups were being dropped"

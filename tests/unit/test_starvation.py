@@ -249,3 +249,62 @@ def test_the_next_generate_after_a_fix_fails_again_only_after_another_full_windo
     assert core.statistics().starved is None, "a fresh window"
     eff = fail_everything(core, agent, queue)
     assert [(s.msg.code, s.msg.req) for s in sends(eff, p.Error)] == [("starved", 8)]
+
+
+# ---------------------------------------------------------------------- a filter that drops everything
+
+
+def drop(core, session, g, reason="zero_std_0", agent=b"a"):
+    return core.handle(agent, p.Filtered(session, g["lease"], g["data_epoch"], g["index"], reason), 0.0)
+
+
+def test_drops_in_a_row_warn_once_then_starve_with_the_counts_by_reason(caplog):
+    s = Starvation(3, drop_after=5)
+    with caplog.at_level("WARNING", logger="rollfleet.coordinator"):
+        assert [s.dropped("zero_std_0") for _ in range(4)] == [False] * 4
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "last 3 (none kept): zero_std_0=3" in warnings[0]
+    assert s.dropped("zero_std_1") and s.starved
+    assert s.reason == "the filter dropped every group of the last 5 (none kept): zero_std_0=4, zero_std_1=1"
+    s.clear()
+    assert not s.starved and not s.dropped("zero_std_0")
+
+
+def test_a_kept_group_ends_a_streak_of_drops_and_no_limit_means_never():
+    s = Starvation(3, drop_after=3)
+    s.dropped("r")
+    s.dropped("r")
+    s.kept()
+    assert not s.dropped("r") and not s.dropped("r") and s.dropped("r")
+    never = Starvation(3)
+    assert not any(never.dropped("r") for _ in range(1000)) and not never.starved
+    with pytest.raises(ValueError):
+        Starvation(3, drop_after=0)
+
+
+def test_a_filter_that_drops_every_group_starves_generate_with_the_counts_and_stops_admission():
+    core = make_core(size=100)
+    assert core.admission.starvation.drop_after == 100, "the default: one data epoch"
+    core = CoordinatorCore(
+        RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=N, prefetch=0),
+        Liveness(0.25, 3.0, 10.0),
+        dataset_size=100,
+        dataset_fingerprint="fp",
+        starve_after=AFTER,
+        starve_after_drops=20,
+    )
+    agent, _ = register(core)
+    session = attach(core)
+    queue = grants(core.handle(b"trainer", p.Generate(session, 7, 0), 0.0))
+    out: list = []
+    while queue:
+        assert len(out) < 1000, "admission never stopped"
+        eff = drop(core, agent, queue.pop(0))
+        out += eff
+        queue += grants(eff)
+    errors = sends(out, p.Error)
+    assert [(e.to, e.msg.code, e.msg.req) for e in errors] == [(b"trainer", "starved", 7)]
+    assert errors[0].msg.message.endswith("last 20 (none kept): zero_std_0=20")
+    st = core.statistics()
+    assert st.prompts["filtered"] == st.filtered_total >= 20 and st.leased == 0
+    assert not grants(core.handle(b"a", p.Capacity(agent, 8 * N, []), 0.0)), "admission stopped"
