@@ -83,6 +83,8 @@ class AsyncRolloutClient:
         self._agents: dict[str, _Endpoint] = {}
         self._closed = False
         self._weights = WeightSender(self)
+        self._attaching = asyncio.Lock()
+        """Held while attaching: concurrent calls that find the coordinator restarted attach once, not each."""
 
     async def __aenter__(self) -> AsyncRolloutClient:
         await self.connect()
@@ -98,7 +100,9 @@ class AsyncRolloutClient:
             self._ctx = zmq.asyncio.Context()
             self._coord = _Endpoint(self._ctx, self.address, "coordinator")
         if self._attach_wanted and not self.session:
-            await self._attach()
+            async with self._attaching:
+                if not self.session:
+                    await self._attach()
 
     async def _attach(self) -> None:
         msg, _ = await self._coord.request(
@@ -114,17 +118,29 @@ class AsyncRolloutClient:
         log.info("attached to %s as %s (session %x)", self.address, self.client_id, self.session)
 
     async def _call(self, make, what: str):
-        """A coordinator request that re-attaches once if the coordinator restarted."""
+        """A coordinator request that re-attaches once if the coordinator restarted.
+
+        Calls in flight together (a ``generate`` waiting while weights are pushed) share one
+        re-attach: the first to hear ``unknown_session`` attaches, the others see the new session
+        and ask again with it. A ``fenced`` answer to a session this client has already left
+        behind is such a call, asked again too; ``Fenced`` is raised only when another trainer
+        replaced this client's current session."""
         await self.connect()
         for _ in range(3):
+            async with self._attaching:
+                session = self.session
             msg, frames = await self._coord.request(
-                lambda req: make(self.session, req), retry_interval=self.retry_interval, timeout=self.timeout, what=what
+                lambda req, s=session: make(s, req), retry_interval=self.retry_interval, timeout=self.timeout, what=what
             )
             if isinstance(msg, p.Error) and msg.code == "unknown_session":
-                log.warning("coordinator no longer knows session %x (restarted); attaching again", self.session)
-                self.session = 0
-                await self._attach()
+                async with self._attaching:
+                    if self.session == session:  # nobody attached again meanwhile
+                        log.warning("coordinator no longer knows session %x (restarted); attaching again", session)
+                        self.session = 0
+                        await self._attach()
                 continue
+            if isinstance(msg, p.Error) and msg.code == "fenced" and session != self.session:
+                continue  # answered to the session this client had before it attached again
             if isinstance(msg, p.Error):
                 _raise_remote(msg)
             return msg

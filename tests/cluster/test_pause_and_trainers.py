@@ -12,6 +12,8 @@ Semantics under test (README, "Trainer API"; ``coordinator/core.py``):
   committed. After ``resume()`` they are generated again, and nothing is lost or repeated.
 - A second trainer attaching replaces the first: the first's waiting ``generate()`` and every
   later call raise ``Fenced``; the second is served.
+- One trainer's calls in flight together across a coordinator restart (a ``generate`` waiting
+  while weights are pushed) attach again once, and none of them is fenced by the others.
 - A payload missing on a live node: the trainer reports it, the coordinator drops the group from
   the batch and completes it with a replacement (``rollout/replaced_groups``); a prompt never
   trained on is generated again, one already trained on is not.
@@ -19,7 +21,9 @@ Semantics under test (README, "Trainer API"; ``coordinator/core.py``):
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,6 +31,7 @@ import lmdb
 import pytest
 
 from common.errors import Fenced
+from coordinator.client import AsyncRolloutClient
 from harness.polling import wait_for
 
 # 48 tokens at 50 ms: a group stays on its engine for ~2.4 s, long enough to pause it mid-flight.
@@ -231,3 +236,24 @@ def test_payload_missing_on_a_live_node_is_replaced_and_regenerated_once(make_cl
         # The trained prompt is not generated again: the next batches hold only new prompts.
         for later in (rid, rid + 1):
             check_batch(cluster, client.generate(later), seen)
+
+
+async def test_calls_in_flight_across_a_coordinator_restart_attach_once_and_none_is_fenced(make_cluster, caplog):
+    """Red if: each call that finds the coordinator restarted attaches on its own, so the sessions
+    they make fence one another and all but the last raise ``Fenced`` (seen in the chaos run: a
+    generate waiting while the trainer pushed a rescue update)."""
+    cluster = make_cluster(dynamic_filter="none")
+    coordinator = cluster.start_coordinator()
+    async with AsyncRolloutClient(cluster.address, timeout=60, retry_interval=0.2) as client:
+        before = client.session
+        coordinator.signal(signal.SIGKILL)
+        coordinator.wait(30)
+        cluster.start_coordinator()
+        with caplog.at_level("WARNING", logger="rollfleet.client"):
+            results = await asyncio.gather(*(client.pause(drain=False) for _ in range(4)), return_exceptions=True)
+        assert not [r for r in results if isinstance(r, BaseException)], results
+        attaches = [r for r in caplog.records if "attaching again" in r.getMessage()]
+        assert len(attaches) == 1, [r.getMessage() for r in attaches]
+        assert client.session not in (0, before)
+        assert (await client.resume()) is not None, "the session the calls share is the current one"
+        assert cluster.status()["trainer"] == client.client_id
