@@ -51,8 +51,6 @@ import hashlib
 import json
 import logging
 import os
-import pickle
-import subprocess
 import sys
 from array import array
 from bisect import bisect_right
@@ -60,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.errors import Closed, ConfigError, DatasetError
+from common.scan_workers import WorkerFailed, _scan_workers, _spans, _start_worker, _worker_result
 from common.shuffle import SHUFFLE_ORDER, ShuffledOrder, epoch_permutation  # noqa: F401  (re-exported)
 
 try:
@@ -80,6 +79,14 @@ _JSON_TYPE = {
     bool: "boolean",
     type(None): "null",
 }
+
+
+_CHUNK = 1 << 20
+"""Bytes read per step of the load scan."""
+_BLOCK_BYTES = 16 << 10
+"""Rows per checkpoint are chosen so that a block is about this many bytes: what ``row`` re-reads."""
+_MAX_BLOCK_ROWS = 64
+_INDEX_FORMAT = "rollfleet-dataset-index-2"
 
 
 def _json_type(value: Any) -> str:
@@ -118,42 +125,6 @@ class Row:
     label: Any = None
     metadata: dict = field(default_factory=dict)
     """The row's other keys."""
-
-
-_CHUNK = 1 << 20
-"""Bytes read per step of the load scan."""
-_BLOCK_BYTES = 16 << 10
-"""Rows per checkpoint are chosen so that a block is about this many bytes: what ``row`` re-reads."""
-_MAX_BLOCK_ROWS = 64
-_INDEX_FORMAT = "rollfleet-dataset-index-2"
-_PARALLEL_BYTES = 64 << 20
-"""Files this large are validated by worker processes, one span of the file each."""
-_MAX_WORKERS = 8
-
-
-def _scan_workers(size: int) -> int:
-    if size < _PARALLEL_BYTES:
-        return 1
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(_MAX_WORKERS, cpus))
-
-
-def _spans(f, size: int, workers: int) -> list[tuple[int, int | None]]:
-    """``workers`` byte ranges ``[lo, hi)`` of about equal size, each starting at a line start."""
-    if workers <= 1:
-        return [(0, None)]
-    bounds = [0]
-    for k in range(1, workers):
-        f.seek(size * k // workers)
-        f.readline()
-        pos = f.tell()
-        if bounds[-1] < pos < size:
-            bounds.append(pos)
-    bounds.append(size)
-    return list(zip(bounds, bounds[1:], strict=False))
 
 
 def _scan_span(f, lo: int, hi: int | None, input_key: str, block: int, hasher=None) -> tuple:
@@ -207,41 +178,6 @@ def _scan_span_file(path: str, lo: int, hi: int | None, input_key: str, block: i
     """``_scan_span`` in a worker process."""
     with open(path, "rb") as f:
         return _scan_span(f, lo, hi, input_key, block)
-
-
-_WORKER = (
-    "import pickle, sys\n"
-    "from common.dataset import _scan_span_file\n"
-    "path, lo, hi, key, block = sys.argv[1:]\n"
-    "sys.stdout.buffer.write(pickle.dumps(_scan_span_file(path, int(lo), int(hi), key, int(block))))\n"
-)
-
-
-def _start_worker(path: str, lo: int, hi: int, input_key: str, block: int) -> subprocess.Popen:
-    """A plain interpreter running ``_scan_span_file`` on one span; its result comes back pickled on stdout.
-
-    Not multiprocessing: its spawn and forkserver modes re-import the caller's main module
-    (a script building a Dataset at top level would recurse), and fork is unsafe in a process
-    with threads.
-    """
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
-    argv = [sys.executable, "-c", _WORKER, path, str(lo), str(hi), input_key, str(block)]
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env)
-
-
-class _WorkerFailed(Exception):
-    """A validation worker exited without a result; the loading process then validates the file itself."""
-
-
-def _worker_result(worker: subprocess.Popen) -> tuple:
-    out = worker.stdout.read()
-    if worker.wait() != 0:
-        raise _WorkerFailed(f"worker {worker.pid} exited with {worker.returncode}")
-    try:
-        return pickle.loads(out)
-    except Exception as e:
-        raise _WorkerFailed(f"worker {worker.pid} sent no result ({e})") from None
 
 
 def _check_row(obj: Any, key: str) -> None:
@@ -331,8 +267,8 @@ class Dataset:
     def _scan(self) -> str:
         """Validate every row and record the checkpoints; returns the fingerprint.
 
-        A file of ``_PARALLEL_BYTES`` or more is cut at line starts into one span per CPU (up to
-        ``_MAX_WORKERS``), validated by worker processes while this one hashes the whole file;
+        A file of ``scan_workers._PARALLEL_BYTES`` or more is cut at line starts into one span per CPU (up to
+        ``scan_workers._MAX_WORKERS``), validated by worker processes while this one hashes the whole file;
         each span's checkpoints start at its first row (``_span_rows``, ``_span_blocks``).
         """
         f = self._file
@@ -346,7 +282,7 @@ class Dataset:
         if len(spans) > 1:
             try:
                 results, fingerprint = self._scan_in_workers(spans, block)
-            except (OSError, _WorkerFailed) as e:
+            except (OSError, WorkerFailed) as e:
                 log.warning("validating %s in worker processes failed (%s); validating it here", self.path, e)
         if results is None:
             hasher = hashlib.sha256()

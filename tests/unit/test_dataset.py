@@ -8,6 +8,7 @@ from array import array
 
 import pytest
 
+from common import scan_workers
 from common.dataset import _MAX_BLOCK_ROWS, Dataset, Row, ShuffledOrder, epoch_permutation
 from common.errors import DatasetError
 
@@ -282,7 +283,7 @@ def test_a_large_file_is_validated_in_spans_by_worker_processes(tmp_path, monkey
     text = "\n".join(lines) + "\n"
     path = write(tmp_path, text)
     serial = Dataset(path)
-    monkeypatch.setattr(dataset_module, "_PARALLEL_BYTES", 0)
+    monkeypatch.setattr(scan_workers, "_PARALLEL_BYTES", 0)
     monkeypatch.setattr(dataset_module, "_scan_workers", lambda size: 3)
     index = tmp_path / "dataset.index"
     for expect_index in (False, True):
@@ -306,8 +307,8 @@ def test_a_failed_validation_worker_falls_back_to_validating_in_process(tmp_path
     import common.dataset as dataset_module
 
     path = write(tmp_path, jsonl(*({"prompt": f"p{i}"} for i in range(500))))
-    monkeypatch.setattr(dataset_module, "_PARALLEL_BYTES", 0)
+    monkeypatch.setattr(scan_workers, "_PARALLEL_BYTES", 0)
     monkeypatch.setattr(dataset_module, "_scan_workers", lambda size: 2)
-    monkeypatch.setattr(dataset_module, "_WORKER", "import sys; sys.exit(3)")
+    monkeypatch.setattr(scan_workers, "_WORKER", "import sys; sys.exit(3)")
     with Dataset(path) as ds:
         assert len(ds._span_rows) == 1 and len(ds) == 500 and ds.row(499).prompt == "p499"
