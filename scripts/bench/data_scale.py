@@ -42,7 +42,7 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from w1_overhead import Procs, venv_script, wait_until  # noqa: E402
+from benchlib import Procs, venv_script, wait_until  # noqa: E402
 
 BENCH = "data_scale"
 READY_TIMEOUT = 300.0

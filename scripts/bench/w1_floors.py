@@ -39,7 +39,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 sys.path.insert(0, str(HERE))
 
-from w1_overhead import GROUP, busy_cpu_seconds, cpu_seconds, make_prompt, sampling_params  # noqa: E402
+from benchlib import busy_cpu_seconds, cpu_seconds  # noqa: E402
+from w1_overhead import GROUP, make_prompt, sampling_params  # noqa: E402
 
 
 class Window:

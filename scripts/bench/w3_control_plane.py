@@ -54,7 +54,7 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from w1_overhead import CLK_TCK, Procs, proc_stat, venv_script, wait_until  # noqa: E402
+from benchlib import CLK_TCK, Procs, proc_stat, venv_script, wait_until  # noqa: E402
 
 BENCH = "W3"
 GROUP = 8
