@@ -367,6 +367,9 @@ class WeightsExecutor:
             )
             return False
         log.info("engine %s re-loaded weight version %d from %s", name, record.version, record.path)
+        if self.current.version != record.version:
+            # The fleet moved on while it loaded (an update it was not part of): bring it up to that one instead.
+            return await self._bring_up(name, url, mark=mark)
         self.stale.discard(name)
         if mark:
             self._set_serving(name, True)
