@@ -11,13 +11,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import glob
+import json
 import logging
 import os
 import shlex
 import sys
 
-from common.config import ArgumentParser, log_level, number, seconds
+from common.config import ArgumentParser, number, seconds
+from common.config_file import add_config_flag, parse_args_with_config
 from common.errors import ConfigError, DatasetError, EngineStartError, RolloutError
+from common.logs import add_log_flags, setup_logging
 from common.transport import advertised_host, validate_endpoint
 
 # Flags whose value is itself a list of flags: ``--sim-args --unhealthy`` means ``--sim-args=--unhealthy``.
@@ -87,7 +90,8 @@ def _join_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--input-key", default="prompt", help="with --dataset: row key holding the prompt")
     sp.add_argument("--label-key", default="label", help="with --dataset: row key holding the label")
     sp.add_argument("--no-sync", action="store_true", help="skip fsync on store commits (faster, not crash-safe)")
-    sp.add_argument("--log-level", type=log_level, default="INFO", help="DEBUG, INFO, WARNING or ERROR (any case)")
+    add_log_flags(sp)
+    add_config_flag(sp)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = ArgumentParser(prog="agent", description="rollfleet node agent")
     sub = parser.add_subparsers(dest="command", required=True)
-    _join_args(sub.add_parser("join", help="join a coordinator and generate on this node's engines"))
+    join_parser = sub.add_parser("join", help="join a coordinator and generate on this node's engines")
+    _join_args(join_parser)
+    parser.config_commands = {"join": join_parser}
     sim = sub.add_parser("sim-engine", help="run one sim engine (SGLang HTTP API on CPU)")
     sim_cli.add_arguments(sim)
     hf = sub.add_parser("hf-engine", help="run one hf engine (a torch causal LM behind SGLang's HTTP API)")
@@ -122,7 +128,6 @@ def _make_model_args(sp: argparse.ArgumentParser) -> None:
 
 
 def make_model_command(args: argparse.Namespace) -> int:
-    import json
 
     from transformers.utils import logging as transformers_logging
 
@@ -321,7 +326,11 @@ def join(args) -> int:
 
 def main(argv=None) -> int:
     argv = join_args_values(list(sys.argv[1:] if argv is None else argv))
-    args = build_parser().parse_args(argv)
+    try:
+        args, effective = parse_args_with_config(build_parser(), argv)
+    except ConfigError as exc:
+        print(f"agent: error: {exc}", file=sys.stderr)
+        return 2
     if args.command == "hf-engine":
         from agent.hf import cli as hf_cli
 
@@ -350,7 +359,8 @@ def main(argv=None) -> int:
         except KeyboardInterrupt:
             return 130
         return 0
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging(args.log_level, args.log_format)
+    logging.getLogger("agent").info("effective config: %s", json.dumps(effective, sort_keys=True))
     try:
         return join(args)
     except (ConfigError, DatasetError, EngineStartError, ValueError) as exc:

@@ -9,8 +9,10 @@ import logging
 import os
 import sys
 
-from common.config import ArgumentParser, Liveness, RolloutConfig, log_level, message_bytes, number, seconds
+from common.config import ArgumentParser, Liveness, RolloutConfig, message_bytes, number, seconds
+from common.config_file import add_config_flag, parse_args_with_config
 from common.errors import ConfigError, DatasetError, RolloutError
+from common.logs import add_log_flags, setup_logging
 from common.transport import validate_endpoint
 
 _COUNT = number(int, min=1)
@@ -71,13 +73,16 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
     )
     sp.add_argument("--no-sync", action="store_true", help="skip fsync on ledger commits (faster, not crash-safe)")
     sp.add_argument("--allow-config-change", action="store_true", help="restart with other batch settings; recorded")
-    sp.add_argument("--log-level", type=log_level, default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_log_flags(sp)
+    add_config_flag(sp)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="coordinator", description="rollfleet coordinator")
     sub = parser.add_subparsers(dest="command", required=True)
-    _serve_args(sub.add_parser("serve", help="run the coordinator"))
+    serve_parser = sub.add_parser("serve", help="run the coordinator")
+    _serve_args(serve_parser)
+    parser.config_commands = {"serve": serve_parser}
     st = sub.add_parser("status", help="print a running coordinator's statistics as JSON")
     st.add_argument("--coordinator", default="tcp://127.0.0.1:5555")
     st.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for an answer")
@@ -139,10 +144,14 @@ def status(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(args, "log_level", "INFO"), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    try:
+        args, effective = parse_args_with_config(build_parser(), list(sys.argv[1:] if argv is None else argv))
+    except ConfigError as exc:
+        print(f"coordinator: error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
+    if effective is not None:
+        logging.getLogger("coordinator").info("effective config: %s", json.dumps(effective, sort_keys=True))
     try:
         return {"serve": serve, "status": status}[args.command](args)
     except (ConfigError, DatasetError, ValueError) as exc:
