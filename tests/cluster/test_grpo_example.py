@@ -39,7 +39,7 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def start_fleet(make_cluster, tmp_path):
+def start_fleet(make_cluster, tmp_path, *, max_staleness: int = 1):
     from agent.hf.model import load_model
 
     model_dir = prepare_model(tmp_path, warmup_steps=90, seed=0, log=lambda line: None)
@@ -49,7 +49,7 @@ def start_fleet(make_cluster, tmp_path):
         n_samples_per_prompt=GROUP,
         max_new_tokens=16,
         temperature=1.0,
-        max_staleness=1,
+        max_staleness=max_staleness,
         reward="exact",
         dynamic_filter="none",
     )
