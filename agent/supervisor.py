@@ -75,7 +75,6 @@ class _Engine:
     report: str | None = None
     error: str | None = None
     forced: bool = False  # check at once, whatever the interval
-    restarts: int = 0  # relaunches since the agent started (metrics)
 
     @property
     def name(self) -> str:
@@ -289,8 +288,7 @@ class EngineSupervisor:
         return self._engines[name].state
 
     def restarts(self) -> dict[str, int]:
-        """Relaunches of each engine since the agent started."""
-        return {name: eng.restarts for name, eng in self._engines.items()}
+        return {name: eng.budget.total for name, eng in self._engines.items()}  # relaunches since the start
 
     def all_retired(self) -> bool:
         """True once every engine is retired: nothing here will ever generate again."""
@@ -378,7 +376,6 @@ class EngineSupervisor:
             log.info("engine %s: restarting in %.1fs", eng.name, delay)
             await asyncio.sleep(delay)
             budget.record(time.monotonic())
-            eng.restarts += 1
             try:
                 await self._launch_and_wait(eng)
             except EngineStartError as e:

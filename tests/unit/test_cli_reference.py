@@ -12,12 +12,20 @@ from agent.cli import build_parser as agent_parser
 from coordinator.cli import build_parser as coordinator_parser
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+DOCS = README.parent / "docs"
+
+
+def _section(text: str) -> str:
+    start = text.index("## Command reference\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
 
 
 def _reference() -> str:
-    text = README.read_text()
-    start = text.index("## Command reference\n")
-    return text[start : text.index("\n## ", start + 1)]
+    """README's command reference, with the ``## Command reference`` section of any docs/*.md (a feature's own page)."""
+    parts = [_section(README.read_text())]
+    parts += [_section(t) for t in (p.read_text() for p in sorted(DOCS.glob("*.md"))) if "## Command reference\n" in t]
+    return "\n".join(parts)
 
 
 def _commands() -> dict[str, argparse.ArgumentParser]:
