@@ -89,6 +89,13 @@ def _join_args(sp: argparse.ArgumentParser) -> None:
     )
     sp.add_argument("--input-key", default="prompt", help="with --dataset: row key holding the prompt")
     sp.add_argument("--label-key", default="label", help="with --dataset: row key holding the label")
+    sp.add_argument(
+        "--metrics-port",
+        type=number(int, min=0, max=65535),
+        default=None,
+        help="serve Prometheus /metrics on this HTTP port; 0 picks a free one (logged); default: off",
+    )
+    sp.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics port binds (default 127.0.0.1)")
     sp.add_argument("--no-sync", action="store_true", help="skip fsync on store commits (faster, not crash-safe)")
     add_log_flags(sp)
     add_config_flag(sp)
@@ -312,6 +319,8 @@ def join(args) -> int:
             "health_interval": args.health_interval,
             "max_restarts": args.max_restarts,
         },
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
     )
     print(f"agent {agent.agent_id} joining {args.coordinator}; payloads at {agent.payload_address}", flush=True)
     failures: list[BaseException] = []

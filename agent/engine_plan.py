@@ -392,6 +392,8 @@ class RestartBudget:
         self._delay_min = delay_min
         self._delay_max = delay_max
         self._times: deque[float] = deque()
+        self.total = 0
+        """Restarts recorded in all (the agent's metrics; ``recent`` forgets old ones)."""
 
     def recent(self, now: float) -> int:
         """Restarts recorded within the last ``window`` seconds (older ones are forgotten)."""
@@ -409,6 +411,7 @@ class RestartBudget:
     def record(self, now: float) -> None:
         """A restart happened at ``now``."""
         self._times.append(now)
+        self.total += 1
 
 
 def reprobe_delay(attempt: int, health_interval: float) -> float:

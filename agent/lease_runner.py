@@ -28,7 +28,7 @@ import logging
 import time
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from agent.engine_client import EngineClient, sample_status
@@ -83,6 +83,8 @@ class LeaseContext:
     client: EngineClient
     store: GroupStore
     agent_id: str
+    tokens: dict[str, int] = field(default_factory=dict)
+    """Tokens generated per engine name, across configurations (the agent's metrics read it)."""
 
 
 class LeaseRunner:
@@ -236,8 +238,12 @@ class LeaseRunner:
                 answers, todo = [[] for _ in answers], list(range(len(answers)))
                 continue
             aborted = []
+            tokens = self.ctx.tokens
             for i, out in zip(todo, results, strict=True):
                 answers[i].append(out)
+                n = out["meta_info"].get("completion_tokens")
+                if isinstance(n, int):
+                    tokens[assignment.engine] = tokens.get(assignment.engine, 0) + n
                 if sample_status(out["meta_info"].get("finish_reason")) == "aborted":
                     aborted.append(i)
             if not aborted:

@@ -299,6 +299,13 @@ class GroupStore:
         with self.env.begin() as txn:
             return txn.stat(self.groups)["entries"]
 
+    def usage(self) -> tuple[int, int]:
+        """``(groups stored, bytes of the LMDB in use)``: meta pages only, cheap enough for the loop at scrape time."""
+        info = self.env.info()
+        with self.env.begin() as txn:
+            groups = txn.stat(self.groups)["entries"]
+        return groups, (info["last_pgno"] + 1) * self.env.stat()["psize"]
+
     def close(self) -> None:
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=True)

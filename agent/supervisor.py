@@ -287,6 +287,9 @@ class EngineSupervisor:
         """``starting``, ``healthy``, ``stale``, ``down`` or ``retired``; KeyError for unknown names."""
         return self._engines[name].state
 
+    def restarts(self) -> dict[str, int]:
+        return {name: eng.budget.total for name, eng in self._engines.items()}  # relaunches since the start
+
     def all_retired(self) -> bool:
         """True once every engine is retired: nothing here will ever generate again."""
         return all(e.state == "retired" for e in self._engines.values())

@@ -90,8 +90,12 @@ class Agent:
         dataset=None,
         sync: bool = True,
         supervisor_options: dict | None = None,
+        metrics_host: str = "127.0.0.1",
+        metrics_port: int | None = None,
     ):
         self.coordinator = coordinator
+        self.metrics_host, self.metrics_port = metrics_host, metrics_port
+        self.observe = None  # the /metrics endpoint while running (agent/observe.py)
         self.store = GroupStore(data_dir, agent_id=agent_id, sync=sync)
         options = {"log_dir": Path(data_dir) / "logs", **(supervisor_options or {})}
         # One HTTP client to the engines: generation, aborts and the supervisor's health probes.
@@ -123,6 +127,7 @@ class Agent:
         self._tokenizer_name = tokenizer
         self.tokenizer = None
         self.runners: dict[int, LeaseRunner] = {}
+        self.tokens: dict[str, int] = {}  # generated per engine, shared by every LeaseContext (agent/observe.py)
         self._lease_ctx: LeaseContext | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._services: list[asyncio.Task] = []
@@ -156,6 +161,8 @@ class Agent:
         stop = asyncio.Event()
         stop_on_signals(loop, stop)
         try:
+            if self.metrics_port is not None:
+                await self._start_observe()  # before the engines: a slow start is visible on /metrics
             log.info("agent %s (incarnation %d): starting engines", self.agent_id, self.store.incarnation)
             await self.supervisor.start()
             self.handle(EnginesStarted(tuple((spec.name, spec.url) for spec in self.supervisor.healthy())))
@@ -216,7 +223,19 @@ class Agent:
         for task in self._services:
             task.cancel()
 
+    async def _start_observe(self) -> None:
+        # Imported here: prometheus_client is only loaded by an agent that serves metrics.
+        from agent.observe import AgentCollector
+        from common.observe_http import ObserveServer
+
+        observe = ObserveServer(self.metrics_host, self.metrics_port, AgentCollector(self))
+        url = await observe.start()
+        self.observe = observe
+        log.info("agent %s: metrics on %s/metrics", self.agent_id, url)
+
     async def _close(self) -> None:
+        if self.observe is not None:
+            await self.observe.close()
         try:
             await asyncio.wait_for(self.supervisor.stop(), 30)
         except Exception as exc:  # cleanup must go on; report, don't hide
@@ -259,6 +278,7 @@ class Agent:
             self.client,
             self.store,
             self.agent_id,
+            self.tokens,
         )
 
     def _start_lease(self, ins: StartLease) -> None:

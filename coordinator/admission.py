@@ -110,6 +110,7 @@ class Admission:
                     }
                 )
             if leases:
+                self.core.counters.leases_granted += len(leases)
                 granted.append(Send(agent_id, p.Grant(rec.session, leases), with_rows=not rec.local_dataset))
             membership.note_room(rec)  # the frontier ran out before its share: it still has room
         return granted
@@ -146,7 +147,9 @@ class Admission:
                 else:
                     stale.append(item[0])
         if old is not None:
+            before = len(self.leases)
             self.release_agent_leases(old, keep=set(reported))
+            core.counters.lease_ended("reregistered", before - len(self.leases))
         engines = [e for e in msg.engines if isinstance(e, dict)]
         ops: list = core.weights.note_engines(engines)  # before the Welcome, which names the weights
         rec = core.membership.register(
@@ -173,6 +176,7 @@ class Admission:
             if not (isinstance(lease_id, int) and isinstance(key, str) and isinstance(stats, dict)):
                 continue
             accepted, _ = self._accept(rec, lease_id, epoch, index, key, stats, ops)
+            self._count_receipt(accepted)
             acks.append([key, accepted])
         welcome = p.Welcome(
             session=rec.session,
@@ -222,6 +226,7 @@ class Admission:
             lease = self.end_lease(lease_id)
             if lease is not None:
                 self.core.frontier.release(lease.data_epoch, lease.index)
+                self.core.counters.lease_ended("lost")
         return self.core.pump(now) if lost else []
 
     def _accept(
@@ -232,6 +237,7 @@ class Admission:
         lease = self.leases.get(lease_id)
         if lease is not None and lease.agent_id == rec.agent_id:
             self.end_lease(lease_id)
+            self.core.counters.lease_ended("receipt")
         if isinstance(epoch, int) and frontier.is_closed(epoch):
             return False, "duplicate: its data epoch is complete"
         if not frontier.valid(epoch, index):
@@ -260,11 +266,18 @@ class Admission:
             return self._fence(peer, msg)
         ops: list = []
         accepted, reason = self._accept(rec, msg.lease, msg.data_epoch, msg.index, msg.key, msg.stats, ops)
+        self._count_receipt(accepted)
         self.starvation.ok()  # a group went through reward and filter
         self.starvation.kept()
         self.failures.pop((msg.data_epoch, msg.index), None)
         ack = Send(rec.agent_id, p.ReceiptAck(msg.lease, msg.key, accepted, reason))
         return [self.core.persist(ops, [ack])] + self.core.pump(now)
+
+    def _count_receipt(self, accepted: bool) -> None:
+        if accepted:
+            self.core.counters.receipts_accepted += 1
+        else:
+            self.core.counters.receipts_refused += 1
 
     def on_filtered(self, peer: bytes, msg: p.Filtered, now: float) -> list:
         rec = self._agent(peer, msg.session, now)
@@ -275,6 +288,7 @@ class Admission:
         if lease is None or lease.agent_id != rec.agent_id:
             return self.core.pump(now)  # lease was reissued; the successor accounts for the prompt
         self.end_lease(msg.lease)
+        self.core.counters.lease_ended("filtered")
         # The lease's prompt, whatever the message claims.
         out = self._filter(lease.prompt, rec.agent_id, msg.reason)
         if out:
@@ -287,6 +301,7 @@ class Admission:
             return []
         core.frontier.set(*prompt, FILTERED)
         core.batches.drops.record_dropped(reason)
+        core.counters.dropped(reason)
         self.filtered_total += 1
         self.failures.pop(prompt, None)
         return [core.persist([PutPrompt(*prompt, PromptState(FILTERED, agent_id, reason=reason))], [])]
@@ -301,6 +316,7 @@ class Admission:
             lease = self.leases.get(lease_id)
             if lease is not None and lease.agent_id == rec.agent_id:
                 self.end_lease(lease_id)
+                self.core.counters.lease_ended("released" if failure is None else "failed")
                 if failure is None:
                     self.core.frontier.release(*lease.prompt)
                 else:
@@ -361,7 +377,9 @@ class Admission:
         core.membership.refresh_room()
         out: list = []
         for rec in dead:
+            before = len(self.leases)
             self.release_agent_leases(rec)
+            core.counters.lease_ended("expired", before - len(self.leases))
         ops: list = []
         for rec in retired:
             core.batches.retire_agent(rec.agent_id, ops)

@@ -59,6 +59,8 @@ class PendingGenerate:
     peer: bytes
     req: int
     rollout_id: int
+    since: float = 0.0
+    """When the trainer's ``generate`` for it arrived (a resend keeps the first arrival)."""
 
 
 class Batches:
@@ -187,6 +189,8 @@ class Batches:
         ops.append(SetMark("last_rollout_id", self.last_rollout_id))
         self.drops = DropStats()
         self.close_epochs(ops)
+        now = self.core.now
+        self.core.counters.batch(g.rollout_id, now, max(0.0, now - g.since), len(groups), metrics)
         return self.core.persist(ops, [Send(g.peer, self.reply(g.req, g.rollout_id))])
 
     def _note_epoch(self, epoch: int, rollout_id: int) -> None:
@@ -288,6 +292,7 @@ class Batches:
         """Wait for batch ``rollout_id`` (or its repair); the error if it can never come."""
         if rollout_id in self.repairs:
             self.repairs[rollout_id].append((peer, req))
+            self.core.counters.note_waiting(True, self.core.now)
             return None
         if rollout_id <= self.trimmed_upto:
             why = (
@@ -304,8 +309,9 @@ class Batches:
             if g.rollout_id == rollout_id:
                 g.peer, g.req = peer, req
                 return None
-        self.pending.append(PendingGenerate(peer, req, rollout_id))
+        self.pending.append(PendingGenerate(peer, req, rollout_id, self.core.now))
         self.pending.sort(key=lambda g: g.rollout_id)
+        self.core.counters.note_waiting(True, self.core.now)
         return None
 
     @property
@@ -334,6 +340,7 @@ class Batches:
             hopeless = self._hopeless()
             if hopeless is not None:
                 out += self._fail_waiting(*hopeless)
+        self.core.counters.note_waiting(bool(self.pending or self.repairs), self.core.now)
         return out
 
     def _hopeless(self) -> tuple[str, str] | None:

@@ -71,6 +71,14 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
         help="groups in a row the filter dropped (none kept) after which generate() raises Starved with the drop "
         "counts and admission stops (default: the dataset's size, one data epoch)",
     )
+    sp.add_argument(
+        "--metrics-port",
+        type=number(int, min=0, max=65535),
+        default=None,
+        help="serve Prometheus /metrics and the status page (/, /status.json) on this HTTP port; 0 picks a free "
+        "one (logged); default: off",
+    )
+    sp.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics port binds (default 127.0.0.1)")
     sp.add_argument("--no-sync", action="store_true", help="skip fsync on ledger commits (faster, not crash-safe)")
     sp.add_argument("--allow-config-change", action="store_true", help="restart with other batch settings; recorded")
     add_log_flags(sp)
@@ -83,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser = sub.add_parser("serve", help="run the coordinator")
     _serve_args(serve_parser)
     parser.config_commands = {"serve": serve_parser}
-    st = sub.add_parser("status", help="print a running coordinator's statistics as JSON")
+    st = sub.add_parser("status", help="print a running coordinator's statistics as a table (--json: as JSON)")
     st.add_argument("--coordinator", default="tcp://127.0.0.1:5555")
+    st.add_argument("--json", action="store_true", help="print the statistics as JSON, for machines")
     st.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for an answer")
     return parser
 
@@ -128,6 +137,8 @@ def serve(args) -> int:
         starve_after=args.starve_after,
         starve_after_drops=args.starve_after_drops,
         allow_config_change=args.allow_config_change,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
     )
     print(f"coordinator listening on {server.endpoint}", flush=True)
     asyncio.run(server.serve())
@@ -139,7 +150,13 @@ def status(args) -> int:
 
     validate_endpoint(args.coordinator, "--coordinator")
     with RolloutClient(args.coordinator, timeout=args.timeout, attach=False) as client:
-        print(json.dumps(client.stats(), indent=2, sort_keys=True))
+        stats = client.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+    else:
+        from coordinator.status_table import render
+
+        print(render(stats))
     return 0
 
 

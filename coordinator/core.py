@@ -72,6 +72,7 @@ from common import protocol as p
 from common.config import Liveness, RolloutConfig
 from coordinator.admission import Admission
 from coordinator.batches import Batches
+from coordinator.counters import CoreCounters
 from coordinator.effects import Persist, Send
 from coordinator.frontier import Frontier
 from coordinator.membership import Membership
@@ -111,6 +112,8 @@ class CoordinatorCore:
         self.dataset_size = dataset_size
         self.dataset_fingerprint = dataset_fingerprint
         restored = restored or LedgerSnapshot()
+        self.counters = CoreCounters()
+        """Events for observation (``coordinator/counters.py``); read only at scrape time."""
         self.membership = Membership(restored.generation)
         self.frontier = Frontier(dataset_size, lambda e: order_for_epoch(dataset_size, e))
         self.staleness = Staleness(config.max_staleness, config.rollout_batch_size)

@@ -166,6 +166,14 @@ class Ledger:
         self.env.close()
         self._lock.close()
 
+    def usage(self) -> dict[str, int]:
+        """``{"bytes", "prompts", "batches"}``: pages in use and entries (a read transaction on meta pages only,
+        a few microseconds: called from the event loop at scrape time)."""
+        info = self.env.info()
+        with self.env.begin() as txn:
+            prompts, batches = txn.stat(self.prompts)["entries"], txn.stat(self.batches)["entries"]
+        return {"bytes": (info["last_pgno"] + 1) * self.env.stat()["psize"], "prompts": prompts, "batches": batches}
+
     def snapshot(self) -> LedgerSnapshot:
         with self.env.begin() as txn:
             return _snapshot(txn, self.meta, self.prompts, self.batches)

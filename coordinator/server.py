@@ -69,8 +69,12 @@ class CoordinatorServer:
         allow_config_change: bool = False,
         starve_after: int | None = None,
         starve_after_drops: int | None = None,
+        metrics_host: str = "127.0.0.1",
+        metrics_port: int | None = None,
     ):
         self.dataset = dataset
+        self.metrics_host, self.metrics_port = metrics_host, metrics_port
+        self.observe = None  # the /metrics and status page endpoint while serving (coordinator/observe.py)
         self.max_message_bytes = max_message_bytes
         # Bind before the ledger is touched: a start that fails (port in use, a refused
         # config) leaves the data dir as it was.
@@ -301,6 +305,8 @@ class CoordinatorServer:
         loop = asyncio.get_running_loop()
         stop_on_signals(loop, stop)
         try:
+            if self.metrics_port is not None:
+                await self._start_observe()
             async with asyncio.TaskGroup() as tg:
                 tasks = [
                     tg.create_task(self._ledger_writer(), name="ledger-writer"),
@@ -314,7 +320,20 @@ class CoordinatorServer:
                 await self.flush()
                 tasks[0].cancel()
         finally:
+            if self.observe is not None:
+                await self.observe.close()
             self.close()
+
+    async def _start_observe(self) -> None:
+        # Imported here: prometheus_client is only loaded by a coordinator that serves metrics.
+        from common.observe_http import ObserveServer
+        from coordinator.observe import CoordinatorCollector
+        from coordinator.status_page import routes
+
+        observe = ObserveServer(self.metrics_host, self.metrics_port, CoordinatorCollector(self), routes=routes(self))
+        url = await observe.start()
+        self.observe = observe
+        log.info("coordinator metrics on %s/metrics, status page on %s/", url, url)
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)

@@ -239,7 +239,17 @@ class Cluster:
     def stats(self) -> dict:
         """``coordinator status`` run as a user runs it (a subprocess printing JSON)."""
         out = subprocess.run(
-            [sys.executable, "-m", "coordinator.cli", "status", "--coordinator", self.address, "--timeout", "5"],
+            [
+                sys.executable,
+                "-m",
+                "coordinator.cli",
+                "status",
+                "--json",
+                "--coordinator",
+                self.address,
+                "--timeout",
+                "5",
+            ],
             capture_output=True,
             text=True,
             timeout=30,
