@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 
 from common.errors import ConfigError
+from common.sampling import check_sampling_params
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class RolloutConfig:
         for name in ("reward", "dynamic_filter"):
             if not getattr(self, name):
                 raise ConfigError(f"{name} must not be empty")
+        check_sampling_params(self.extra_sampling_params)
 
     @property
     def effective_prefetch(self) -> int:

@@ -69,6 +69,13 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
         help="groups in a row the filter dropped (none kept) after which generate() raises Starved with the drop "
         "counts and admission stops (default: the dataset's size, one data epoch)",
     )
+    sp.add_argument(
+        "--sampling-params",
+        default="{}",
+        metavar="JSON",
+        help="JSON object merged into the sampling params sent to engines, checked against SGLang's "
+        'SamplingParams fields, e.g. \'{"stop": ["</answer>"], "min_p": 0.05}\' (docs/engerr.md)',
+    )
     sp.add_argument("--no-sync", action="store_true", help="skip fsync on ledger commits (faster, not crash-safe)")
     sp.add_argument("--allow-config-change", action="store_true", help="restart with other batch settings; recorded")
     sp.add_argument("--log-level", type=log_level, default="INFO", help="DEBUG, INFO, WARNING or ERROR")
@@ -84,6 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sampling_params(text: str) -> dict:
+    """``--sampling-params``: a JSON object of SGLang sampling parameters (common/sampling.py checks it)."""
+    from common.sampling import check_sampling_params
+
+    try:
+        params = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--sampling-params: not valid JSON ({exc}): {text!r}") from None
+    return check_sampling_params(params, "--sampling-params")
+
+
 def serve(args) -> int:
     from common.dataset import Dataset
     from common.filters import load_filter
@@ -91,6 +109,7 @@ def serve(args) -> int:
     from coordinator.server import CoordinatorServer
 
     config = RolloutConfig(
+        extra_sampling_params=_sampling_params(args.sampling_params),
         rollout_batch_size=args.rollout_batch_size,
         n_samples_per_prompt=args.n_samples_per_prompt,
         max_new_tokens=args.max_new_tokens,
