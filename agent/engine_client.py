@@ -13,10 +13,13 @@ request path and its engine supervisor's health probes.  The session is made
 on first use, so a client can be built before the event loop runs.
 
 Errors are split the way the caller must react:
-- ``EngineUnavailable``: connection refused/reset, 5xx, timeouts — the engine
-  is (maybe) dead; the caller requeues the group and tells the supervisor.
-- ``EngineError``: a 4xx — the request itself is wrong; retrying elsewhere
-  will not help.
+- ``EngineBusy`` (an ``EngineUnavailable``): 503 with SGLang's "The request
+  queue is full." — backpressure from ``--max-queued-requests``; the engine is
+  healthy, the request is tried again later on it.
+- ``EngineUnavailable``: connection refused/reset, other 5xx, timeouts — the
+  engine is (maybe) dead; the caller requeues the group and tells the supervisor.
+- ``EngineRejected`` (an ``EngineError``): a 4xx — the request itself is wrong;
+  retrying elsewhere will not help (the caller gives up after a few tries).
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ import time
 import aiohttp
 import orjson
 
-from common.errors import Closed, EngineError, EngineUnavailable
+from common.errors import Closed, EngineBusy, EngineError, EngineRejected, EngineUnavailable
+
+QUEUE_FULL = b"The request queue is full"
+"""SGLang's 503 message when ``--max-queued-requests`` is reached (backpressure, not an engine failure)."""
 
 
 class EngineClient:
@@ -67,10 +73,13 @@ class EngineClient:
                 timeout=aiohttp.ClientTimeout(total=timeout) if timeout else None,
             ) as resp:
                 raw = await resp.read()
+                if resp.status == 503 and QUEUE_FULL in raw:
+                    raise EngineBusy(f"{url}{path}: HTTP 503: the request queue is full")
                 if resp.status >= 500:
                     raise EngineUnavailable(f"{url}{path}: HTTP {resp.status}: {raw[:200]!r}")
                 if resp.status >= 400:
-                    raise EngineError(f"{url}{path}: HTTP {resp.status}: {raw[:500].decode(errors='replace')}")
+                    text = raw[:500].decode(errors="replace")
+                    raise EngineRejected(f"{url}{path}: HTTP {resp.status}: {text}", status=resp.status)
                 if not raw:
                     return None
                 try:
