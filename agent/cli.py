@@ -16,8 +16,8 @@ import os
 import shlex
 import sys
 
-from common.config import ArgumentParser, log_level, number, seconds
-from common.errors import ConfigError, DatasetError, EngineStartError, RolloutError
+from common.config import ArgumentParser, log_level, map_size, number, seconds
+from common.errors import ConfigError, DatasetError, EngineStartError, RolloutError, StorageFull
 from common.transport import advertised_host, validate_endpoint
 
 # Flags whose value is itself a list of flags: ``--sim-args --unhealthy`` means ``--sim-args=--unhealthy``.
@@ -86,6 +86,14 @@ def _join_args(sp: argparse.ArgumentParser) -> None:
     )
     sp.add_argument("--input-key", default="prompt", help="with --dataset: row key holding the prompt")
     sp.add_argument("--label-key", default="label", help="with --dataset: row key holding the label")
+    sp.add_argument(
+        "--map-size",
+        type=map_size,
+        default=1 << 40,
+        metavar="SIZE",
+        help="most the LMDB store may hold, e.g. 64GiB (address space, not disk; default 1TiB); when full the agent "
+        "stops, and a restart with a larger value on the same --data-dir delivers every committed group",
+    )
     sp.add_argument("--no-sync", action="store_true", help="skip fsync on store commits (faster, not crash-safe)")
     sp.add_argument("--log-level", type=log_level, default="INFO", help="DEBUG, INFO, WARNING or ERROR (any case)")
 
@@ -302,6 +310,7 @@ def join(args) -> int:
         agent_id=args.agent_id,
         tokenizer=args.tokenizer,
         sync=not args.no_sync,
+        map_size=args.map_size,
         supervisor_options={
             "start_timeout": args.engine_start_timeout,
             "health_interval": args.health_interval,
@@ -356,6 +365,9 @@ def main(argv=None) -> int:
     except (ConfigError, DatasetError, EngineStartError, ValueError) as exc:
         print(f"agent: error: {exc}", file=sys.stderr)
         return 2
+    except StorageFull as exc:  # full at start (the store's first writes): stopped before joining
+        print(f"agent: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -59,7 +59,15 @@ from agent.spans import join as spans_join
 from agent.store import GroupStore
 from common import faults
 from common.config import RolloutConfig
-from common.errors import EngineBusy, EngineError, EngineRejected, EngineUnavailable, RolloutError, StateError
+from common.errors import (
+    EngineBusy,
+    EngineError,
+    EngineRejected,
+    EngineUnavailable,
+    RolloutError,
+    StateError,
+    StorageFull,
+)
 from common.filters import FilterError
 from common.protocol import failure_reason
 from common.rewards import RewardError
@@ -142,6 +150,9 @@ class LeaseRunner:
             await self._run()
         except asyncio.CancelledError:
             raise
+        except StorageFull as exc:
+            # The agent stops for it (agent/worker.py); the prompt is not to blame.
+            self._dispatch(LeaseFailed(self.lease, str(exc), counted=False))
         except RolloutError as exc:
             # Bad reward/filter code or a rejected request: give the prompt back and
             # say why, tagged by step (the coordinator filters a prompt that keeps

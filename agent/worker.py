@@ -61,8 +61,9 @@ from agent.session import AgentSession
 from agent.store import GroupStore
 from agent.supervisor import EngineSupervisor
 from agent.weights import WeightsExecutor
-from common.errors import EngineError
+from common.errors import EngineError, StorageFull
 from common.filters import load_filter
+from common.lmdb_env import MAP_SIZE
 from common.rewards import load_reward
 from common.tokenizer import BYTE_TOKENIZER_NAME, load_tokenizer
 from common.transport import stop_on_signals
@@ -90,9 +91,13 @@ class Agent:
         dataset=None,
         sync: bool = True,
         supervisor_options: dict | None = None,
+        map_size: int = MAP_SIZE,
     ):
         self.coordinator = coordinator
-        self.store = GroupStore(data_dir, agent_id=agent_id, sync=sync)
+        self.store = GroupStore(data_dir, agent_id=agent_id, sync=sync, map_size=map_size)
+        self.store.on_full = self._store_full
+        self._stop: asyncio.Event | None = None
+        self._fatal: StorageFull | None = None
         options = {"log_dir": Path(data_dir) / "logs", **(supervisor_options or {})}
         # One HTTP client to the engines: generation, aborts and the supervisor's health probes.
         self.client = EngineClient()
@@ -153,7 +158,7 @@ class Agent:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
+        stop = self._stop = asyncio.Event()
         stop_on_signals(loop, stop)
         try:
             log.info("agent %s (incarnation %d): starting engines", self.agent_id, self.store.incarnation)
@@ -182,6 +187,16 @@ class Agent:
                     await self._shutdown()
         finally:
             await self._close()
+        if self._fatal is not None:
+            raise self._fatal
+
+    def _store_full(self, exc: StorageFull) -> None:
+        """The store's map or disk is full: stop in order (leases released, receipts sent) and exit 1."""
+        if self._fatal is None:
+            self._fatal = exc
+            log.error("agent %s: stopping: %s", self.agent_id, exc)
+            if self._stop is not None:
+                self._stop.set()
 
     async def _shutdown(self) -> None:
         """Orderly stop within ``SHUTDOWN_BUDGET``.

@@ -9,8 +9,17 @@ import logging
 import os
 import sys
 
-from common.config import ArgumentParser, Liveness, RolloutConfig, log_level, message_bytes, number, seconds
-from common.errors import ConfigError, DatasetError, RolloutError
+from common.config import (
+    ArgumentParser,
+    Liveness,
+    RolloutConfig,
+    log_level,
+    map_size,
+    message_bytes,
+    number,
+    seconds,
+)
+from common.errors import ConfigError, DatasetError, RolloutError, StorageFull
 from common.transport import validate_endpoint
 
 _COUNT = number(int, min=1)
@@ -75,6 +84,14 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help="JSON object merged into the sampling params sent to engines, checked against SGLang's "
         'SamplingParams fields, e.g. \'{"stop": ["</answer>"], "min_p": 0.05}\' (docs/engerr.md)',
+    )
+    sp.add_argument(
+        "--map-size",
+        type=map_size,
+        default=1 << 40,
+        metavar="SIZE",
+        help="most the LMDB ledger may hold, e.g. 64GiB (address space, not disk; default 1TiB); when full the "
+        "coordinator stops, and a restart with a larger value on the same --data-dir carries on",
     )
     sp.add_argument("--no-sync", action="store_true", help="skip fsync on ledger commits (faster, not crash-safe)")
     sp.add_argument("--allow-config-change", action="store_true", help="restart with other batch settings; recorded")
@@ -142,9 +159,16 @@ def serve(args) -> int:
         starve_after=args.starve_after,
         starve_after_drops=args.starve_after_drops,
         allow_config_change=args.allow_config_change,
+        map_size=args.map_size,
     )
     print(f"coordinator listening on {server.endpoint}", flush=True)
-    asyncio.run(server.serve())
+    full: list[BaseException] = []
+    try:
+        asyncio.run(server.serve())
+    except* StorageFull as eg:  # a ledger write found the map or the disk full: stopped, nothing acknowledged lost
+        full.extend(eg.exceptions)
+    if full:
+        raise full[0]
     return 0
 
 

@@ -102,7 +102,8 @@ class _Handlers:
             if stream:
                 return await self._stream_error(request, str(exc))
             return request_error(str(exc))
-        if engine.max_queued is not None and self.scheduler.queue_full(len(samples), engine.max_queued):
+        max_queued = getattr(engine, "max_queued", None)  # the hf engine has no such flag
+        if max_queued is not None and self.scheduler.queue_full(len(samples), max_queued):
             for s in samples:
                 self.scheduler.finish(s)  # gives the rids back
             return http_error(503, "The request queue is full.")
