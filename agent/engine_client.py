@@ -1,7 +1,7 @@
 """HTTP client for SGLang's native API (the same code path for sim and real engines).
 
 Only what the agent needs: ``/generate`` (one request per sample, n=1, so a
-single sample can be aborted by its rid), ``/abort_request``, pause and
+single sample can be aborted by its rid), ``/tokenize`` (when no local tokenizer loads), ``/abort_request``, pause and
 continue, ``/flush_cache``, the weight-update endpoints (``/update_weights_from_disk``,
 ``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``, ``/update_weight_version``), ``/model_info`` and
@@ -95,6 +95,19 @@ class EngineClient:
         if not isinstance(out, dict) or "meta_info" not in out:
             raise EngineError(f"{url}/generate: unexpected response shape: {str(out)[:200]}")
         return out
+
+    async def tokenize(self, url: str, prompt) -> list[int]:
+        """SGLang's ``POST /tokenize``: a string as ``prompt``, chat messages as ``messages`` (with the
+        generation prompt added, as a chat template does); returns the ``tokens``."""
+        if isinstance(prompt, list):
+            body = {"messages": prompt, "add_generation_prompt": True}
+        else:
+            body = {"prompt": prompt}
+        out = await self._post(url, "/tokenize", body, timeout=60)
+        tokens = out.get("tokens") if isinstance(out, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise EngineError(f"{url}/tokenize: unexpected response shape: {str(out)[:200]}")
+        return tokens
 
     async def abort(self, url: str, rid: str = "", *, abort_all: bool = False) -> None:
         await self._post(url, "/abort_request", {"abort_all": True} if abort_all else {"rid": rid}, timeout=30)

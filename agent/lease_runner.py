@@ -175,7 +175,8 @@ class LeaseRunner:
             row = ctx.dataset.row(index)
             prompt, label, metadata = row.prompt, row.label, dict(row.metadata)
         metadata["prompt"] = prompt
-        input_ids = ctx.tokenizer.encode(prompt)
+        encode_async = getattr(ctx.tokenizer, "encode_async", None)  # the engines' /tokenize (engine_tokenizer.py)
+        input_ids = await encode_async(prompt) if encode_async is not None else ctx.tokenizer.encode(prompt)
         started = time.monotonic()
         results = await self._generate(input_ids)
         gen_seconds = time.monotonic() - started

@@ -34,6 +34,8 @@ from pathlib import Path
 import zmq.asyncio
 
 from agent.engine_client import EngineClient
+from agent.engine_tokenizer import EngineTokenizer
+from agent.engine_tokenizer import probe as probe_engine_tokenizer
 from agent.events import (
     AbortRequests,
     AckReceipt,
@@ -65,7 +67,7 @@ from common.errors import EngineError, StorageFull
 from common.filters import load_filter
 from common.lmdb_env import MAP_SIZE
 from common.rewards import load_reward
-from common.tokenizer import BYTE_TOKENIZER_NAME, load_tokenizer
+from common.tokenizer import BYTE_TOKENIZER_NAME, check_tokenizer, load_tokenizer
 from common.transport import stop_on_signals
 
 log = logging.getLogger("rollfleet.agent")
@@ -248,12 +250,26 @@ class Agent:
         self.store.close()
 
     async def _load_tokenizer(self) -> None:
+        """``--tokenizer``, else the engines' ``tokenizer_path`` loaded here, else the engines' ``/tokenize``."""
         name = self._tokenizer_name
-        if name is None:
-            healthy = self.supervisor.healthy()
-            info = await self.client.model_info(healthy[0].url)
-            name = info.get("tokenizer_path") or info.get("model_path") or BYTE_TOKENIZER_NAME
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, name)
+        if name is not None:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, name)
+            log.info("agent %s: tokenizer %s", self.agent_id, name)
+            return
+        url = self.supervisor.healthy()[0].url
+        info = await self.client.model_info(url)
+        name = info.get("tokenizer_path") or info.get("model_path") or BYTE_TOKENIZER_NAME
+        try:
+            check_tokenizer(name, "the engines' tokenizer")
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, name)
+        except Exception as exc:  # a path only the server has, transformers missing, no network for a hub id
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            await probe_engine_tokenizer(self.client, url, name, why)
+            urls = lambda: [spec.url for spec in self.supervisor.healthy()]  # noqa: E731
+            self.tokenizer = EngineTokenizer(self.client, urls, name)
+            log.warning("agent %s: tokenizer %r does not load here (%s); tokenizing through the engines' /tokenize",
+                        self.agent_id, name, why)  # fmt: skip
+            return
         log.info("agent %s: tokenizer %s", self.agent_id, name)
 
     def _on_engine_change(self, name: str, state: str) -> None:

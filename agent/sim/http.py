@@ -252,6 +252,8 @@ class _Handlers:
     async def tokenize(self, request: web.Request) -> web.Response:
         """SGLang's ``/tokenize``: ``{prompt | messages}`` -> ``{tokens, count, max_model_len}`` (byte tokens here)."""
         data = await read_json_body(request)
+        if self.engine.config.get("skip_tokenizer_init"):  # SGLang has no tokenizer to use then
+            return http_error(400, "This server was started with --skip-tokenizer-init: it has no tokenizer.")
         prompt = data.get("messages") if data.get("messages") is not None else data.get("prompt")
         if prompt is None:
             return http_error(400, "Either 'prompt' or 'messages' must be given.")
