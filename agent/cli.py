@@ -17,9 +17,9 @@ import os
 import shlex
 import sys
 
-from common.config import ArgumentParser, number, seconds
+from common.config import ArgumentParser, map_size, number, seconds
 from common.config_file import add_config_flag, parse_args_with_config
-from common.errors import ConfigError, DatasetError, EngineStartError, RolloutError
+from common.errors import ConfigError, DatasetError, EngineStartError, RolloutError, StorageFull
 from common.logs import add_log_flags, setup_logging
 from common.transport import advertised_host, validate_endpoint
 
@@ -96,6 +96,14 @@ def _join_args(sp: argparse.ArgumentParser) -> None:
         help="serve Prometheus /metrics on this HTTP port; 0 picks a free one (logged); default: off",
     )
     sp.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics port binds (default 127.0.0.1)")
+    sp.add_argument(
+        "--map-size",
+        type=map_size,
+        default=1 << 40,
+        metavar="SIZE",
+        help="most the LMDB store may hold, e.g. 64GiB (address space, not disk; default 1TiB); when full the agent "
+        "stops, and a restart with a larger value on the same --data-dir delivers every committed group",
+    )
     sp.add_argument("--no-sync", action="store_true", help="skip fsync on store commits (faster, not crash-safe)")
     add_log_flags(sp)
     add_config_flag(sp)
@@ -314,6 +322,7 @@ def join(args) -> int:
         agent_id=args.agent_id,
         tokenizer=args.tokenizer,
         sync=not args.no_sync,
+        map_size=args.map_size,
         supervisor_options={
             "start_timeout": args.engine_start_timeout,
             "health_interval": args.health_interval,
@@ -375,6 +384,9 @@ def main(argv=None) -> int:
     except (ConfigError, DatasetError, EngineStartError, ValueError) as exc:
         print(f"agent: error: {exc}", file=sys.stderr)
         return 2
+    except StorageFull as exc:  # full at start (the store's first writes): stopped before joining
+        print(f"agent: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -1,7 +1,7 @@
 """HTTP client for SGLang's native API (the same code path for sim and real engines).
 
 Only what the agent needs: ``/generate`` (one request per sample, n=1, so a
-single sample can be aborted by its rid), ``/abort_request``, pause and
+single sample can be aborted by its rid), ``/tokenize`` (when no local tokenizer loads), ``/abort_request``, pause and
 continue, ``/flush_cache``, the weight-update endpoints (``/update_weights_from_disk``,
 ``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``, ``/update_weight_version``), ``/model_info`` and
@@ -13,10 +13,13 @@ request path and its engine supervisor's health probes.  The session is made
 on first use, so a client can be built before the event loop runs.
 
 Errors are split the way the caller must react:
-- ``EngineUnavailable``: connection refused/reset, 5xx, timeouts — the engine
-  is (maybe) dead; the caller requeues the group and tells the supervisor.
-- ``EngineError``: a 4xx — the request itself is wrong; retrying elsewhere
-  will not help.
+- ``EngineBusy`` (an ``EngineUnavailable``): 503 with SGLang's "The request
+  queue is full." — backpressure from ``--max-queued-requests``; the engine is
+  healthy, the request is tried again later on it.
+- ``EngineUnavailable``: connection refused/reset, other 5xx, timeouts — the
+  engine is (maybe) dead; the caller requeues the group and tells the supervisor.
+- ``EngineRejected`` (an ``EngineError``): a 4xx — the request itself is wrong;
+  retrying elsewhere will not help (the caller gives up after a few tries).
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ import time
 import aiohttp
 import orjson
 
-from common.errors import Closed, EngineError, EngineUnavailable
+from common.errors import Closed, EngineBusy, EngineError, EngineRejected, EngineUnavailable
+
+QUEUE_FULL = b"The request queue is full"
+"""SGLang's 503 message when ``--max-queued-requests`` is reached (backpressure, not an engine failure)."""
 
 
 class EngineClient:
@@ -67,10 +73,13 @@ class EngineClient:
                 timeout=aiohttp.ClientTimeout(total=timeout) if timeout else None,
             ) as resp:
                 raw = await resp.read()
+                if resp.status == 503 and QUEUE_FULL in raw:
+                    raise EngineBusy(f"{url}{path}: HTTP 503: the request queue is full")
                 if resp.status >= 500:
                     raise EngineUnavailable(f"{url}{path}: HTTP {resp.status}: {raw[:200]!r}")
                 if resp.status >= 400:
-                    raise EngineError(f"{url}{path}: HTTP {resp.status}: {raw[:500].decode(errors='replace')}")
+                    text = raw[:500].decode(errors="replace")
+                    raise EngineRejected(f"{url}{path}: HTTP {resp.status}: {text}", status=resp.status)
                 if not raw:
                     return None
                 try:
@@ -86,6 +95,19 @@ class EngineClient:
         if not isinstance(out, dict) or "meta_info" not in out:
             raise EngineError(f"{url}/generate: unexpected response shape: {str(out)[:200]}")
         return out
+
+    async def tokenize(self, url: str, prompt) -> list[int]:
+        """SGLang's ``POST /tokenize``: a string as ``prompt``, chat messages as ``messages`` (with the
+        generation prompt added, as a chat template does); returns the ``tokens``."""
+        if isinstance(prompt, list):
+            body = {"messages": prompt, "add_generation_prompt": True}
+        else:
+            body = {"prompt": prompt}
+        out = await self._post(url, "/tokenize", body, timeout=60)
+        tokens = out.get("tokens") if isinstance(out, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise EngineError(f"{url}/tokenize: unexpected response shape: {str(out)[:200]}")
+        return tokens
 
     async def abort(self, url: str, rid: str = "", *, abort_all: bool = False) -> None:
         await self._post(url, "/abort_request", {"abort_all": True} if abort_all else {"rid": rid}, timeout=30)

@@ -172,10 +172,14 @@ class LeaseCommitted:
 
 @dataclass(frozen=True, slots=True)
 class LeaseFailed:
-    """The lease failed for a reason of its own (reward code, a rejected request, a bad row)."""
+    """The lease failed for a reason of its own (reward code, a rejected request, a bad row).
+
+    ``counted`` False: not the prompt's fault (the agent's store is full); it is given back without
+    counting as one of the prompt's failed attempts."""
 
     lease: int
     error: str
+    counted: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,7 +124,8 @@ class LeaseFlow:
         if rec is None:
             return
         # "failed" tells the coordinator to count it: a prompt that keeps failing is filtered.
-        self._send(p.Release(self.session, [rec.lease], f"failed: {ev.error}"), out)
+        reason = f"failed: {ev.error}" if ev.counted else f"not committed: {ev.error}"
+        self._send(p.Release(self.session, [rec.lease], reason), out)
 
     def _release(self, rec: LeaseRecord, reason: str, out: list) -> None:
         """Give an unfinished lease back to the coordinator and stop its runner."""

@@ -4,7 +4,8 @@ A ``LeaseRunner`` is the I/O half of a lease; its decisions belong to the
 agent's core (agent/session.py), which it talks to through ``dispatch``:
 
     EngineWanted ........ the core answers with ``assign()`` (or cancels the task)
-    GenerationEnded ..... aborted samples: the core assigns again or gives the lease back
+    GenerationEnded ..... aborted samples (or ones the engine refused): the core assigns again or
+                          gives the lease back
     EngineFailed ........ the engine died mid-group: retried on another engine shortly
     LeaseScored ......... past generation: from here the lease commits even during shutdown
     LeaseFiltered / LeaseCommitted / LeaseFailed: the lease's one outcome
@@ -17,6 +18,15 @@ Invariants:
 - No await between ``LeaseScored`` and queueing the commit: a shutdown either
   cancels the lease before it (and releases it) or lets it commit and report.
 - Cancellation (the core forgot the lease, or the agent stops) is re-raised.
+- Engine errors end in a bounded number of tries (no silent stall, no endless retry):
+  ``EngineBusy`` (503 "The request queue is full.") is backpressure: the engine stays
+  healthy, the refused samples are asked for again after a growing backoff (the samples that
+  ran are kept), each time through the core so a pause or a weight update still applies;
+  ``EngineRejected`` (HTTP 4xx) starts the group over at most ``MAX_REJECTED`` times in all,
+  then the prompt fails with the engine's message; ``EngineUnavailable`` (connection refused,
+  other 5xx) is reported (the supervisor decides about the engine) and the group is retried on
+  another engine, at most ``MAX_ENGINE_FAILURES`` times, then the prompt fails. A failed prompt
+  is a ``LeaseFailed``: the coordinator counts it like a failing reward (``Starved`` when all fail).
 - The per-token work is two C-level ``map(itemgetter)`` passes per sample
   (agent/spans.py); only a sample a weight update interrupted has several answers to join.
 """
@@ -25,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from array import array
 from collections.abc import Callable
@@ -48,7 +59,15 @@ from agent.spans import join as spans_join
 from agent.store import GroupStore
 from common import faults
 from common.config import RolloutConfig
-from common.errors import EngineError, EngineUnavailable, RolloutError, StateError
+from common.errors import (
+    EngineBusy,
+    EngineError,
+    EngineRejected,
+    EngineUnavailable,
+    RolloutError,
+    StateError,
+    StorageFull,
+)
 from common.filters import FilterError
 from common.protocol import failure_reason
 from common.rewards import RewardError
@@ -60,6 +79,22 @@ log = logging.getLogger("rollfleet.agent")
 
 RETRY_DELAY = 0.1
 """Seconds between an engine failing under a group and the group asking for another engine."""
+
+MAX_REJECTED = 3
+"""Tries of a group whose requests an engine refuses (HTTP 4xx) before its prompt fails."""
+
+MAX_ENGINE_FAILURES = 5
+"""Engine failures (connection refused, 5xx) under one group before its prompt fails."""
+
+BUSY_BACKOFF = (0.2, 5.0)
+"""Seconds before samples an engine was too busy for are asked for again: first wait, longest wait."""
+
+
+def busy_backoff(rounds: int) -> float:
+    """The wait after the ``rounds``-th busy answer in a row: doubling, capped, with jitter so refused
+    groups do not all come back at once."""
+    first, longest = BUSY_BACKOFF
+    return min(longest, first * 2 ** max(0, rounds - 1)) * random.uniform(0.5, 1.0)
 
 
 def _failure_kind(exc: RolloutError) -> str:
@@ -117,6 +152,9 @@ class LeaseRunner:
             await self._run()
         except asyncio.CancelledError:
             raise
+        except StorageFull as exc:
+            # The agent stops for it (agent/worker.py); the prompt is not to blame.
+            self._dispatch(LeaseFailed(self.lease, str(exc), counted=False))
         except RolloutError as exc:
             # Bad reward/filter code or a rejected request: give the prompt back and
             # say why, tagged by step (the coordinator filters a prompt that keeps
@@ -139,7 +177,8 @@ class LeaseRunner:
             row = ctx.dataset.row(index)
             prompt, label, metadata = row.prompt, row.label, dict(row.metadata)
         metadata["prompt"] = prompt
-        input_ids = ctx.tokenizer.encode(prompt)
+        encode_async = getattr(ctx.tokenizer, "encode_async", None)  # the engines' /tokenize (engine_tokenizer.py)
+        input_ids = await encode_async(prompt) if encode_async is not None else ctx.tokenizer.encode(prompt)
         started = time.monotonic()
         results = await self._generate(input_ids)
         gen_seconds = time.monotonic() - started
@@ -206,57 +245,103 @@ class LeaseRunner:
         A sample a weight update aborted (the core's answer says ``resume``) keeps its answer and is
         continued from it with partial rollout on, or generated again from its prompt with it off;
         samples that finished are kept. Any other abort, or a failed engine, starts the group over.
+        Samples the engine was too busy for are asked for again, the others kept. The module
+        docstring bounds the tries.
         """
         client, params = self.ctx.client, self.ctx.config.sampling_params()
         partial = self.ctx.config.partial_rollout
         assignment = await self._ask(EngineWanted(self.lease))
         answers: list[list[dict]] = [[] for _ in assignment.request_ids]
         todo = list(range(len(answers)))  # samples without a final answer
+        rejected = failures = busy_rounds = 0
         while True:
-            calls = [
-                asyncio.ensure_future(
+            calls = {
+                i: asyncio.ensure_future(
                     client.generate(
                         assignment.url, *continuation(input_ids, answers[i], params), assignment.request_ids[i]
                     )
                 )
                 for i in todo
-            ]
-            try:
-                results = await asyncio.gather(*calls)
-            except EngineUnavailable as exc:
-                failure = exc
-            else:
-                failure = None
-            finally:
-                for c in calls:
-                    c.cancel()
-                await asyncio.gather(*calls, return_exceptions=True)
+            }
+            results, busy, failure = await _round(calls)
+            if isinstance(failure, EngineRejected):
+                rejected += 1
+                if rejected >= MAX_REJECTED:
+                    raise EngineRejected(f"refused {rejected} times, last: {failure}", status=failure.status)
+                tries = f"{rejected + 1}/{MAX_REJECTED}"
+                log.warning("lease %x: %s; starting the group over (try %s)", self.lease, failure, tries)
+                assignment = await self._ask(GenerationEnded(self.lease, aborted=True))
+                answers, todo = [[] for _ in answers], list(range(len(answers)))
+                continue
             if failure is not None:
+                # The engine is (maybe) down: the supervisor checks it; the group goes elsewhere, boundedly often.
+                failures += 1
                 self._dispatch(EngineFailed(self.lease, str(failure)))
+                if failures >= MAX_ENGINE_FAILURES:
+                    raise EngineUnavailable(f"engines failed {failures} times under this group, last: {failure}")
                 await asyncio.sleep(RETRY_DELAY)
                 assignment = await self._ask(EngineWanted(self.lease))
                 answers, todo = [[] for _ in answers], list(range(len(answers)))
                 continue
             aborted = []
             tokens = self.ctx.tokens
-            for i, out in zip(todo, results, strict=True):
+            for i, out in results.items():
                 answers[i].append(out)
                 n = out["meta_info"].get("completion_tokens")
                 if isinstance(n, int):
                     tokens[assignment.engine] = tokens.get(assignment.engine, 0) + n
                 if sample_status(out["meta_info"].get("finish_reason")) == "aborted":
                     aborted.append(i)
-            if not aborted:
+            if not aborted and not busy:
                 self._dispatch(GenerationEnded(self.lease))
                 return answers
+            if busy:
+                busy_rounds += 1
+                wait = busy_backoff(busy_rounds)
+                level = logging.WARNING if busy_rounds == 1 else logging.INFO
+                log.log(level, "lease %x: engine %s queue full for %d sample(s); asking again in %.1fs (round %d)",
+                        self.lease, assignment.engine, len(busy), wait, busy_rounds)  # fmt: skip
+                await asyncio.sleep(wait)
+            else:
+                busy_rounds = 0
             # A weight update's (the core answers resume), a pause with abort (it gives the lease back) or the engine's.
             assignment = await self._ask(GenerationEnded(self.lease, aborted=True))
-            if not assignment.resume:
+            if not assignment.resume and aborted:
                 answers, todo = [[] for _ in answers], list(range(len(answers)))
                 continue
+            # Busy samples never ran: what finished meanwhile is kept (no weight update began, or
+            # the core says resume and keeps it anyway).
             todo = []
-            for i in aborted:
-                if not partial:
+            for i in sorted(aborted + busy):
+                if i in aborted and not partial:
                     answers[i] = []
                 if held_tokens(answers[i]) < params["max_new_tokens"]:
                     todo.append(i)
+
+
+async def _round(calls: dict[int, asyncio.Future]) -> tuple[dict[int, dict], list[int], BaseException | None]:
+    """Wait for one round of ``/generate`` calls: (answers by sample, samples refused as busy, the failure).
+
+    A busy refusal lets the other calls run on; any other error ends the round at once, its
+    sibling calls cancelled (closing a connection aborts the request on SGLang).
+    """
+    pending = set(calls.values())
+    failure: BaseException | None = None
+    try:
+        while pending and failure is None:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            for fut in done:
+                exc = fut.exception()
+                if exc is not None and not isinstance(exc, EngineBusy):
+                    failure = exc
+                    break
+    finally:
+        for fut in calls.values():
+            fut.cancel()
+        await asyncio.gather(*calls.values(), return_exceptions=True)
+    if failure is not None:
+        if not isinstance(failure, (EngineRejected, EngineUnavailable)):
+            raise failure  # not an HTTP error (a bad answer shape, a bug): the prompt fails at once
+        return {}, [], failure
+    busy = [i for i, fut in calls.items() if isinstance(fut.exception(), EngineBusy)]
+    return {i: fut.result() for i, fut in calls.items() if fut.exception() is None}, busy, None

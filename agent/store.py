@@ -20,6 +20,10 @@ Invariants:
   makes that page durable, and only then are its callers resolved. A busy
   store thus pays one fsync per transaction, not two (LMDB's
   ``MDB_NOMETASYNC``: an OS crash can undo only commits nobody was told of).
+- A full map (``--map-size``) or disk fails the transaction that hit it whole, as
+  ``StorageFull`` naming the store and the flag, and calls ``on_full`` once (the
+  agent stops): no commit in it returned, so no receipt was sent for it, and
+  every earlier commit stands for a restart with a larger ``--map-size``.
 - The flush loop is a task of its own: cancelling a caller abandons only its
   wait, never the writes queued with or behind it; ``drain()`` waits for them.
 """
@@ -32,13 +36,16 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import lmdb
 import msgpack
 
-from common.lmdb_env import lock_dir, open_env
+from common.errors import StorageFull
+from common.lmdb_env import MAP_SIZE, lock_dir, open_env, storage_full
 
 log = logging.getLogger("rollfleet.agent.store")
 
@@ -101,6 +108,21 @@ MAX_BATCH = 64
 transaction's size, hence on the wait of the writes queued behind it."""
 
 
+class _FullIsStorageFull:
+    def __init__(self, store: GroupStore):
+        self.store = store
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if isinstance(exc, (lmdb.Error, OSError)):
+            full = storage_full(exc, "agent store", self.store.path, self.store.map_size)
+            if full is not None:
+                raise full from None
+        return False
+
+
 class GroupStore:
     def __init__(
         self,
@@ -109,6 +131,7 @@ class GroupStore:
         agent_id: str | None = None,
         sync: bool = True,
         max_batch: int = MAX_BATCH,
+        map_size: int = MAP_SIZE,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -118,7 +141,10 @@ class GroupStore:
         self.max_batch = max_batch
         self._lock = lock_dir(Path(data_dir), "agent data dir")
         # Meta pages are flushed by the next commit or an explicit sync (see _flush), never skipped.
-        self.env = open_env(self.path, sync=sync, metasync=False, max_readers=512)
+        self.map_size = map_size
+        self.on_full: Callable[[StorageFull], None] | None = None  # called once, at the first full write
+        self.full: StorageFull | None = None
+        self.env = open_env(self.path, sync=sync, metasync=False, max_readers=512, map_size=map_size)
         self.groups = self.env.open_db(b"groups")
         self.outbox = self.env.open_db(b"outbox")
         self.meta = self.env.open_db(b"meta")
@@ -127,7 +153,7 @@ class GroupStore:
         self._queue: list[tuple[list, asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
         self._transactions = self._groups = self._group_bytes = 0  # written by the writer thread only
-        with self.env.begin(write=True) as txn:
+        with self._writing(), self.env.begin(write=True) as txn:
             stored = txn.get(b"agent_id", db=self.meta)
             if stored is None:
                 stored = (agent_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}").encode()
@@ -189,6 +215,8 @@ class GroupStore:
                 try:
                     flushed = await loop.run_in_executor(self._writer, self._apply, ops)
                 except Exception as exc:
+                    if isinstance(exc, StorageFull):
+                        self._report_full(exc)
                     _fail(batch, exc)
                     batch = []
                     continue
@@ -206,6 +234,17 @@ class GroupStore:
             self._queue = []
             raise
 
+    def _writing(self):
+        """A context turning a full map or disk into StorageFull (naming this store and --map-size)."""
+        return _FullIsStorageFull(self)
+
+    def _report_full(self, exc: StorageFull) -> None:
+        if self.full is None:
+            self.full = exc
+            log.error("%s", exc)
+            if self.on_full is not None:
+                self.on_full(exc)
+
     def _sync(self) -> None:
         """Flush the file: every commit so far, meta page included, is durable once this returns."""
         self.env.sync(True)
@@ -219,7 +258,7 @@ class GroupStore:
         """One write transaction; True if it changed anything (LMDB skips the commit's fsync otherwise)."""
         groups = group_bytes = 0
         changed = False
-        with self.env.begin(write=True) as txn:
+        with self._writing(), self.env.begin(write=True) as txn:
             for kind, key, value in ops:
                 if kind == "group":
                     changed |= txn.put(key, value, db=self.groups)
@@ -272,7 +311,7 @@ class GroupStore:
 
     def meta_put(self, name: str, value: str) -> None:
         """A small synchronous write, for start-up only (never from the event loop)."""
-        with self.env.begin(write=True) as txn:
+        with self._writing(), self.env.begin(write=True) as txn:
             txn.put(name.encode(), value.encode(), db=self.meta)
         if self.sync:
             self.env.sync(True)

@@ -34,6 +34,8 @@ from pathlib import Path
 import zmq.asyncio
 
 from agent.engine_client import EngineClient
+from agent.engine_tokenizer import EngineTokenizer
+from agent.engine_tokenizer import probe as probe_engine_tokenizer
 from agent.events import (
     AbortRequests,
     AckReceipt,
@@ -61,10 +63,11 @@ from agent.session import AgentSession
 from agent.store import GroupStore
 from agent.supervisor import EngineSupervisor
 from agent.weights import WeightsExecutor
-from common.errors import EngineError
+from common.errors import EngineError, StorageFull
 from common.filters import load_filter
+from common.lmdb_env import MAP_SIZE
 from common.rewards import load_reward
-from common.tokenizer import BYTE_TOKENIZER_NAME, load_tokenizer
+from common.tokenizer import BYTE_TOKENIZER_NAME, check_tokenizer, load_tokenizer
 from common.transport import stop_on_signals
 
 log = logging.getLogger("rollfleet.agent")
@@ -92,11 +95,15 @@ class Agent:
         supervisor_options: dict | None = None,
         metrics_host: str = "127.0.0.1",
         metrics_port: int | None = None,
+        map_size: int = MAP_SIZE,
     ):
         self.coordinator = coordinator
         self.metrics_host, self.metrics_port = metrics_host, metrics_port
         self.observe = None  # the /metrics endpoint while running (agent/observe.py)
-        self.store = GroupStore(data_dir, agent_id=agent_id, sync=sync)
+        self.store = GroupStore(data_dir, agent_id=agent_id, sync=sync, map_size=map_size)
+        self.store.on_full = self._store_full
+        self._stop: asyncio.Event | None = None
+        self._fatal: StorageFull | None = None
         options = {"log_dir": Path(data_dir) / "logs", **(supervisor_options or {})}
         # One HTTP client to the engines: generation, aborts and the supervisor's health probes.
         self.client = EngineClient()
@@ -158,7 +165,7 @@ class Agent:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
+        stop = self._stop = asyncio.Event()
         stop_on_signals(loop, stop)
         try:
             if self.metrics_port is not None:
@@ -189,6 +196,16 @@ class Agent:
                     await self._shutdown()
         finally:
             await self._close()
+        if self._fatal is not None:
+            raise self._fatal
+
+    def _store_full(self, exc: StorageFull) -> None:
+        """The store's map or disk is full: stop in order (leases released, receipts sent) and exit 1."""
+        if self._fatal is None:
+            self._fatal = exc
+            log.error("agent %s: stopping: %s", self.agent_id, exc)
+            if self._stop is not None:
+                self._stop.set()
 
     async def _shutdown(self) -> None:
         """Orderly stop within ``SHUTDOWN_BUDGET``.
@@ -252,12 +269,26 @@ class Agent:
         self.store.close()
 
     async def _load_tokenizer(self) -> None:
+        """``--tokenizer``, else the engines' ``tokenizer_path`` loaded here, else the engines' ``/tokenize``."""
         name = self._tokenizer_name
-        if name is None:
-            healthy = self.supervisor.healthy()
-            info = await self.client.model_info(healthy[0].url)
-            name = info.get("tokenizer_path") or info.get("model_path") or BYTE_TOKENIZER_NAME
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, name)
+        if name is not None:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, name)
+            log.info("agent %s: tokenizer %s", self.agent_id, name)
+            return
+        url = self.supervisor.healthy()[0].url
+        info = await self.client.model_info(url)
+        name = info.get("tokenizer_path") or info.get("model_path") or BYTE_TOKENIZER_NAME
+        try:
+            check_tokenizer(name, "the engines' tokenizer")
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, name)
+        except Exception as exc:  # a path only the server has, transformers missing, no network for a hub id
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            await probe_engine_tokenizer(self.client, url, name, why)
+            urls = lambda: [spec.url for spec in self.supervisor.healthy()]  # noqa: E731
+            self.tokenizer = EngineTokenizer(self.client, urls, name)
+            log.warning("agent %s: tokenizer %r does not load here (%s); tokenizing through the engines' /tokenize",
+                        self.agent_id, name, why)  # fmt: skip
+            return
         log.info("agent %s: tokenizer %s", self.agent_id, name)
 
     def _on_engine_change(self, name: str, state: str) -> None:

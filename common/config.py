@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 
 from common.errors import ConfigError
+from common.sampling import check_sampling_params
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class RolloutConfig:
         for name in ("reward", "dynamic_filter"):
             if not getattr(self, name):
                 raise ConfigError(f"{name} must not be empty")
+        check_sampling_params(self.extra_sampling_params)
 
     @property
     def effective_prefetch(self) -> int:
@@ -133,7 +135,7 @@ MIN_MESSAGE_BYTES = 64 << 10
 """The smallest ``--max-message-bytes``: below it ordinary control messages would be refused."""
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
-               "g": 1000**3, "gb": 1000**3, "gib": 1 << 30}  # fmt: skip
+               "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}  # fmt: skip
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -173,6 +175,29 @@ def message_bytes(text: str) -> int:
     if size < MIN_MESSAGE_BYTES:
         raise argparse.ArgumentTypeError(f"must be at least {MIN_MESSAGE_BYTES} bytes (64KiB), got {text!r}")
     return size
+
+
+MIN_MAP_SIZE = 64 << 10
+"""The smallest ``--map-size``: LMDB needs a few pages for its meta pages and database roots."""
+
+
+def map_size(text: str) -> int:
+    """``--map-size``: the most an LMDB environment may hold (address space reserved, not disk used)."""
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if size < MIN_MAP_SIZE:
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_MAP_SIZE} bytes (64KiB), got {text!r}")
+    return size
+
+
+def format_size(size: int) -> str:
+    """A byte count as the largest binary unit that divides it: ``1TiB``, ``64MiB``, ``1536KiB``."""
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size % factor == 0:
+            return f"{size // factor}{unit}"
+    return str(size)
 
 
 def number(kind: type = float, *, min: float | None = None, max: float | None = None, above: float | None = None):

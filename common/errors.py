@@ -7,7 +7,9 @@
     │   ├── VersionMismatch           the peer speaks another protocol version
     │   └── MessageTooLarge           over the configured size limit
     ├── EngineError                   an inference engine failed
-    │   ├── EngineUnavailable         unreachable or crashed (broken by the peer)
+    │   ├── EngineRejected            HTTP 4xx: the engine refused the request itself (a bad prompt)
+    │   ├── EngineUnavailable         unreachable, crashed or a server error (broken by the peer)
+    │   │   └── EngineBusy            HTTP 503 "The request queue is full.": backpressure, not death
     │   └── EngineStartError          never became healthy; names the engine and its log
     ├── RemoteError                   the coordinator or an agent answered with an error reply
     │   ├── Fenced                    our lease or session was superseded by a newer one
@@ -16,6 +18,7 @@
     │   │                             raised, generation failed): no batch can come; says why
     │   └── WeightUpdateError         a weight update failed or was aborted (names agent and engine,
     │                                 or the deadline missed); the fleet stays on its last version
+    ├── StorageFull                   an LMDB map (or its disk) is full: names the data dir and --map-size
     ├── StateError                    call not allowed now (e.g. state_dict while running)
     └── Closed                        the object was closed by us; further calls are refused
 
@@ -66,6 +69,20 @@ class EngineUnavailable(EngineError):
     """An engine is unreachable, crashed, or answered with a server error."""
 
 
+class EngineRejected(EngineError):
+    """The engine answered HTTP 4xx: the request itself is wrong (over-long prompt, bad parameter)."""
+
+    def __init__(self, message: str, *, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+class EngineBusy(EngineUnavailable):
+    """SGLang's ``--max-queued-requests`` is reached (HTTP 503 "The request queue is full."): the
+    engine is healthy and answers again once its queue drains. A subclass of EngineUnavailable so a
+    caller that knows no better treats it as before; the generation path retries it with backoff."""
+
+
 class EngineStartError(EngineError):
     """An engine never became healthy within its start deadline."""
 
@@ -101,6 +118,12 @@ class WeightUpdateError(RemoteError):
     """A weight update failed: an engine's step failed (the message names agent and engine), the
     update missed its deadline, or it was aborted (its trainer replaced, a group member lost).
     Every serving engine is still on the fleet's last recorded version (docs/weights.md)."""
+
+
+class StorageFull(RolloutError):
+    """An LMDB environment's map (``--map-size``) or the disk under it is full. The write that hit
+    it did not happen, and nothing acknowledged before it is lost: a restart on the same data dir
+    with a larger ``--map-size`` (or more disk) carries on."""
 
 
 class StateError(RolloutError):

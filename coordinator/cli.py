@@ -9,9 +9,9 @@ import logging
 import os
 import sys
 
-from common.config import ArgumentParser, Liveness, RolloutConfig, message_bytes, number, seconds
+from common.config import ArgumentParser, Liveness, RolloutConfig, map_size, message_bytes, number, seconds
 from common.config_file import add_config_flag, parse_args_with_config
-from common.errors import ConfigError, DatasetError, RolloutError
+from common.errors import ConfigError, DatasetError, RolloutError, StorageFull
 from common.logs import add_log_flags, setup_logging
 from common.transport import validate_endpoint
 
@@ -79,6 +79,21 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
         "one (logged); default: off",
     )
     sp.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics port binds (default 127.0.0.1)")
+    sp.add_argument(
+        "--sampling-params",
+        default="{}",
+        metavar="JSON",
+        help="JSON object merged into the sampling params sent to engines, checked against SGLang's "
+        'SamplingParams fields, e.g. \'{"stop": ["</answer>"], "min_p": 0.05}\' (docs/engerr.md)',
+    )
+    sp.add_argument(
+        "--map-size",
+        type=map_size,
+        default=1 << 40,
+        metavar="SIZE",
+        help="most the LMDB ledger may hold, e.g. 64GiB (address space, not disk; default 1TiB); when full the "
+        "coordinator stops, and a restart with a larger value on the same --data-dir carries on",
+    )
     sp.add_argument("--no-sync", action="store_true", help="skip fsync on ledger commits (faster, not crash-safe)")
     sp.add_argument("--allow-config-change", action="store_true", help="restart with other batch settings; recorded")
     add_log_flags(sp)
@@ -98,6 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sampling_params(text: str) -> dict:
+    """``--sampling-params``: a JSON object of SGLang sampling parameters (common/sampling.py checks it)."""
+    from common.sampling import check_sampling_params
+
+    try:
+        params = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--sampling-params: not valid JSON ({exc}): {text!r}") from None
+    return check_sampling_params(params, "--sampling-params")
+
+
 def serve(args) -> int:
     from common.dataset import Dataset
     from common.filters import load_filter
@@ -105,6 +131,7 @@ def serve(args) -> int:
     from coordinator.server import CoordinatorServer
 
     config = RolloutConfig(
+        extra_sampling_params=_sampling_params(args.sampling_params),
         rollout_batch_size=args.rollout_batch_size,
         n_samples_per_prompt=args.n_samples_per_prompt,
         max_new_tokens=args.max_new_tokens,
@@ -139,9 +166,16 @@ def serve(args) -> int:
         allow_config_change=args.allow_config_change,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
+        map_size=args.map_size,
     )
     print(f"coordinator listening on {server.endpoint}", flush=True)
-    asyncio.run(server.serve())
+    full: list[BaseException] = []
+    try:
+        asyncio.run(server.serve())
+    except* StorageFull as eg:  # a ledger write found the map or the disk full: stopped, nothing acknowledged lost
+        full.extend(eg.exceptions)
+    if full:
+        raise full[0]
     return 0
 
 

@@ -24,6 +24,7 @@ only after the commit returns are their messages sent.
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from pathlib import Path
@@ -32,7 +33,7 @@ import lmdb
 import msgpack
 
 from common.errors import ConfigError
-from common.lmdb_env import lock_dir, open_env
+from common.lmdb_env import MAP_SIZE, lock_dir, open_env, storage_full
 from coordinator.records import (
     MARKS,
     CloseEpoch,
@@ -153,11 +154,31 @@ def read_config_changes(data_dir: str | os.PathLike) -> list[dict]:
         env.close()
 
 
+def _full_is_storage_full(method):
+    """A full map or disk under a ledger write is a StorageFull naming the ledger and --map-size.
+
+    LMDB aborts the transaction that hit it whole: the effects waiting on it are never sent, so
+    nothing that write would have acknowledged was acknowledged."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (lmdb.Error, OSError) as exc:
+            full = storage_full(exc, "coordinator ledger", self.path, self.map_size)
+            if full is None:
+                raise
+            raise full from None
+
+    return wrapper
+
+
 class Ledger:
-    def __init__(self, data_dir: str | os.PathLike, *, sync: bool = True):
+    def __init__(self, data_dir: str | os.PathLike, *, sync: bool = True, map_size: int = MAP_SIZE):
         self.path = Path(data_dir) / "ledger"
+        self.map_size = map_size
         self._lock = lock_dir(Path(data_dir), "coordinator data dir")
-        self.env = open_env(self.path, sync=sync, max_readers=256)
+        self.env = open_env(self.path, sync=sync, max_readers=256, map_size=map_size)
         self.meta = self.env.open_db(b"meta")
         self.prompts = self.env.open_db(b"prompts")
         self.batches = self.env.open_db(b"batches")
@@ -178,6 +199,7 @@ class Ledger:
         with self.env.begin() as txn:
             return _snapshot(txn, self.meta, self.prompts, self.batches)
 
+    @_full_is_storage_full
     def open_run(
         self, dataset_size: int, fingerprint: str, *, config: dict | None = None, allow_change: bool = False
     ) -> LedgerSnapshot:
@@ -235,6 +257,7 @@ class Ledger:
             txn.put(b"config_changes", _pack(history), db=self.meta)
         txn.put(b"config", _pack(config), db=self.meta)
 
+    @_full_is_storage_full
     def apply(self, ops: list[LedgerOp]) -> None:
         """Apply ops in one durable transaction. Runs on the writer thread only.
 

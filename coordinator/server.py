@@ -40,7 +40,8 @@ from common import faults
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
 from common.dataset import Dataset
-from common.errors import ProtocolError
+from common.errors import ProtocolError, StorageFull
+from common.lmdb_env import MAP_SIZE
 from common.shuffle import SHUFFLE_ORDER, epoch_permutation
 from common.transport import router, send_nowait, stop_on_signals
 from coordinator.core import CoordinatorCore, Persist, Send
@@ -71,6 +72,7 @@ class CoordinatorServer:
         starve_after_drops: int | None = None,
         metrics_host: str = "127.0.0.1",
         metrics_port: int | None = None,
+        map_size: int = MAP_SIZE,
     ):
         self.dataset = dataset
         self.metrics_host, self.metrics_port = metrics_host, metrics_port
@@ -82,7 +84,7 @@ class CoordinatorServer:
         self.ledger = None
         try:
             self.sock, self.endpoint = router(self.ctx, bind, max_bytes=max_message_bytes)
-            self.ledger = Ledger(data_dir, sync=sync)
+            self.ledger = Ledger(data_dir, sync=sync, map_size=map_size)
             # The shuffle algorithm is part of the shape: positions in one order name other rows in another.
             order = SHUFFLE_ORDER if seed is not None else None
             shape = {**config.batch_shape(), "shuffle_seed": seed, "shuffle_order": order}
@@ -166,7 +168,12 @@ class CoordinatorServer:
             while not self._persist_queue.empty():
                 batch.append(self._persist_queue.get_nowait())
             ops = [op for eff in batch for op in eff.ops]
-            await loop.run_in_executor(self._writer, self.ledger.apply, ops)
+            try:
+                await loop.run_in_executor(self._writer, self.ledger.apply, ops)
+            except StorageFull as exc:
+                # Nothing held behind this write is sent; the coordinator stops (the TaskGroup ends).
+                log.error("%s; the coordinator stops", exc)
+                raise
             grants = [s for eff in batch for s in eff.then if s.with_rows]
             filled = await loop.run_in_executor(self._reader, self._read_rows, grants) if grants else {}
             for eff in batch:

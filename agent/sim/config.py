@@ -32,6 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="max running requests (default 256)",
     )
     g.add_argument(
+        "--max-queued-requests",
+        type=number(int, min=0),
+        default=None,
+        help="most requests waiting for a slot; one more is refused with SGLang's 503 'The request queue is full.' "
+        "(default: unbounded)",
+    )
+    g.add_argument(
         "--token-latency-ms",
         type=number(float, min=0),
         default=0.0,

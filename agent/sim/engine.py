@@ -47,6 +47,9 @@ class SimEngine:
         self.unhealthy: bool = bool(cfg["unhealthy"])
         self.health_timeout: float = float(cfg["health_timeout"])
         self.crash_after: int = int(cfg["crash_after_requests"] or 0)
+        self.max_queued: int | None = cfg["max_queued_requests"]  # SGLang's --max-queued-requests
+        if cfg["tokenizer_path"]:  # reported in /model_info, as SGLang does; the sim still tokenizes bytes
+            self.tokenizer_path = str(cfg["tokenizer_path"])
         self.crash_fn: Callable[[int], Any] = os._exit
         self.max_total_num_tokens = max(self.context_length, self.slots * 4096)  # nominal: no real KV pool
         self.max_req_input_len = self.context_length - 1

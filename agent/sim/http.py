@@ -3,7 +3,8 @@
 Endpoints: ``/generate`` (POST, PUT), ``/abort_request``, ``/health``, ``/health_generate``,
 ``/ready``, ``/model_info`` (``/get_model_info``), ``/server_info`` (``/get_server_info``),
 ``/v1/loads``, ``/flush_cache`` (GET, POST, ``?timeout=``), ``/pause_generation``,
-``/continue_generation``, and the weight endpoints of :mod:`agent.sim.weight_routes`
+``/continue_generation``, ``/tokenize`` and ``/detokenize`` (also under ``/v1/``), and the weight
+endpoints of :mod:`agent.sim.weight_routes`
 (``/update_weights_from_disk``, ``/init_weights_update_group``,
 ``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
 ``/update_weight_version``). Bodies and error shapes: :mod:`agent.sim.replies`.
@@ -20,6 +21,10 @@ Non-SGLang fault hooks: ``POST /rollfleet/crash`` replies 200
 ``{"status":"crashing","exit_code":17}`` and then exits the process with ``os._exit(17)``
 (in-flight requests see dropped connections); ``--crash-after-requests N`` exits with code 17
 right after the response to the N-th successful ``/generate`` call has been sent.
+
+``--max-queued-requests N`` is SGLang's: a ``/generate`` whose samples would leave more than N
+waiting for a slot is refused with 503 ``The request queue is full.`` (backpressure; the engine
+stays healthy).
 """
 
 from __future__ import annotations
@@ -39,10 +44,12 @@ from agent.sim.params import RequestError, SchemaError
 from agent.sim.replies import http_error, json_response, read_json_body, request_error, schema_error
 from agent.sim.sample import Sample
 from agent.sim.weight_routes import add_weight_routes
+from common.tokenizer import ByteTokenizer
 
 __all__ = ["ENGINE_KEY", "make_app"]
 
 ENGINE_KEY = web.AppKey("rollfleet_sim_engine", SimEngine)
+_BYTES = ByteTokenizer()  # the sim's vocabulary (agent/sim/output.py decodes with it too)
 
 
 def _client_gone(request: web.Request) -> Callable[[], bool]:
@@ -95,6 +102,11 @@ class _Handlers:
             if stream:
                 return await self._stream_error(request, str(exc))
             return request_error(str(exc))
+        max_queued = getattr(engine, "max_queued", None)  # the hf engine has no such flag
+        if max_queued is not None and self.scheduler.queue_full(len(samples), max_queued):
+            for s in samples:
+                self.scheduler.finish(s)  # gives the rids back
+            return http_error(503, "The request queue is full.")
 
         if stream:
             resp = await self._stream(request, samples, multi)
@@ -237,6 +249,31 @@ class _Handlers:
         self.scheduler.resume()
         return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """SGLang's ``/tokenize``: ``{prompt | messages}`` -> ``{tokens, count, max_model_len}`` (byte tokens here)."""
+        data = await read_json_body(request)
+        if self.engine.config.get("skip_tokenizer_init"):  # SGLang has no tokenizer to use then
+            return http_error(400, "This server was started with --skip-tokenizer-init: it has no tokenizer.")
+        prompt = data.get("messages") if data.get("messages") is not None else data.get("prompt")
+        if prompt is None:
+            return http_error(400, "Either 'prompt' or 'messages' must be given.")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            tokens = [_BYTES.encode(p) for p in prompt]  # a batch of prompts
+            count = [len(t) for t in tokens]
+        elif isinstance(prompt, (str, list)):
+            tokens = _BYTES.encode(prompt)
+            count = len(tokens)
+        else:
+            return http_error(400, f"'prompt' must be a string or a list of strings, got {type(prompt).__name__}")
+        return json_response({"tokens": tokens, "count": count, "max_model_len": self.engine.context_length})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        data = await read_json_body(request)
+        tokens = data.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            return http_error(400, "'tokens' must be a list of integers")
+        return json_response({"text": _BYTES.decode(tokens)})
+
     async def crash(self, request: web.Request) -> web.Response:
         resp = json_response({"status": "crashing", "exit_code": CRASH_EXIT_CODE})
         await resp.prepare(request)
@@ -272,6 +309,10 @@ def make_app(engine: SimEngine) -> web.Application:
     r.add_post("/flush_cache", h.flush_cache)
     r.add_post("/pause_generation", h.pause)
     r.add_post("/continue_generation", h.continue_generation)
+    for path in ("/tokenize", "/v1/tokenize"):
+        r.add_post(path, h.tokenize)
+    for path in ("/detokenize", "/v1/detokenize"):
+        r.add_post(path, h.detokenize)
     add_weight_routes(r, engine)
     r.add_post("/rollfleet/crash", h.crash)
     return app

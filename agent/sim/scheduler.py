@@ -194,6 +194,12 @@ class Scheduler:
             return
         self._free_slots += 1
 
+    def queue_full(self, incoming: int, max_queued: int) -> bool:
+        """SGLang's ``--max-queued-requests``: True if ``incoming`` new samples would leave more than
+        ``max_queued`` waiting for a slot (samples held at the pause gate do not count)."""
+        free = 0 if self._waiting else self._free_slots
+        return len(self._waiting) + max(0, incoming - free) > max_queued
+
     def finish(self, sample: Sample) -> None:
         """Release everything the sample holds (slot, queue place, rid, read lock); idempotent."""
         state = sample.state

@@ -301,3 +301,32 @@ def test_systemd_units_do_not_restart_config_errors():
     for unit in (ROOT / "deploy" / "systemd").glob("*.service"):
         text = unit.read_text()
         assert "Restart=on-failure" in text and "RestartPreventExitStatus=2" in text, unit
+
+
+@pytest.mark.parametrize(
+    "params, names",
+    [
+        ('{"temprature": 0.5}', ("--sampling-params", "'temprature'", "did you mean 'temperature'", "--temperature")),
+        ('{"min_p": "x"}', ("--sampling-params", "'min_p'", "must be a number")),
+        ('{"stop_token_ids": [1, "2"]}', ("--sampling-params", "'stop_token_ids'", "a list of integers")),
+        ('{"top_k": 5}', ("--sampling-params", "'top_k'", "--top-k")),
+        ('{"stop": ["x"]', ("--sampling-params", "not valid JSON")),
+        ('["min_p"]', ("--sampling-params", "JSON object")),
+    ],
+)
+def test_sampling_params_mistake_is_refused_at_start_naming_the_key(tmp_path, params, names):
+    """Red if a typo in ``--sampling-params`` starts the coordinator (every request would then be refused)."""
+    dataset = write_arithmetic_dataset(tmp_path / "d.jsonl", 10)
+    data_dir = tmp_path / "coordinator"
+    argv = ["serve", "--dataset", str(dataset), "--data-dir", str(data_dir), "--bind", "tcp://127.0.0.1:0"]
+    out = run_cli("coordinator.cli", *argv, "--sampling-params", params)
+    assert_one_line(out, *names)
+    assert not (data_dir / "ledger").exists()
+
+
+def test_map_size_below_the_minimum_is_refused(tmp_path):
+    dataset = write_arithmetic_dataset(tmp_path / "d.jsonl", 10)
+    argv = ["serve", "--dataset", str(dataset), "--data-dir", str(tmp_path / "c"), "--map-size", "4KiB"]
+    assert_one_line(run_cli("coordinator.cli", *argv), "--map-size", "4KiB")
+    argv = ["join", "--coordinator", "tcp://127.0.0.1:1", "--data-dir", str(tmp_path / "a"), "--map-size", "lots"]
+    assert_one_line(run_cli("agent.cli", *argv), "--map-size", "lots")
