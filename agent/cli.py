@@ -331,6 +331,7 @@ def join(args) -> int:
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
     )
+    logging.getLogger("agent").info("effective config: %s", json.dumps(args.effective_config, sort_keys=True))
     print(f"agent {agent.agent_id} joining {args.coordinator}; payloads at {agent.payload_address}", flush=True)
     failures: list[BaseException] = []
     try:
@@ -378,7 +379,7 @@ def main(argv=None) -> int:
             return 130
         return 0
     setup_logging(args.log_level, args.log_format)
-    logging.getLogger("agent").info("effective config: %s", json.dumps(effective, sort_keys=True))
+    args.effective_config = effective  # logged once the command has checked everything and started
     try:
         return join(args)
     except (ConfigError, DatasetError, EngineStartError, ValueError) as exc:

@@ -168,6 +168,7 @@ def serve(args) -> int:
         metrics_port=args.metrics_port,
         map_size=args.map_size,
     )
+    logging.getLogger("coordinator").info("effective config: %s", json.dumps(args.effective_config, sort_keys=True))
     print(f"coordinator listening on {server.endpoint}", flush=True)
     full: list[BaseException] = []
     try:
@@ -201,8 +202,7 @@ def main(argv=None) -> int:
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2
     setup_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
-    if effective is not None:
-        logging.getLogger("coordinator").info("effective config: %s", json.dumps(effective, sort_keys=True))
+    args.effective_config = effective  # logged once the command has checked everything and started
     try:
         return {"serve": serve, "status": status}[args.command](args)
     except (ConfigError, DatasetError, ValueError) as exc:
