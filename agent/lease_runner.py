@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent import custom_rollout
 from agent.engine_client import EngineClient, sample_status
 from agent.events import (
     AssignEngine,
@@ -69,6 +70,7 @@ from common.errors import (
     StorageFull,
 )
 from common.filters import FilterError
+from common.generation import RolloutTask
 from common.protocol import failure_reason
 from common.rewards import RewardError
 from common.types import Group, Sample
@@ -103,6 +105,8 @@ def _failure_kind(exc: RolloutError) -> str:
         return "reward_error"
     if isinstance(exc, FilterError):
         return "filter_error"
+    if isinstance(exc, custom_rollout.GenerateError):
+        return "generate_error"
     return "generation_failed"
 
 
@@ -120,6 +124,8 @@ class LeaseContext:
     agent_id: str
     tokens: dict[str, int] = field(default_factory=dict)
     """Tokens generated per engine name, across configurations (the agent's metrics read it)."""
+    generate: Any = None
+    """The custom generate function (``--generate``), or None: one ``/generate`` per sample."""
 
 
 class LeaseRunner:
@@ -180,12 +186,19 @@ class LeaseRunner:
         encode_async = getattr(ctx.tokenizer, "encode_async", None)  # the engines' /tokenize (engine_tokenizer.py)
         input_ids = await encode_async(prompt) if encode_async is not None else ctx.tokenizer.encode(prompt)
         started = time.monotonic()
-        results = await self._generate(input_ids)
-        gen_seconds = time.monotonic() - started
         prompt_tokens = array("i", input_ids)  # one array shared by the group's samples, as the list was
-        samples = [self._sample(answers, prompt_tokens, label, metadata) for answers in results]
-        for sample, reward in zip(samples, await ctx.reward.score(samples), strict=True):
-            sample.reward = float(reward)
+        if ctx.generate is None:
+            results = await self._generate(input_ids)
+            samples = [self._sample(answers, prompt_tokens, label, metadata) for answers in results]
+            given = [None] * len(samples)
+        else:
+            trajectories = await self._generate_custom(prompt, input_ids, label, metadata, index)
+            samples = [custom_rollout.to_sample(t, prompt_tokens, label, metadata) for t in trajectories]
+            given = [t.reward for t in trajectories]
+        gen_seconds = time.monotonic() - started
+        scores = await ctx.reward.score(samples) if None in given else given
+        for sample, own, reward in zip(samples, given, scores, strict=True):
+            sample.reward = float(reward if own is None else own)
         verdict = await ctx.filter.check(samples)
         self._dispatch(LeaseScored(lease, len(samples)))
         stats = {
@@ -217,6 +230,15 @@ class LeaseRunner:
         if faults.INJECTED is not None:
             faults.INJECTED.after_commit(receipt.key)
         self._dispatch(LeaseCommitted(lease, receipt))
+
+    async def _generate_custom(self, prompt, input_ids: list[int], label, metadata: dict, index: int) -> list:
+        """The group made by the ``--generate`` function (agent/custom_rollout.py), one call per sample."""
+        params = self.ctx.config.sampling_params()
+        tasks = [
+            RolloutTask(prompt, list(input_ids), label, dict(metadata), dict(params), index, i)
+            for i in range(self.ctx.config.n_samples_per_prompt)
+        ]
+        return await custom_rollout.generate_group(self, self.ctx.generate, tasks)
 
     def _sample(self, answers: list[dict], prompt_tokens: array, label, metadata: dict) -> Sample:
         """One sample from its ``/generate`` answers (several when a weight update interrupted it)."""

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import zmq.asyncio
 
+from agent.custom_rollout import load_generate
 from agent.engine_client import EngineClient
 from agent.engine_tokenizer import EngineTokenizer
 from agent.engine_tokenizer import probe as probe_engine_tokenizer
@@ -310,6 +311,7 @@ class Agent:
             self.store,
             self.agent_id,
             self.tokens,
+            generate=load_generate(config.generate),
         )
 
     def _start_lease(self, ins: StartLease) -> None:

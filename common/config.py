@@ -40,6 +40,8 @@ class RolloutConfig:
     """A sample a weight update interrupts continues from its partial output (else it is generated again)."""
     max_staleness: int | None = None
     """Most weight updates a batch's groups may lag behind it (docs/weights.md); None: unbounded."""
+    generate: str = ""
+    """``module:function`` making each sample (multi-turn, tools: common/generation.py); "": one ``/generate``."""
 
     def __post_init__(self):
         _positive("rollout_batch_size", self.rollout_batch_size)

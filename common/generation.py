@@ -13,7 +13,8 @@ once per sample, all samples of a group concurrently, sync or async::
 - ``await engine.generate(input_ids, **params)`` -> :class:`Generation` (the sync function's
   engine blocks instead). ``params`` override the group's sampling params for this call
   (``max_new_tokens``, ``stop_token_ids``, ``temperature``...). Logprobs are always returned.
-- ``engine.encode(text)`` / ``engine.decode(ids)``: the agent's tokenizer.
+- ``await engine.encode(text)`` / ``engine.decode(ids)``: the agent's tokenizer (or the engines'
+  ``/tokenize`` when the agent has none; decode then raises). The sync handle's ``encode`` blocks.
 
 What the engine handle takes care of, so the function does not:
 

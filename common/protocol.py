@@ -159,10 +159,11 @@ class Release(Message):
     reason: str
 
 
-FAILURE_KINDS = ("reward_error", "filter_error", "generation_failed")
+FAILURE_KINDS = ("reward_error", "filter_error", "generation_failed", "generate_error")
 """Why a group failed: its reward raised (or returned a non-number), its filter raised (or returned a
-non-verdict), or anything else (a prompt the engine rejects, a chat template that fails). These are
-also the reasons a prompt that keeps failing is filtered with, so they are metric-name safe."""
+non-verdict), its custom generate function raised (or returned no trajectory), or anything else
+(a prompt the engine rejects, a chat template that fails). These are also the reasons a prompt
+that keeps failing is filtered with, so they are metric-name safe."""
 
 MAX_FAILURE_DETAIL = 300
 """Characters of a failure's detail (spec and exception) kept on the wire: a message, not a log."""

@@ -34,6 +34,13 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--reward", default=d.reward, help="math | exact | module:function")
     sp.add_argument("--dynamic-filter", default=d.dynamic_filter, help="nonzero_std | none | module:function")
     sp.add_argument(
+        "--generate",
+        default=d.generate,
+        metavar="MODULE:FUNCTION",
+        help="a custom generate function making each sample (multi-turn, tools; README 'Generate functions'); "
+        "default: one /generate call per sample",
+    )
+    sp.add_argument(
         "--prefetch", type=number(int, min=-1), default=d.prefetch, help="ready groups beyond demand (-1: one batch)"
     )
     sp.add_argument(
@@ -143,12 +150,17 @@ def serve(args) -> int:
         prefetch=args.prefetch,
         max_staleness=args.max_staleness,
         partial_rollout=args.partial_rollout,
+        generate=args.generate,
     )
     liveness = Liveness(args.heartbeat_interval, args.agent_ttl, args.retire_after)
     validate_endpoint(args.bind, "--bind")
     # Fail here, with the spec named, rather than on every agent later.
     load_reward(config.reward)
     load_filter(config.dynamic_filter)
+    if config.generate:
+        from common.plugins import import_callable
+
+        import_callable(config.generate, kind="generate")
     # The row index is cached beside the ledger: a restart on the same file skips validation.
     index = os.path.join(args.data_dir, "dataset.index")
     dataset = Dataset(args.dataset, input_key=args.input_key, label_key=args.label_key, index_path=index)
