@@ -37,7 +37,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare_model(out: Path, *, warmup_steps: int, seed: int, log=print) -> Path:
+def task_module(name: str):
+    """The task's module: ``add`` (single-digit sums, one turn) or ``calculator`` (two-digit sums with a tool)."""
+    from examples.grpo import task, tool_task
+
+    return {"add": task, "calculator": tool_task}[name]
+
+
+def prepare_model(out: Path, *, warmup_steps: int, seed: int, log=print, task: str = "add") -> Path:
     """``out/model``: a fresh tiny model after ``warmup_steps`` supervised steps (the engines' version 0)."""
     import torch
 
@@ -47,12 +54,12 @@ def prepare_model(out: Path, *, warmup_steps: int, seed: int, log=print) -> Path
     make_model(str(out / "model-init"), preset="tiny", seed=seed)
     model, tokenizer = load_model(str(out / "model-init"))
     t0 = time.monotonic()
-    loss = warm_up(model, steps=warmup_steps, seed=seed)
-    quality = evaluate(model, seed=seed)
-    log(
-        f"warm-up: {warmup_steps} supervised steps in {time.monotonic() - t0:.1f}s, loss {loss:.3f}; "
-        f"sampled: reward {quality['reward']:.2f}, format {quality['format']:.2f}"
-    )
+    loss = warm_up(model, steps=warmup_steps, seed=seed, task_module=task_module(task))
+    line = f"warm-up: {warmup_steps} supervised steps in {time.monotonic() - t0:.1f}s, loss {loss:.3f}"
+    if task == "add":  # the local sampler has no tool: the calculator task is measured by the fleet's first steps
+        quality = evaluate(model, seed=seed)
+        line += f"; sampled: reward {quality['reward']:.2f}, format {quality['format']:.2f}"
+    log(line)
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
     torch.manual_seed(seed)
@@ -103,6 +110,7 @@ def coordinator_argv(dataset: Path, data_dir: Path, address: str, args) -> list[
         "--n-samples-per-prompt", str(args.group_size), "--rollout-batch-size", str(args.batch_size),
         "--max-new-tokens", str(args.max_new_tokens), "--temperature", "1.0",
         "--max-staleness", str(args.max_staleness), "--shuffle-seed", str(args.seed),
+        *(["--generate", task_module(args.task).GENERATE] if args.task == "calculator" else []),
     ]  # fmt: skip
 
 
@@ -145,10 +153,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--weights", choices=("gloo", "disk"), default="gloo", help="how weights reach the engines")
     ap.add_argument("--batch-size", type=int, default=64, help="prompts (groups) per step (default 64)")
     ap.add_argument("--group-size", type=int, default=8, help="samples per prompt (default 8)")
-    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument(
+        "--task",
+        choices=("add", "calculator"),
+        default="add",
+        help="add: single-digit sums in one turn (default); calculator: two-digit sums with a calculator tool "
+        "called mid-generation (multi-turn, --generate examples.tools.calculator:rollout)",
+    )
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default 16 (add) or 32 (calculator)")
     ap.add_argument("--max-staleness", type=int, default=1, help="eta, in weight updates (default 1)")
     ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--warmup-steps", type=int, default=90, help="supervised warm-up steps (default 90)")
+    ap.add_argument(
+        "--warmup-steps", type=int, default=None, help="supervised warm-up steps (default 90 add, 75 calculator)"
+    )
     ap.add_argument("--engines", type=int, default=1, help="hf engines on the agent (default 1)")
     ap.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine (default 1)")
     ap.add_argument("--trainer-threads", type=int, default=1, help="torch threads of the trainer (default 1)")
@@ -168,15 +185,18 @@ def main(argv=None) -> int:
     import torch
 
     from agent.hf.model import load_model
-    from examples.grpo import task
     from examples.grpo.plot import load_metrics, plot
     from examples.grpo.train import TrainConfig, train
 
     torch.set_num_threads(args.trainer_threads)
     started = time.monotonic()
     print(f"GRPO example: run dir {out}")
-    model_dir = prepare_model(out, warmup_steps=args.warmup_steps, seed=args.seed)
-    dataset = task.write_dataset(out / "data.jsonl", seed=args.seed)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 32 if args.task == "calculator" else 16
+    if args.warmup_steps is None:
+        args.warmup_steps = 75 if args.task == "calculator" else 90
+    model_dir = prepare_model(out, warmup_steps=args.warmup_steps, seed=args.seed, task=args.task)
+    dataset = task_module(args.task).write_dataset(out / "data.jsonl", seed=args.seed)
     address = f"tcp://127.0.0.1:{free_port()}"
     procs = Processes(out / "logs")
     try:

@@ -143,6 +143,9 @@ def _train_step(model, optimizer, batch, version: int, held: dict, config: Train
     advantages = torch.cat([group_advantages(r[None, :])[0] for r in rewards])
 
     logprobs, mask = response_logprobs(model, prompts, responses)
+    # Tokens the model did not generate (a tool's output: loss mask 0) are context, not actions.
+    loss_mask, _ = _pad([s.loss_mask for s in samples])
+    mask = mask * loss_mask[:, : mask.shape[1]].float()
     loss, stats = clipped_pg_loss(logprobs, rollout_lp.float(), advantages, mask, config.clip)
     diff = _logprob_check(model, samples, logprobs.detach(), version, held)
     optimizer.zero_grad()
@@ -171,7 +174,8 @@ def _logprob_check(model, samples, current: torch.Tensor, version: int, held: di
                 )
         for k, i in enumerate(rows):
             engine = torch.tensor(samples[i].response_logprobs, dtype=torch.float64)
-            diffs.append((recomputed[k, : len(engine)].double() - engine).abs())
+            generated = torch.tensor(samples[i].loss_mask, dtype=torch.bool)  # inserted tokens have no engine logprob
+            diffs.append((recomputed[k, : len(engine)].double() - engine).abs()[generated])
         checked[v] = len(rows)
     if not diffs:
         return {"train/rollout_logprob_abs_diff": math.nan, "logprob_diff_max": math.nan, "checked_versions": {}}

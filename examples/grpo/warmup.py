@@ -21,23 +21,39 @@ def encode(text: str) -> list[int]:
     return list(text.encode())
 
 
-def warm_up(model, *, steps: int, batch_size: int = 32, lr: float = 1e-3, seed: int = 0) -> float:
-    """Train ``model`` in place on ``steps`` batches of correct answers; returns the last batch's loss."""
+def teacher(a: int, b: int, task_module=task) -> tuple[list[int], list[int]]:
+    """A correct response and its loss mask: the task's own ``teacher`` (tool output masked), else the answer."""
+    if hasattr(task_module, "teacher"):
+        return task_module.teacher(a, b)
+    answer = encode(task_module.answer(a, b)) + [ByteTokenizer.EOS]
+    return answer, [1] * len(answer)
+
+
+def warm_up(model, *, steps: int, batch_size: int = 32, lr: float = 1e-3, seed: int = 0, task_module=task) -> float:
+    """Train ``model`` in place on ``steps`` batches of correct responses; returns the last batch's loss."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     loss = torch.tensor(0.0)
     for _ in range(steps):
-        batch = [rng.choice(task.pairs()) for _ in range(batch_size)]
-        prompts = [encode(task.prompt(a, b)) for a, b in batch]
-        answers = [encode(task.answer(a, b)) + [ByteTokenizer.EOS] for a, b in batch]
-        logprobs, mask = response_logprobs(model, prompts, answers)
+        batch = [rng.choice(task_module.pairs()) for _ in range(batch_size)]
+        prompts = [encode(task_module.prompt(a, b)) for a, b in batch]
+        taught = [teacher(a, b, task_module) for a, b in batch]
+        logprobs, mask = response_logprobs(model, prompts, [t for t, _ in taught])
+        mask = mask * _pad_mask([m for _, m in taught], mask.shape[1])
         loss = -(logprobs * mask).sum() / mask.sum()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
     model.eval()
     return loss.item()
+
+
+def _pad_mask(masks: list[list[int]], width: int) -> torch.Tensor:
+    out = torch.zeros((len(masks), width))
+    for i, m in enumerate(masks):
+        out[i, : len(m)] = torch.tensor(m, dtype=torch.float)
+    return out
 
 
 @torch.no_grad()

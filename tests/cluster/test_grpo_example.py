@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from examples.grpo import task  # noqa: E402
+from examples.grpo import task, tool_task  # noqa: E402
 from examples.grpo.run import prepare_model  # noqa: E402
 from examples.grpo.train import TrainConfig, train  # noqa: E402
 
@@ -39,19 +39,26 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def start_fleet(make_cluster, tmp_path, *, max_staleness: int = 1):
+def start_fleet(make_cluster, tmp_path, *, max_staleness: int = 1, tools: bool = False):
+    """The example's fleet; ``tools``: the calculator task, each sample made by its multi-turn generate function."""
     from agent.hf.model import load_model
 
-    model_dir = prepare_model(tmp_path, warmup_steps=90, seed=0, log=lambda line: None)
+    module = tool_task if tools else task
+    warmup = 75 if tools else 90
+    model_dir = prepare_model(
+        tmp_path, warmup_steps=warmup, seed=0, log=lambda line: None, task="calculator" if tools else "add"
+    )
+    extra = {"generate": tool_task.GENERATE} if tools else {}
     cluster = make_cluster(
-        dataset=task.write_dataset(tmp_path / "data.jsonl"),
+        dataset=module.write_dataset(tmp_path / "data.jsonl"),
         rollout_batch_size=BATCH,
         n_samples_per_prompt=GROUP,
-        max_new_tokens=16,
+        max_new_tokens=tool_task.MAX_NEW_TOKENS if tools else 16,
         temperature=1.0,
         max_staleness=max_staleness,
         reward="exact",
         dynamic_filter="none",
+        **extra,
     )
     cluster.start_coordinator()
     cluster.start_agent(
@@ -76,6 +83,28 @@ def test_grpo_learns_and_trainer_logprobs_match_the_engines_after_every_push(mak
     start = sum(r["reward"] for r in history[:3]) / 3
     end = sum(r["reward"] for r in history[-3:]) / 3
     assert start <= 0.35, f"the warm-up already solves the task (reward {start:.2f})"
+    assert end >= start + MARGIN, f"reward did not rise: {start:.2f} -> {end:.2f} ({[r['reward'] for r in history]})"
+
+
+TOOL_STEPS = 11
+
+
+def test_grpo_learns_to_use_a_calculator_tool_mid_generation(make_cluster, tmp_path, one_thread):
+    """The multi-turn example: each sample calls the calculator (examples/tools/calculator.py), whose answer is
+    inserted with loss mask 0; the trainer learns from the model's tokens only, its logprobs match the engine's
+    on those, and the reward (two-digit sums, impossible without the tool) rises."""
+    cluster, model = start_fleet(make_cluster, tmp_path, tools=True)
+    client = cluster.client()
+    first = client.generate(0)
+    client.close()
+    calls = [s.metadata["tool_calls"] for s in first.samples]
+    assert sum(calls) >= len(calls) // 2, "the warmed-up model should already call the tool mostly"
+    tool = [s for s in first.samples if s.metadata["tool_calls"]][0]
+    assert 0 in tool.loss_mask.tolist() and "=" in tool.response_text
+    history = train(cluster.address, model, TrainConfig(steps=TOOL_STEPS, lr=LR, weights="gloo"), out=tmp_path / "run")
+    assert_logprobs_match(history)
+    start = sum(r["reward"] for r in history[:3]) / 3
+    end = sum(r["reward"] for r in history[-3:]) / 3
     assert end >= start + MARGIN, f"reward did not rise: {start:.2f} -> {end:.2f} ({[r['reward'] for r in history]})"
 
 
