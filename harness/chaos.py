@@ -98,6 +98,7 @@ class ChaosRun:
         interval: tuple[float, float],
         weights_every: int,
         log,
+        generate: str = "",
     ):
         if agents < 3:
             raise ValueError("the chaos run needs 3 agents: one behind the proxy, one lost for good, one more")
@@ -116,6 +117,7 @@ class ChaosRun:
         self.consumed = workdir / "consumed.jsonl"
         self.ckpt = workdir / "checkpoint.json"
         self.weights_every = weights_every
+        self.generate = generate  # a custom generate function for every sample (e.g. multi-turn), or ""
         self.weights_log = workdir / "weights.jsonl"
         torch = importlib.util.find_spec("torch") is not None  # the trainer broadcasts only with it
         self.with_torch = torch
@@ -133,7 +135,8 @@ class ChaosRun:
     # ------------------------------------------------------------ processes
 
     def start_coordinator(self) -> None:
-        self.cluster.start_coordinator("--retire-after", str(RETIRE_AFTER))
+        extra = ["--generate", self.generate] if self.generate else []
+        self.cluster.start_coordinator("--retire-after", str(RETIRE_AFTER), *extra)
 
     def start_agent(self, name: str, wait: bool = True) -> None:
         via = self.proxy.address if name == self.proxied else None
@@ -460,6 +463,7 @@ def run_chaos(
     interval: tuple[float, float] = (0.5, 1.5),
     weights_every: int = 3,
     log=print,
+    generate: str = "",
 ) -> ChaosReport:
     return ChaosRun(
         Path(workdir),
@@ -469,6 +473,7 @@ def run_chaos(
         interval=interval,
         weights_every=weights_every,
         log=log,
+        generate=generate,
     ).run()
 
 

@@ -97,7 +97,10 @@ def batch_record(batch, run: str) -> dict:
         "rid": batch.rollout_id,
         "run": run,
         "groups": [[g.data_epoch, g.index, g.agent_id] for g in batch.groups],
-        "lengths_ok": all(len(s.response_tokens) == len(s.response_logprobs) for s in batch.samples),
+        "lengths_ok": all(
+            len(s.response_tokens) == len(s.response_logprobs) == len(s.loss_mask) for s in batch.samples
+        ),
+        "tool_samples": sum(0 in s.loss_mask for s in batch.samples),  # multi-turn: a tool's tokens inserted
         "replaced": batch.metrics.get("rollout/replaced_groups", 0),
     }
 
@@ -110,6 +113,8 @@ class Findings:
     replay_mismatches: int = 0
     unaccounted_prompts: int = 0
     replaced_groups: int = 0
+    tool_samples: int = 0
+    """Samples in the final stream with tokens a generate function inserted (multi-turn runs)."""
     weight_updates: dict = field(default_factory=dict)
     """Update attempts by outcome: ``{"disk": ok, "distributed": ok, "failed": n}``."""
     problems: list[str] = field(default_factory=list)
@@ -149,7 +154,7 @@ def _check_stream(ev: RunEvidence, out: Findings) -> tuple[dict, dict]:
             out.problems.append(f"rollout {rid} fetched again with different groups and no replacement")
         final[rid] = rec
         if not rec["lengths_ok"]:
-            out.problems.append(f"rollout {rid}: token and logprob lengths differ")
+            out.problems.append(f"rollout {rid}: token, logprob and loss-mask lengths differ")
         if len(rec["groups"]) != ev.batch_size:
             out.problems.append(f"rollout {rid} has {len(rec['groups'])} groups, not {ev.batch_size}")
         for epoch, index, *_ in rec["groups"]:
@@ -160,6 +165,7 @@ def _check_stream(ev: RunEvidence, out: Findings) -> tuple[dict, dict]:
     seen: dict[tuple[int, int], int] = {}
     for rid, rec in sorted(final.items()):
         out.replaced_groups += int(rec["replaced"])
+        out.tool_samples += int(rec.get("tool_samples", 0))
         for epoch, index, *_ in rec["groups"]:
             if (epoch, index) in seen:
                 out.duplicated += 1

@@ -34,6 +34,11 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1])
     ap.add_argument("--weights-every", type=int, default=3, help="a weight update every K batches (0: none)")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument(
+        "--generate",
+        default="harness.generate_fns:two_turns",
+        help="generate function for every sample (default: two turns with a tool's tokens between; '' for one call)",
+    )
     args = ap.parse_args()
     failed = 0
     for seed in args.seeds:
@@ -46,6 +51,7 @@ def main() -> int:
             agents=args.agents,
             seed=seed,
             weights_every=args.weights_every,
+            generate=args.generate,
             log=lambda m: print(m, file=sys.stderr, flush=True),
         )
         ok = not report.problems
@@ -62,6 +68,7 @@ def main() -> int:
             "unaccounted": report.unaccounted_prompts,
             "replay_mismatches": report.replay_mismatches,
             "replaced_groups": report.replaced_groups,
+            "tool_samples": report.tool_samples,
             "weight_updates": report.weight_updates,
             "problems": report.problems[:20],
             "workdir": str(work),
