@@ -17,6 +17,7 @@ import shlex
 import sys
 
 from common.config import ArgumentParser, log_level, number, seconds
+from common.curve import check_exposure, client_keys, is_loopback
 from common.errors import ConfigError, DatasetError, EngineStartError, RolloutError
 from common.transport import advertised_host, validate_endpoint
 
@@ -68,7 +69,15 @@ def _join_args(sp: argparse.ArgumentParser) -> None:
         "--max-restarts", type=number(int, min=0), default=3, help="engine restarts per 10 minutes before retiring it"
     )
     sp.add_argument(
-        "--payload-bind", default="tcp://0.0.0.0:0", help="endpoint trainers fetch payloads from (port 0: any)"
+        "--payload-bind",
+        default=None,
+        help="endpoint trainers fetch payloads from (port 0: any; default tcp://127.0.0.1:0 when the coordinator "
+        "is on loopback, else tcp://0.0.0.0:0; off loopback: needs --curve-secret or --insecure)",
+    )
+    sp.add_argument("--curve-secret", default=None, help="CurveZMQ: this agent's key pair file, NAME.key_secret")
+    sp.add_argument("--curve-server-key", default=None, help="CurveZMQ: the coordinator's public key, coordinator.key")
+    sp.add_argument(
+        "--insecure", action="store_true", help="allow a --payload-bind reachable from other hosts without keys"
     )
     sp.add_argument(
         "--advertise-host",
@@ -285,6 +294,20 @@ def join(args) -> int:
         specs += plan_engines("url", urls=args.engine_url)
     if args.tokenizer:
         check_tokenizer(args.tokenizer, "--tokenizer")
+    curve = client_keys(
+        args.curve_secret, args.curve_server_key, secret_flag="--curve-secret", server_flag="--curve-server-key"
+    )
+    advertise = args.advertise_host or advertised_host(args.coordinator)
+    if args.payload_bind is None:
+        args.payload_bind = "tcp://127.0.0.1:0" if is_loopback(f"tcp://{advertise}:0") else "tcp://0.0.0.0:0"
+    validate_endpoint(args.payload_bind, "--payload-bind")
+    exposed = check_exposure(
+        args.payload_bind,
+        "--payload-bind",
+        keyed=curve is not None,
+        insecure=args.insecure,
+        keys_flag="--curve-secret FILE --curve-server-key FILE",
+    )
     _check_payload_bind(args.payload_bind)
     dataset = None
     if args.dataset:
@@ -298,7 +321,7 @@ def join(args) -> int:
         engine_specs=specs,
         concurrency=args.concurrency,
         payload_bind=args.payload_bind,
-        advertise_host=args.advertise_host or advertised_host(args.coordinator),
+        advertise_host=advertise,
         agent_id=args.agent_id,
         tokenizer=args.tokenizer,
         sync=not args.no_sync,
@@ -307,7 +330,10 @@ def join(args) -> int:
             "health_interval": args.health_interval,
             "max_restarts": args.max_restarts,
         },
+        curve=curve,
     )
+    if exposed:
+        logging.getLogger("rollfleet.agent").warning("%s", exposed)
     print(f"agent {agent.agent_id} joining {args.coordinator}; payloads at {agent.payload_address}", flush=True)
     failures: list[BaseException] = []
     try:

@@ -1,4 +1,8 @@
-"""``coordinator serve`` and ``coordinator status``."""
+"""``coordinator serve`` and ``coordinator status``.
+
+``serve --bind`` on an address reachable from other hosts needs ``--curve-dir`` (CurveZMQ keys,
+docs/curve.md) or an explicit ``--insecure``; loopback needs neither.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import os
 import sys
 
 from common.config import ArgumentParser, Liveness, RolloutConfig, log_level, message_bytes, number, seconds
+from common.curve import check_exposure
 from common.errors import ConfigError, DatasetError, RolloutError
 from common.transport import validate_endpoint
 
@@ -22,7 +27,19 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--input-key", default="prompt", help="row key holding the prompt (string or chat messages)")
     sp.add_argument("--label-key", default="label", help="row key holding the label given to the reward")
     sp.add_argument("--data-dir", required=True, help="directory of the coordinator's LMDB ledger (keep it to resume)")
-    sp.add_argument("--bind", default="tcp://0.0.0.0:5555", help="ZeroMQ endpoint agents and trainers connect to")
+    sp.add_argument(
+        "--bind",
+        default="tcp://127.0.0.1:5555",
+        help="ZeroMQ endpoint agents and trainers connect to (off loopback: needs --curve-dir or --insecure)",
+    )
+    sp.add_argument(
+        "--curve-dir",
+        default=None,
+        help="CurveZMQ keys: DIR/coordinator.key_secret, allowed DIR/agents/*.key and DIR/trainers/*.key",
+    )
+    sp.add_argument(
+        "--insecure", action="store_true", help="allow a --bind reachable from other hosts without --curve-dir"
+    )
     sp.add_argument("--rollout-batch-size", type=_COUNT, default=d.rollout_batch_size, help="groups per trainer batch")
     sp.add_argument("--n-samples-per-prompt", type=_COUNT, default=d.n_samples_per_prompt, help="samples per group")
     sp.add_argument("--max-new-tokens", type=_COUNT, default=d.max_new_tokens, help="tokens per sample")
@@ -81,7 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="print a running coordinator's statistics as JSON")
     st.add_argument("--coordinator", default="tcp://127.0.0.1:5555")
     st.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for an answer")
+    _client_key_args(st)
     return parser
+
+
+def _client_key_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--curve-secret", default=None, help="CurveZMQ: this client's NAME.key_secret (a trainers/ key)")
+    sp.add_argument("--curve-server-key", default=None, help="CurveZMQ: the coordinator's public key, coordinator.key")
 
 
 def serve(args) -> int:
@@ -105,6 +128,14 @@ def serve(args) -> int:
     )
     liveness = Liveness(args.heartbeat_interval, args.agent_ttl, args.retire_after)
     validate_endpoint(args.bind, "--bind")
+    curve = None
+    if args.curve_dir:
+        from common.curve import CoordinatorKeys
+
+        curve = CoordinatorKeys.load(args.curve_dir)
+    exposed = check_exposure(
+        args.bind, "--bind", keyed=curve is not None, insecure=args.insecure, keys_flag="--curve-dir DIR"
+    )
     # Fail here, with the spec named, rather than on every agent later.
     load_reward(config.reward)
     load_filter(config.dynamic_filter)
@@ -123,7 +154,10 @@ def serve(args) -> int:
         starve_after=args.starve_after,
         starve_after_drops=args.starve_after_drops,
         allow_config_change=args.allow_config_change,
+        curve=curve,
     )
+    if exposed:
+        logging.getLogger("rollfleet.coordinator").warning("%s", exposed)
     print(f"coordinator listening on {server.endpoint}", flush=True)
     asyncio.run(server.serve())
     return 0
@@ -133,7 +167,8 @@ def status(args) -> int:
     from coordinator.client import RolloutClient
 
     validate_endpoint(args.coordinator, "--coordinator")
-    with RolloutClient(args.coordinator, timeout=args.timeout, attach=False) as client:
+    keys = {"curve_secret": args.curve_secret, "curve_server_key": args.curve_server_key}
+    with RolloutClient(args.coordinator, timeout=args.timeout, attach=False, **keys) as client:
         print(json.dumps(client.stats(), indent=2, sort_keys=True))
     return 0
 

@@ -21,6 +21,11 @@ thread, and the dataset rows a Grant carries (``Send.with_rows``, for agents
 without their own replica) are read on a reader thread after the commit,
 before the Grant leaves in its place in line.
 
+With CurveZMQ keys (``curve``, common/curve.py) the ROUTER is a CURVE server and
+``KeyGate`` (common/zap.py), started before the loops, admits only the agents' and
+trainers' public keys: an unknown peer is refused in the handshake and never reaches
+the core. Agents learn the trainers' keys from the Welcome, for their payload endpoints.
+
 A frame that cannot be decoded (malformed msgpack, unknown type, wrong
 version, oversized) is answered with an ``Error`` naming the problem; the
 loop keeps serving. Messages of a type the coordinator does not accept get
@@ -39,6 +44,7 @@ import zmq
 from common import faults
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
+from common.curve import CoordinatorKeys
 from common.dataset import Dataset
 from common.errors import ProtocolError
 from common.shuffle import SHUFFLE_ORDER, epoch_permutation
@@ -69,6 +75,7 @@ class CoordinatorServer:
         allow_config_change: bool = False,
         starve_after: int | None = None,
         starve_after_drops: int | None = None,
+        curve: CoordinatorKeys | None = None,
     ):
         self.dataset = dataset
         self.max_message_bytes = max_message_bytes
@@ -76,8 +83,15 @@ class CoordinatorServer:
         # config) leaves the data dir as it was.
         self.ctx = zmq.Context()
         self.ledger = None
+        self.gate = None
         try:
-            self.sock, self.endpoint = router(self.ctx, bind, max_bytes=max_message_bytes)
+            if curve is not None:
+                from common.zap import KeyGate
+
+                self.gate = KeyGate(self.ctx, curve.allowed, "coordinator")
+            self.sock, self.endpoint = router(
+                self.ctx, bind, max_bytes=max_message_bytes, curve=curve.pair if curve else None
+            )
             self.ledger = Ledger(data_dir, sync=sync)
             # The shuffle algorithm is part of the shape: positions in one order name other rows in another.
             order = SHUFFLE_ORDER if seed is not None else None
@@ -102,6 +116,7 @@ class CoordinatorServer:
             now=time.monotonic(),
             starve_after=starve_after,
             starve_after_drops=starve_after_drops,
+            trainer_keys=sorted(k.decode("ascii") for k in curve.trainers) if curve else (),
         )
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
         # One thread: the dataset's file handle is used from it alone.
@@ -300,6 +315,8 @@ class CoordinatorServer:
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
         stop_on_signals(loop, stop)
+        if self.gate is not None:
+            self.gate.start()  # until now every CURVE handshake failed (ZAP enforced): none got through
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [
@@ -317,6 +334,8 @@ class CoordinatorServer:
             self.close()
 
     def close(self) -> None:
+        if self.gate is not None:
+            self.gate.stop()
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
         self.sock.close(linger=0)
