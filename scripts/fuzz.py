@@ -42,8 +42,12 @@ def main(argv=None) -> int:
 
         def progress(done, r, mode=mode):
             if done % 10_000 == 0 or done == args.frames:
-                print(f"  [{mode}] {r.target}: {done}/{args.frames} frames, {r.probes_answered} probes answered",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                seen = (
+                    f"{r.handshakes_refused} handshakes refused"
+                    if r.handshakes_refused
+                    else (f"{r.probes_answered} probes answered")
+                )
+                print(f"  [{mode}] {r.target}: {done}/{args.frames} frames, {seen}", file=sys.stderr, flush=True)
 
         try:
             summary = campaign(cluster, args.frames, keyed=keyed, seed=args.seed, batches=args.batches,
