@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import random
 import time
@@ -44,6 +45,8 @@ from common.errors import ProtocolError, RolloutError
 from common.transport import dealer, send_nowait
 
 log = logging.getLogger("rollfleet.agent")
+
+_MONITORS = itertools.count()
 
 FIRST_BACKOFF = 0.2
 MAX_BACKOFF = 10.0
@@ -130,7 +133,8 @@ class CoordinatorLink:
         self.sock = dealer(self._ctx, self.address, identity=identity, curve=self._curve)
         if self._curve is not None:
             # A plain PAIR on the same context: polled without awaiting, from the serve loop.
-            address = f"inproc://rollfleet-link-monitor-{id(self)}"
+            # A fresh name per socket: the previous monitor's inproc endpoint is released asynchronously.
+            address = f"inproc://rollfleet-link-monitor-{id(self)}-{next(_MONITORS)}"
             self.sock.monitor(address, zmq.EVENT_HANDSHAKE_FAILED_AUTH)
             self._monitor = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PAIR)
             self._monitor.connect(address)

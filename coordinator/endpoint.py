@@ -86,7 +86,11 @@ class _Endpoint:
         self.tasks = [asyncio.create_task(self._recv(), name=f"recv-{name}")]
         if curve is not None:
             self._key = fingerprint(curve.pair.public)
-            mon = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            # A name of its own: pyzmq's default names the socket's fd, which a closed socket hands on.
+            mon = self.sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED,
+                addr=f"inproc://rollfleet-endpoint-monitor-{next(_MONITORS)}",
+            )
             self.tasks.append(asyncio.create_task(self._watch(mon), name=f"monitor-{name}"))
 
     async def _watch(self, mon) -> None:
@@ -163,6 +167,8 @@ class _Endpoint:
             self.sock.disable_monitor()
         self.sock.close(linger=0)
 
+
+_MONITORS = itertools.count()
 
 # Random start: a restarted trainer process must not reuse its predecessor's
 # request ids (the coordinator deduplicates a resent Attach on them).

@@ -21,6 +21,7 @@ group key twice).
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from common import protocol as p
 from common.curve import ClientKeys, make_client
 
 PROBE_EVERY = 500
+_MONITORS = itertools.count()
 KINDS = (
     "random_bytes",
     "truncated",
@@ -180,7 +182,7 @@ def fuzz(
         if keys is not None:
             make_client(s, keys, server_public)
         if refused:
-            mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH, addr=f"inproc://fuzz-monitor-{next(_MONITORS)}")
         s.connect(address)
         return s
 

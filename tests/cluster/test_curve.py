@@ -20,7 +20,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from common import protocol as p
 from common.curve import fingerprint, load_pair, load_public
-from common.errors import ConfigError, RolloutError
+from common.errors import ConfigError, RemoteError, RolloutError
 from common.keygen import write_pair
 from coordinator.client import RolloutClient
 from harness.cluster import free_port
@@ -88,6 +88,15 @@ def test_unknown_keys_are_refused_everywhere_and_the_trainer_keeps_working(make_
     wait_for(lambda: "refused this agent's CurveZMQ key" in cluster.agents["agent-x"].text(), 30, "agent refusal")
     assert "agent-x" not in cluster.status()["agents"]
 
+    # 2b. Roles stay apart: an agent's key cannot attach, a trainer's key cannot register.
+    agent_secret = str(cluster.curve_dir / "secrets" / "agent-1.key_secret")
+    with pytest.raises(RemoteError, match="forbidden.*may not send 'attach'"):
+        RolloutClient(cluster.address, timeout=30, curve_secret=agent_secret, curve_server_key=server_key)
+    trainer_secret = str(cluster.curve_dir / "secrets" / "trainer.key_secret")
+    cluster.start_agent("agent-t", "--curve-secret", trainer_secret, "--curve-server-key", server_key, wait=False)
+    wait_for(lambda: "refused a 'register' message" in cluster.coordinator.text(), 30, "register refused")
+    assert "agent-t" not in cluster.status()["agents"]
+
     # 3. An unknown key cannot fetch payloads from an agent; the trainer's key can.
     address = re.search(r"payloads at (\S+)", cluster.agents["agent-0"].text()).group(1)
     endpoint, _, agent_key = address.partition("#curve=")
@@ -109,7 +118,7 @@ def test_unknown_keys_are_refused_everywhere_and_the_trainer_keeps_working(make_
     stats = cluster.status()
     assert set(stats["agents"]) == set(AGENTS)
     for proc in cluster.procs:
-        if proc.name.startswith(("coordinator", "agent-0", "agent-1")):
+        if proc.name.startswith(("coordinator", "agent-0-", "agent-1-")):
             assert proc.alive() and "Traceback" not in proc.text(), proc.text()[-3000:]
 
 
