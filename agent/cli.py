@@ -19,6 +19,7 @@ import sys
 
 from common.config import ArgumentParser, map_size, number, seconds
 from common.config_file import add_config_flag, parse_args_with_config
+from common.curve import check_exposure, client_keys, is_loopback
 from common.errors import ConfigError, DatasetError, EngineStartError, RolloutError, StorageFull
 from common.logs import add_log_flags, setup_logging
 from common.transport import advertised_host, validate_endpoint
@@ -71,7 +72,15 @@ def _join_args(sp: argparse.ArgumentParser) -> None:
         "--max-restarts", type=number(int, min=0), default=3, help="engine restarts per 10 minutes before retiring it"
     )
     sp.add_argument(
-        "--payload-bind", default="tcp://0.0.0.0:0", help="endpoint trainers fetch payloads from (port 0: any)"
+        "--payload-bind",
+        default=None,
+        help="endpoint trainers fetch payloads from (port 0: any; default tcp://127.0.0.1:0 when the coordinator "
+        "is on loopback, else tcp://0.0.0.0:0; off loopback: needs --curve-secret or --insecure)",
+    )
+    sp.add_argument("--curve-secret", default=None, help="CurveZMQ: this agent's key pair file, NAME.key_secret")
+    sp.add_argument("--curve-server-key", default=None, help="CurveZMQ: the coordinator's public key, coordinator.key")
+    sp.add_argument(
+        "--insecure", action="store_true", help="allow a --payload-bind reachable from other hosts without keys"
     )
     sp.add_argument(
         "--advertise-host",
@@ -305,6 +314,20 @@ def join(args) -> int:
         specs += plan_engines("url", urls=args.engine_url)
     if args.tokenizer:
         check_tokenizer(args.tokenizer, "--tokenizer")
+    curve = client_keys(
+        args.curve_secret, args.curve_server_key, secret_flag="--curve-secret", server_flag="--curve-server-key"
+    )
+    advertise = args.advertise_host or advertised_host(args.coordinator)
+    if args.payload_bind is None:
+        args.payload_bind = "tcp://127.0.0.1:0" if is_loopback(f"tcp://{advertise}:0") else "tcp://0.0.0.0:0"
+    validate_endpoint(args.payload_bind, "--payload-bind")
+    exposed = check_exposure(
+        args.payload_bind,
+        "--payload-bind",
+        keyed=curve is not None,
+        insecure=args.insecure,
+        keys_flag="--curve-secret FILE --curve-server-key FILE",
+    )
     _check_payload_bind(args.payload_bind)
     dataset = None
     if args.dataset:
@@ -318,7 +341,7 @@ def join(args) -> int:
         engine_specs=specs,
         concurrency=args.concurrency,
         payload_bind=args.payload_bind,
-        advertise_host=args.advertise_host or advertised_host(args.coordinator),
+        advertise_host=advertise,
         agent_id=args.agent_id,
         tokenizer=args.tokenizer,
         sync=not args.no_sync,
@@ -330,7 +353,10 @@ def join(args) -> int:
         },
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
+        curve=curve,
     )
+    if exposed:
+        logging.getLogger("rollfleet.agent").warning("%s", exposed)
     logging.getLogger("agent").info("effective config: %s", json.dumps(args.effective_config, sort_keys=True))
     print(f"agent {agent.agent_id} joining {args.coordinator}; payloads at {agent.payload_address}", flush=True)
     failures: list[BaseException] = []

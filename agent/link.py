@@ -14,6 +14,10 @@ The link is mechanics only; what to say and when is the core's
    TTL), wait a randomised backoff and go to 1; ``CloseLink`` (the agent is
    stopping) ends the loop, ``Exit`` (refused for good) raises ``AgentExit``.
 
+With CurveZMQ keys the socket is a CURVE client and a monitor watches its handshakes: a
+coordinator that refuses this agent's key is logged at ERROR (the key's fingerprint and what to
+fix) once per connection; the link keeps retrying, as it does for an unreachable coordinator.
+
 Sends never block: a full queue drops the message and says so; the protocol
 repairs it (receipt resend, heartbeat lease lists, lease expiry).
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import random
 import time
@@ -35,10 +40,13 @@ from agent.session import AgentSession
 from agent.store import GroupStore
 from common import faults
 from common import protocol as p
+from common.curve import ClientKeys, fingerprint
 from common.errors import ProtocolError, RolloutError
 from common.transport import dealer, send_nowait
 
 log = logging.getLogger("rollfleet.agent")
+
+_MONITORS = itertools.count()
 
 FIRST_BACKOFF = 0.2
 MAX_BACKOFF = 10.0
@@ -58,8 +66,11 @@ class CoordinatorLink:
         store: GroupStore,
         session: AgentSession,
         dispatch: Callable[[object], None],
+        curve: ClientKeys | None = None,
     ):
         self.address = address
+        self._curve = curve
+        self._monitor = None
         self._ctx = ctx
         self._agent_id = agent_id
         self._store = store
@@ -101,16 +112,50 @@ class CoordinatorLink:
             backoff = min(backoff * 2, MAX_BACKOFF)
 
     def close(self, linger_ms: int) -> None:
+        self._close_monitor()
         if self.sock is not None:
             self.sock.close(linger=linger_ms)
             self.sock = None
 
+    def _close_monitor(self) -> None:
+        if self._monitor is not None:
+            self.sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+
     def _open(self) -> None:
         if self.sock is not None:
+            self._close_monitor()
             self.sock.close(linger=0)
         if faults.INJECTED is not None:
             faults.INJECTED.link_reopened()
-        self.sock = dealer(self._ctx, self.address, identity=f"agent:{self._agent_id}".encode())
+        identity = f"agent:{self._agent_id}".encode()
+        self.sock = dealer(self._ctx, self.address, identity=identity, curve=self._curve)
+        if self._curve is not None:
+            # A plain PAIR on the same context: polled without awaiting, from the serve loop.
+            # A fresh name per socket: the previous monitor's inproc endpoint is released asynchronously.
+            address = f"inproc://rollfleet-link-monitor-{id(self)}-{next(_MONITORS)}"
+            self.sock.monitor(address, zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            self._monitor = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PAIR)
+            self._monitor.connect(address)
+            self._refusal_logged = False
+
+    def _check_monitor(self) -> None:
+        """Log a refused key once per connection (the link retries regardless)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor is not None and self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            if not self._refusal_logged:
+                self._refusal_logged = True
+                log.error(
+                    "agent %s: the coordinator at %s refused this agent's CurveZMQ key %s... (ZAP status %s): "
+                    "add its public key to the coordinator's --curve-dir agents/ and restart the coordinator",
+                    self._agent_id,
+                    self.address,
+                    fingerprint(self._curve.pair.public),
+                    event["value"],
+                )
 
     async def _serve(self) -> bool:
         """Until the core ends the session; True if it was registered meanwhile."""
@@ -122,6 +167,8 @@ class CoordinatorLink:
                 if self._ending is not None:
                     break
             wait_ms = max(1.0, (session.next_tick_at - time.monotonic()) * 1000)
+            if self._monitor is not None:
+                self._check_monitor()
             if await sock.poll(wait_ms):
                 self._dispatch(MessageReceived(self._decode(await sock.recv())))
         return session.welcomes > welcomes

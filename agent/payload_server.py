@@ -5,6 +5,11 @@ by the stored bytes of each found group, unmodified (no re-encoding). The
 coordinator never carries payloads, so it is never a bandwidth bottleneck.
 Bad requests get an ``Error`` reply; the server keeps serving. Every fetch
 runs as a task of the server's own task group: cancelling ``serve`` ends them.
+
+With CurveZMQ keys (``curve``: the agent's own pair) the ROUTER is a CURVE server and a
+``KeyGate`` admits only the trainers' public keys, which the coordinator hands over in its
+Welcome (``allow_trainers``); before the first Welcome nobody is admitted, and a refused peer
+never reaches ``serve``. The agent's public key travels in its payload address.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from common import protocol as p
+from common.curve import KeyPair
 from common.errors import ProtocolError
 from common.transport import router, send_nowait
 
@@ -25,17 +31,29 @@ MAX_KEYS_PER_FETCH = 4096
 
 
 class PayloadServer:
-    def __init__(self, ctx: zmq.asyncio.Context, store, bind: str):
+    def __init__(self, ctx: zmq.asyncio.Context, store, bind: str, *, curve: KeyPair | None = None):
         self.store = store
+        self.gate = None
+        if curve is not None:
+            from common.zap import KeyGate
+
+            self.gate = KeyGate(ctx, {}, "payload endpoint")
         # The same port across restarts of this data dir: trainers fetching from
         # the node reconnect by themselves instead of waiting for a new address.
         saved = store.meta_get("payload_port")
-        self.sock, self.endpoint = router(ctx, bind, prefer_port=int(saved) if saved else None)
+        self.sock, self.endpoint = router(ctx, bind, prefer_port=int(saved) if saved else None, curve=curve)
         store.meta_put("payload_port", self.endpoint.rsplit(":", 1)[1])
         self.served = 0
 
+    def allow_trainers(self, keys: list[str]) -> None:
+        """The trainers' public keys (Z85 text, from the Welcome) become the allow list."""
+        if self.gate is not None:
+            self.gate.allow({k.encode("ascii", "replace"): f"trainer {k[:8]}" for k in keys})
+
     async def serve(self) -> None:
         """Answer fetches until cancelled; each fetch is a task of its own, owned here."""
+        if self.gate is not None:
+            self.gate.start()
         async with asyncio.TaskGroup() as tg:
             while True:
                 frames = await self.sock.recv_multipart(copy=True)
@@ -75,6 +93,8 @@ class PayloadServer:
         send_nowait(self.sock, [peer, *frames], _reply_failed, copy=len(frames) < 3)
 
     def close(self) -> None:
+        if self.gate is not None:
+            self.gate.stop()
         self.sock.close(linger=0)
 
 

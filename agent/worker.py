@@ -48,6 +48,7 @@ from agent.events import (
     EnginesStarted,
     Exit,
     Log,
+    MessageReceived,
     Reconnect,
     ReportEngineFailure,
     RunWeightsStep,
@@ -64,6 +65,8 @@ from agent.session import AgentSession
 from agent.store import GroupStore
 from agent.supervisor import EngineSupervisor
 from agent.weights import WeightsExecutor
+from common import protocol as p
+from common.curve import ClientKeys, with_server_key
 from common.errors import EngineError, StorageFull
 from common.filters import load_filter
 from common.lmdb_env import MAP_SIZE
@@ -97,7 +100,10 @@ class Agent:
         metrics_host: str = "127.0.0.1",
         metrics_port: int | None = None,
         map_size: int = MAP_SIZE,
+        curve: ClientKeys | None = None,
     ):
+        """``curve``: this agent's key pair and the coordinator's public key (docs/curve.md); the
+        payload endpoint is then a CURVE server with the same pair, its public key in the address."""
         self.coordinator = coordinator
         self.metrics_host, self.metrics_port = metrics_host, metrics_port
         self.observe = None  # the /metrics endpoint while running (agent/observe.py)
@@ -116,9 +122,9 @@ class Agent:
         self.weights = WeightsExecutor(self.supervisor, self.client, self.handle, agent_id=self.agent_id)
         self.supervisor.prepare = self.weights.prepare
         self.ctx = zmq.asyncio.Context()
-        self.payloads = PayloadServer(self.ctx, self.store, payload_bind)
+        self.payloads = PayloadServer(self.ctx, self.store, payload_bind, curve=curve.pair if curve else None)
         port = self.payloads.endpoint.rsplit(":", 1)[1]
-        self.payload_address = f"tcp://{advertise_host}:{port}"
+        self.payload_address = with_server_key(f"tcp://{advertise_host}:{port}", curve.pair.public if curve else None)
         self.dataset = dataset
         self.session = AgentSession(
             agent_id=self.agent_id,
@@ -130,7 +136,13 @@ class Agent:
             dataset_size=len(dataset) if dataset else -1,
         )
         self.link = CoordinatorLink(
-            self.ctx, coordinator, agent_id=self.agent_id, store=self.store, session=self.session, dispatch=self.handle
+            self.ctx,
+            coordinator,
+            agent_id=self.agent_id,
+            store=self.store,
+            session=self.session,
+            dispatch=self.handle,
+            curve=curve,
         )
         self._tokenizer_name = tokenizer
         self.tokenizer = None
@@ -159,6 +171,9 @@ class Agent:
 
     def handle(self, event) -> None:
         """Feed one event to the core and carry out its instructions, in order."""
+        if isinstance(event, MessageReceived) and isinstance(event.msg, p.Welcome):
+            # Who may fetch payloads is transport configuration, not a decision of the core.
+            self.payloads.allow_trainers(event.msg.trainer_keys)
         for ins in self.session.handle(event, time.monotonic()):
             self._execute[type(ins)](ins)
 

@@ -223,6 +223,8 @@ class Welcome(Message):
     cancel: list[int]
     """Leases of ``in_flight`` the agent must drop (reissued meanwhile)."""
     paused: bool = False
+    trainer_keys: list[str] = field(default_factory=list)
+    """CurveZMQ public keys (Z85) the agent's payload endpoint accepts; empty when the fleet runs without keys."""
 
 
 @message

@@ -11,6 +11,9 @@ Why each option (see the facts in the design notes):
   decoder and get a clear error reply instead of a silent disconnect.
 - ZMTP heartbeats clean up dead TCP peers; membership uses app heartbeats.
 - ``RECONNECT_IVL_MAX``: exponential reconnect backoff for 1000s of peers.
+- ``curve``: a ROUTER given a key pair is a CURVE server (its ZAP handler is
+  common/zap.py), a DEALER given client keys a CURVE client (common/curve.py);
+  the options are set before bind/connect, the others stay the same.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from urllib.parse import urlparse
 import zmq
 import zmq.asyncio
 
+from common.curve import ClientKeys, KeyPair, make_client, make_server
 from common.errors import ConfigError
 from common.protocol import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -37,7 +41,12 @@ def _common(sock: zmq.Socket) -> None:
 
 
 def router(
-    ctx: zmq.asyncio.Context, bind: str, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, prefer_port: int | None = None
+    ctx: zmq.asyncio.Context,
+    bind: str,
+    *,
+    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    prefer_port: int | None = None,
+    curve: KeyPair | None = None,
 ) -> tuple[zmq.asyncio.Socket, str]:
     """Bind a ROUTER; returns the socket and its resolved endpoint (port 0 resolved).
 
@@ -52,6 +61,8 @@ def router(
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes * 2 + 4096)
+        if curve is not None:
+            make_server(sock, curve)
         endpoint = _bind(sock, bind, prefer_port)
     except zmq.ZMQError as exc:
         sock.close(linger=0)
@@ -76,9 +87,19 @@ def _bind(sock: zmq.Socket, bind: str, prefer_port: int | None) -> str:
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-def dealer(ctx: zmq.asyncio.Context, connect: str, *, identity: bytes | None = None) -> zmq.asyncio.Socket:
+def dealer(
+    ctx: zmq.asyncio.Context,
+    connect: str,
+    *,
+    identity: bytes | None = None,
+    curve: ClientKeys | None = None,
+    server_public: bytes | None = None,
+) -> zmq.asyncio.Socket:
+    """Connect a DEALER; with ``curve``, as a CURVE client of ``server_public`` (default: the coordinator's key)."""
     sock = ctx.socket(zmq.DEALER)
     _common(sock)
+    if curve is not None:
+        make_client(sock, curve, server_public)
     if identity:
         sock.setsockopt(zmq.ROUTING_ID, identity)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)

@@ -186,6 +186,7 @@ class Admission:
             acks=acks,
             cancel=cancel,
             paused=core.trainer.paused,
+            trainer_keys=core.trainer_keys,
         )
         then: list = [Send(msg.agent_id, welcome), *core.weights.on_register(msg.agent_id, now)]
         # Storage reconciliation: whatever the agent stores that no batch, ready group

@@ -1,4 +1,8 @@
-"""``coordinator serve`` and ``coordinator status``."""
+"""``coordinator serve`` and ``coordinator status``.
+
+``serve --bind`` on an address reachable from other hosts needs ``--curve-dir`` (CurveZMQ keys,
+docs/curve.md) or an explicit ``--insecure``; loopback needs neither.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import sys
 
 from common.config import ArgumentParser, Liveness, RolloutConfig, map_size, message_bytes, number, seconds
 from common.config_file import add_config_flag, parse_args_with_config
+from common.curve import check_exposure
 from common.errors import ConfigError, DatasetError, RolloutError, StorageFull
 from common.logs import add_log_flags, setup_logging
 from common.transport import validate_endpoint
@@ -24,7 +29,19 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--input-key", default="prompt", help="row key holding the prompt (string or chat messages)")
     sp.add_argument("--label-key", default="label", help="row key holding the label given to the reward")
     sp.add_argument("--data-dir", required=True, help="directory of the coordinator's LMDB ledger (keep it to resume)")
-    sp.add_argument("--bind", default="tcp://0.0.0.0:5555", help="ZeroMQ endpoint agents and trainers connect to")
+    sp.add_argument(
+        "--bind",
+        default="tcp://127.0.0.1:5555",
+        help="ZeroMQ endpoint agents and trainers connect to (off loopback: needs --curve-dir or --insecure)",
+    )
+    sp.add_argument(
+        "--curve-dir",
+        default=None,
+        help="CurveZMQ keys: DIR/coordinator.key_secret, allowed DIR/agents/*.key and DIR/trainers/*.key",
+    )
+    sp.add_argument(
+        "--insecure", action="store_true", help="allow a --bind reachable from other hosts without --curve-dir"
+    )
     sp.add_argument("--rollout-batch-size", type=_COUNT, default=d.rollout_batch_size, help="groups per trainer batch")
     sp.add_argument("--n-samples-per-prompt", type=_COUNT, default=d.n_samples_per_prompt, help="samples per group")
     sp.add_argument("--max-new-tokens", type=_COUNT, default=d.max_new_tokens, help="tokens per sample")
@@ -117,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--coordinator", default="tcp://127.0.0.1:5555")
     st.add_argument("--json", action="store_true", help="print the statistics as JSON, for machines")
     st.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for an answer")
+    _client_key_args(st)
     return parser
 
 
@@ -129,6 +147,11 @@ def _sampling_params(text: str) -> dict:
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--sampling-params: not valid JSON ({exc}): {text!r}") from None
     return check_sampling_params(params, "--sampling-params")
+
+
+def _client_key_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--curve-secret", default=None, help="CurveZMQ: this client's NAME.key_secret (a trainers/ key)")
+    sp.add_argument("--curve-server-key", default=None, help="CurveZMQ: the coordinator's public key, coordinator.key")
 
 
 def serve(args) -> int:
@@ -154,6 +177,14 @@ def serve(args) -> int:
     )
     liveness = Liveness(args.heartbeat_interval, args.agent_ttl, args.retire_after)
     validate_endpoint(args.bind, "--bind")
+    curve = None
+    if args.curve_dir:
+        from common.curve import CoordinatorKeys
+
+        curve = CoordinatorKeys.load(args.curve_dir)
+    exposed = check_exposure(
+        args.bind, "--bind", keyed=curve is not None, insecure=args.insecure, keys_flag="--curve-dir DIR"
+    )
     # Fail here, with the spec named, rather than on every agent later.
     load_reward(config.reward)
     load_filter(config.dynamic_filter)
@@ -179,7 +210,10 @@ def serve(args) -> int:
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         map_size=args.map_size,
+        curve=curve,
     )
+    if exposed:
+        logging.getLogger("rollfleet.coordinator").warning("%s", exposed)
     logging.getLogger("coordinator").info("effective config: %s", json.dumps(args.effective_config, sort_keys=True))
     print(f"coordinator listening on {server.endpoint}", flush=True)
     full: list[BaseException] = []
@@ -196,7 +230,8 @@ def status(args) -> int:
     from coordinator.client import RolloutClient
 
     validate_endpoint(args.coordinator, "--coordinator")
-    with RolloutClient(args.coordinator, timeout=args.timeout, attach=False) as client:
+    keys = {"curve_secret": args.curve_secret, "curve_server_key": args.curve_server_key}
+    with RolloutClient(args.coordinator, timeout=args.timeout, attach=False, **keys) as client:
         stats = client.stats()
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))

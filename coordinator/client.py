@@ -24,6 +24,10 @@ and ``update_weights(named_tensors, version, backend=..., bucket_bytes=...)``
 (this process is rank 0 of the engines' update group; coordinator/client_weights.py)
 return once every engine serves ``version``; ``weight_version()`` reads it.
 
+CurveZMQ (docs/curve.md): ``RolloutClient(addr, curve_secret="trainer.key_secret",
+curve_server_key="coordinator.key")`` connects with this trainer's key pair to the coordinator
+holding that public key, and to the agents' payload endpoints with the keys their addresses carry.
+
 ``AsyncRolloutClient`` is the same API for asyncio code; ``RolloutClient``
 runs one on a private event-loop thread.
 """
@@ -40,7 +44,8 @@ import zmq
 import zmq.asyncio
 
 from common import protocol as p
-from common.errors import Closed, RemoteError, RolloutError, StateError
+from common.curve import client_keys, split_address
+from common.errors import Closed, ConfigError, RemoteError, RolloutError, StateError
 from common.transport import validate_endpoint
 from common.types import Group
 from coordinator.batch import RolloutBatch
@@ -66,8 +71,15 @@ class AsyncRolloutClient:
         fetch_timeout: float = 10.0,
         attach: bool = True,
         expect: dict | None = None,
+        curve_secret: str | None = None,
+        curve_server_key: str | None = None,
     ):
+        """``curve_secret``: this trainer's ``NAME.key_secret`` file; ``curve_server_key``: the coordinator's
+        public key file (``coordinator.key``). Both or neither; a missing or malformed file raises ConfigError."""
         self.address = validate_endpoint(address, "coordinator address")
+        self.curve = client_keys(
+            curve_secret, curve_server_key, secret_flag="curve_secret", server_flag="curve_server_key"
+        )
         self.expect = dict(expect or {})
         """Rollout config fields the fleet must run with (``Attach.config_check``)."""
         self.client_id = client_id or f"trainer-{uuid.uuid4().hex[:8]}"
@@ -98,7 +110,14 @@ class AsyncRolloutClient:
             raise Closed("client is closed")
         if self._coord is None:
             self._ctx = zmq.asyncio.Context()
-            self._coord = _Endpoint(self._ctx, self.address, "coordinator")
+            if self.curve is None:
+                hint = " (if the fleet uses CurveZMQ keys, give curve_secret and curve_server_key)"
+            else:
+                hint = (
+                    " (CurveZMQ: check that this client's public key is in the coordinator's --curve-dir trainers/ "
+                    "and that curve_server_key is that coordinator's coordinator.key)"
+                )
+            self._coord = _Endpoint(self._ctx, self.address, "coordinator", curve=self.curve, hint=hint)
         if self._attach_wanted and not self.session:
             async with self._attaching:
                 if not self.session:
@@ -221,7 +240,7 @@ class AsyncRolloutClient:
     async def _fetch_chunk(self, address: str, keys: list[str]) -> dict[str, bytes]:
         ep = self._agents.get(address)
         if ep is None:
-            ep = self._agents[address] = _Endpoint(self._ctx, address, address)
+            ep = self._agents[address] = self._agent_endpoint(address)
         try:
             msg, frames = await ep.request(
                 lambda req: p.Fetch(req, keys),
@@ -240,6 +259,17 @@ class AsyncRolloutClient:
                 f"agent {address} no longer holds {len(msg.missing)} group(s), e.g. {msg.missing[:3]}", msg.missing
             )
         return dict(zip(msg.found, (bytes(f) for f in frames), strict=False))
+
+    def _agent_endpoint(self, address: str) -> _Endpoint:
+        endpoint, server_public = split_address(address)
+        if server_public is not None and self.curve is None:
+            raise ConfigError(
+                f"agent payload endpoint {endpoint} requires CurveZMQ keys: give curve_secret and curve_server_key"
+            )
+        if server_public is None:
+            return _Endpoint(self._ctx, endpoint, endpoint)
+        hint = " (CurveZMQ: the agent accepts the trainers' keys once the coordinator has welcomed it)"
+        return _Endpoint(self._ctx, endpoint, endpoint, curve=self.curve, server_public=server_public, hint=hint)
 
     async def pause(self, drain: bool = True, abort: bool = False) -> dict:
         """Stop admission; with ``drain`` wait until no lease is in flight (results durable).

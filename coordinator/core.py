@@ -102,8 +102,11 @@ class CoordinatorCore:
         now: float = 0.0,
         starve_after: int | None = None,
         starve_after_drops: int | None = None,
+        trainer_keys=(),
     ):
         self.config = config
+        self.trainer_keys = list(trainer_keys)
+        """The trainers' CurveZMQ public keys (Z85), handed to agents in the Welcome for their payload endpoints."""
         self.starve_after = starve_after or default_starve_after(config.rollout_batch_size)
         """Consecutive failed groups after which the rollout is starved (``coordinator/starvation.py``)."""
         self.starve_after_drops = starve_after_drops or dataset_size or None

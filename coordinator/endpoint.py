@@ -1,5 +1,11 @@
 """The trainer client's transport: one DEALER socket per peer, requests correlated by ``req`` and
-resent until answered, and the mapping of error replies onto ``common.errors``."""
+resent until answered, and the mapping of error replies onto ``common.errors``.
+
+With CurveZMQ keys a socket is a CURVE client and a monitor watches its handshakes: a server that
+refuses this client's key (ZAP 400) fails the waiting requests at once with an error naming the
+key's fingerprint, instead of letting them time out; a handshake that succeeds later (the key was
+added) clears it. A server that never answers (a wrong server key fails the handshake without a
+word) ends in the usual timeout, whose message says which keys to check."""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from common import protocol as p
+from common.curve import ClientKeys, fingerprint
 from common.errors import (
     Fenced,
     NoCapacity,
@@ -59,11 +66,51 @@ def _raise_remote(err: p.Error) -> None:
 class _Endpoint:
     """One DEALER socket with request/reply correlation by ``req``."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, name: str):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        address: str,
+        name: str,
+        *,
+        curve: ClientKeys | None = None,
+        server_public: bytes | None = None,
+        hint: str = "",
+    ):
         self.address = address
-        self.sock = dealer(ctx, address)
+        self.hint = hint
+        """Appended to a timeout's message: which keys to check."""
+        self.sock = dealer(ctx, address, curve=curve, server_public=server_public)
         self.waiting: dict[int, asyncio.Future] = {}
-        self.task = asyncio.create_task(self._recv(), name=f"recv-{name}")
+        self.refused: str | None = None
+        """Why the server refused this client's key; None while it has not (or accepted it since)."""
+        self.tasks = [asyncio.create_task(self._recv(), name=f"recv-{name}")]
+        if curve is not None:
+            self._key = fingerprint(curve.pair.public)
+            # A name of its own: pyzmq's default names the socket's fd, which a closed socket hands on.
+            mon = self.sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED,
+                addr=f"inproc://rollfleet-endpoint-monitor-{next(_MONITORS)}",
+            )
+            self.tasks.append(asyncio.create_task(self._watch(mon), name=f"monitor-{name}"))
+
+    async def _watch(self, mon) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        try:
+            while True:
+                event = parse_monitor_message(await mon.recv_multipart())
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.refused = None
+                    continue
+                self.refused = (
+                    f"{self.address} refused this client's CurveZMQ key {self._key}... "
+                    f"(ZAP status {event['value']}): its public key is not in that server's allow list"
+                )
+                for fut in self.waiting.values():
+                    if not fut.done():
+                        fut.set_exception(RolloutError(self.refused))
+        finally:
+            mon.close(linger=0)
 
     async def _recv(self) -> None:
         while True:
@@ -87,24 +134,41 @@ class _Endpoint:
         warned = False
         try:
             while True:
-                await self.sock.send(frame)
+                if self.refused:
+                    raise RolloutError(f"{what}: {self.refused}")
+                try:
+                    await self.sock.send(frame, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    # No pipe to queue on: libzmq gave up on a connection whose handshake failed
+                    # (keys refused or missing). A blocking send would wait forever; this one
+                    # counts as a lost attempt and the deadline below still applies.
+                    pass
                 try:
                     return await asyncio.wait_for(asyncio.shield(fut), retry_interval)
                 except TimeoutError:
                     waited = time.monotonic() - started
                     if timeout is not None and waited > timeout:
-                        raise RolloutError(f"{what}: no answer from {self.address} in {timeout:.0f}s") from None
+                        raise RolloutError(
+                            f"{what}: no answer from {self.address} in {timeout:.0f}s{self.hint}"
+                        ) from None
                     if waited > 30 and not warned:
                         warned = True
-                        log.warning("%s: still waiting for %s after %.0fs (retrying)", what, self.address, waited)
+                        log.warning(
+                            "%s: still waiting for %s after %.0fs (retrying)%s", what, self.address, waited, self.hint
+                        )
         finally:
             self.waiting.pop(req, None)
 
     async def close(self) -> None:
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if len(self.tasks) > 1:
+            self.sock.disable_monitor()
         self.sock.close(linger=0)
 
+
+_MONITORS = itertools.count()
 
 # Random start: a restarted trainer process must not reuse its predecessor's
 # request ids (the coordinator deduplicates a resent Attach on them).

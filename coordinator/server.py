@@ -21,6 +21,14 @@ thread, and the dataset rows a Grant carries (``Send.with_rows``, for agents
 without their own replica) are read on a reader thread after the commit,
 before the Grant leaves in its place in line.
 
+With CurveZMQ keys (``curve``, common/curve.py) the ROUTER is a CURVE server and
+``KeyGate`` (common/zap.py), started before the loops, admits only the agents' and
+trainers' public keys: an unknown peer is refused in the handshake and never reaches
+the core. Agents learn the trainers' keys from the Welcome, for their payload endpoints.
+Roles stay apart: each message's ZAP User-Id (the sender's public key) must belong to a role
+that sends that message type ("agent -> coordinator" or "trainer -> coordinator" in
+common/protocol.py), so an agent's key cannot attach as a trainer, nor a trainer's register.
+
 A frame that cannot be decoded (malformed msgpack, unknown type, wrong
 version, oversized) is answered with an ``Error`` naming the problem; the
 loop keeps serving. Messages of a type the coordinator does not accept get
@@ -39,6 +47,7 @@ import zmq
 from common import faults
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
+from common.curve import CoordinatorKeys
 from common.dataset import Dataset
 from common.errors import ProtocolError, StorageFull
 from common.lmdb_env import MAP_SIZE
@@ -48,6 +57,15 @@ from coordinator.core import CoordinatorCore, Persist, Send
 from coordinator.ledger import Ledger
 
 log = logging.getLogger("rollfleet.coordinator")
+
+
+def _senders(cls) -> set[str]:
+    """The roles that send a message type, from its "sender -> receiver" docstring."""
+    sender = (cls.__doc__ or "").split("->", 1)[0]
+    return {"agent", "trainer"} if "any" in sender else {r for r in ("agent", "trainer") if r in sender}
+
+
+SENDERS = {cls: _senders(cls) for cls in p.message_types().values()}
 
 TURN_MESSAGES = 256
 """Most messages handled in one turn before the loop lets the writer and the clock run: at about
@@ -73,6 +91,7 @@ class CoordinatorServer:
         metrics_host: str = "127.0.0.1",
         metrics_port: int | None = None,
         map_size: int = MAP_SIZE,
+        curve: CoordinatorKeys | None = None,
     ):
         self.dataset = dataset
         self.metrics_host, self.metrics_port = metrics_host, metrics_port
@@ -82,8 +101,22 @@ class CoordinatorServer:
         # config) leaves the data dir as it was.
         self.ctx = zmq.Context()
         self.ledger = None
+        self.gate = None
+        self._roles: dict[str, set[str]] | None = None  # public key (Z85) -> its roles, with keys
+        if curve is not None:
+            self._roles = {}
+            for role, keys in (("agent", curve.agents), ("trainer", curve.trainers)):
+                for key in keys:
+                    self._roles.setdefault(key.decode("ascii"), set()).add(role)
+        self.forbidden = 0
         try:
-            self.sock, self.endpoint = router(self.ctx, bind, max_bytes=max_message_bytes)
+            if curve is not None:
+                from common.zap import KeyGate
+
+                self.gate = KeyGate(self.ctx, curve.allowed, "coordinator")
+            self.sock, self.endpoint = router(
+                self.ctx, bind, max_bytes=max_message_bytes, curve=curve.pair if curve else None
+            )
             self.ledger = Ledger(data_dir, sync=sync, map_size=map_size)
             # The shuffle algorithm is part of the shape: positions in one order name other rows in another.
             order = SHUFFLE_ORDER if seed is not None else None
@@ -108,6 +141,7 @@ class CoordinatorServer:
             now=time.monotonic(),
             starve_after=starve_after,
             starve_after_drops=starve_after_drops,
+            trainer_keys=sorted(k.decode("ascii") for k in curve.trainers) if curve else (),
         )
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
         # One thread: the dataset's file handle is used from it alone.
@@ -214,9 +248,19 @@ class CoordinatorServer:
 
     # ---------------------------------------------------------------- loops
 
-    def _dispatch(self, peer: bytes, frame: bytes, now: float) -> None:
+    def _dispatch(self, peer: bytes, frame: bytes, now: float, user: str | None = None) -> None:
         try:
             msg = p.decode(frame, max_bytes=self.max_message_bytes)
+            if user is not None and not SENDERS[type(msg)] & self._roles.get(user, set()):
+                self.forbidden += 1
+                log.warning(
+                    "refused a %r message from key %s... (%s): not a message its role sends",
+                    msg.TYPE,
+                    user[:8],
+                    "/".join(sorted(self._roles.get(user, ()))) or "no role",
+                )
+                self._send(peer, p.Error("forbidden", f"this key may not send {msg.TYPE!r}", getattr(msg, "req", 0)))
+                return
         except ProtocolError as exc:
             self.errors_sent += 1
             log.warning("rejected message from %r: %s", peer[:40], exc)
@@ -232,13 +276,13 @@ class CoordinatorServer:
             return
         self._run(self.core.handle(peer, msg, now))
 
-    def _on_frames(self, frames: list, now: float) -> None:
+    def _on_frames(self, frames: list, now: float, user: str | None = None) -> None:
         if len(frames) != 2:
             if frames:
                 self._send(frames[0], p.Error("malformed", f"expected one message frame, got {len(frames) - 1}"))
             return
         try:
-            self._dispatch(frames[0], frames[1], now)
+            self._dispatch(frames[0], frames[1], now, user)
         except Exception:
             # A bug handling one message must not take the fleet down; it is logged loudly.
             log.exception("internal error handling a message from %r", frames[0][:40])
@@ -251,11 +295,15 @@ class CoordinatorServer:
         try:
             while n < TURN_MESSAGES:
                 try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                    if self._roles is None:
+                        frames, user = sock.recv_multipart(zmq.NOBLOCK), None
+                    else:  # frames as zmq.Frame: their User-Id is the sender's public key
+                        raw = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        frames, user = [f.bytes for f in raw], raw[-1].get("User-Id")
                 except zmq.Again:
                     break
                 n += 1
-                self._on_frames(frames, now)
+                self._on_frames(frames, now, user)
         finally:
             self._run(self.core.end_turn(now))
         return n
@@ -311,6 +359,8 @@ class CoordinatorServer:
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
         stop_on_signals(loop, stop)
+        if self.gate is not None:
+            self.gate.start()  # until now every CURVE handshake failed (ZAP enforced): none got through
         try:
             if self.metrics_port is not None:
                 await self._start_observe()
@@ -343,6 +393,8 @@ class CoordinatorServer:
         log.info("coordinator metrics on %s/metrics, status page on %s/", url, url)
 
     def close(self) -> None:
+        if self.gate is not None:
+            self.gate.stop()
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
         self.sock.close(linger=0)

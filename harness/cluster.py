@@ -6,6 +6,10 @@ coordinators, agents, standalone sim engines, and the engines agents launch
 SIGKILL) and returns what it found leaked: a process still alive, a port still
 bound, a client thread still running. Nothing is ever killed by name.
 
+With ``curve_agents``/``curve_trainers`` the cluster runs with CurveZMQ keys: ``rollfleet-keygen
+--fleet`` layout in ``tmp/curve``; the coordinator gets ``--curve-dir``, each agent named there its
+own pair, and clients and status probes the first trainer's pair (``client_keys``).
+
 Readiness comes from the coordinator's status (the same call as ``coordinator
 status``): the coordinator is up when it answers; an agent has joined when the
 status lists it alive under a session it did not have before.
@@ -74,9 +78,25 @@ class Proc:
 
 
 class Cluster:
-    def __init__(self, tmp: Path, *, rows: int = 400, dataset: Path | None = None, **config):
+    def __init__(
+        self,
+        tmp: Path,
+        *,
+        rows: int = 400,
+        dataset: Path | None = None,
+        curve_agents: tuple[str, ...] = (),
+        curve_trainers: tuple[str, ...] = (),
+        **config,
+    ):
         self.tmp = Path(tmp)
         self.tmp.mkdir(parents=True, exist_ok=True)
+        self.curve_dir: Path | None = None
+        if curve_agents or curve_trainers:
+            from common.keygen import write_fleet
+
+            self.curve_dir = self.tmp / "curve"
+            write_fleet(self.curve_dir, curve_agents, curve_trainers or ("trainer",))
+            self._trainer_key = (curve_trainers or ("trainer",))[0]
         self.dataset = dataset or write_arithmetic_dataset(self.tmp / "data.jsonl", rows)
         self.port = free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
@@ -117,6 +137,8 @@ class Cluster:
         ]
         for key, value in self.config.items():
             argv += [f"--{key.replace('_', '-')}", str(value)]
+        if self.curve_dir is not None:
+            argv += ["--curve-dir", str(self.curve_dir)]
         argv += list(extra)
         self.coordinator = self._spawn(f"coordinator-{len(self.procs)}", argv)
         if wait:
@@ -172,6 +194,9 @@ class Cluster:
             argv += ["--engine", engine, "--engines", str(engines)]
             if sim_args:
                 argv.append(f"--sim-args={sim_args}")  # '=' form: the value may start with '--'
+        if self.curve_dir is not None and (self.curve_dir / "secrets" / f"{name}.key_secret").exists():
+            argv += ["--curve-secret", str(self.curve_dir / "secrets" / f"{name}.key_secret")]
+            argv += ["--curve-server-key", str(self.curve_dir / "coordinator.key")]
         argv += list(extra)
         if wait:
             self._agent_entry(name)  # learn the session a previous process of this agent holds
@@ -227,9 +252,20 @@ class Cluster:
 
     # ------------------------------------------------------------ trainer side
 
+    def client_keys(self, name: str | None = None) -> dict:
+        """The ``RolloutClient`` keyword arguments of trainer key ``name`` (default: the first); {} without keys."""
+        if self.curve_dir is None:
+            return {}
+        return {
+            "curve_secret": str(self.curve_dir / "secrets" / f"{name or self._trainer_key}.key_secret"),
+            "curve_server_key": str(self.curve_dir / "coordinator.key"),
+        }
+
     def client(self, **kwargs):
         from coordinator.client import RolloutClient
 
+        for key, value in self.client_keys().items():
+            kwargs.setdefault(key, value)
         kwargs.setdefault("timeout", 60)
         kwargs.setdefault("retry_interval", 0.5)
         c = RolloutClient(self.address, **kwargs)
@@ -238,6 +274,7 @@ class Cluster:
 
     def stats(self) -> dict:
         """``coordinator status`` run as a user runs it (a subprocess printing JSON)."""
+        keys = [f"--{k.replace('_', '-')}={v}" for k, v in self.client_keys().items()]
         out = subprocess.run(
             [
                 sys.executable,
@@ -249,6 +286,7 @@ class Cluster:
                 self.address,
                 "--timeout",
                 "5",
+                *keys,
             ],
             capture_output=True,
             text=True,
@@ -263,7 +301,7 @@ class Cluster:
         """The same status, in-process: what readiness polls (a subprocess per poll is slow on 2 cores)."""
         from coordinator.client import RolloutClient
 
-        with RolloutClient(self.address, timeout=timeout, attach=False) as probe:
+        with RolloutClient(self.address, timeout=timeout, attach=False, **self.client_keys()) as probe:
             stats = probe.stats()
         for agent_id, entry in stats["agents"].items():
             if entry.get("session"):

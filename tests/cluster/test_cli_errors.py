@@ -95,7 +95,7 @@ def test_serve_on_a_port_in_use_fails_in_one_line_and_writes_no_ledger(tmp_path,
 
 
 def test_serve_on_an_address_not_on_this_machine_fails_in_one_line(tmp_path, dataset):
-    out = serve(dataset, tmp_path / "coordinator", "--bind", "tcp://192.0.2.1:5555")  # TEST-NET-1
+    out = serve(dataset, tmp_path / "coordinator", "--bind", "tcp://192.0.2.1:5555", "--insecure")  # TEST-NET-1
     assert_one_line(out, "tcp://192.0.2.1:5555", "cannot bind")
     assert not (tmp_path / "coordinator" / "ledger").exists()
 
