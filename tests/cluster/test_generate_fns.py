@@ -108,20 +108,22 @@ def test_a_turn_cut_by_a_weight_update_continues_or_restarts_the_sample(make_clu
 
     cluster = make_cluster(generate="harness.generate_fns:two_turns", dynamic_filter="none", rollout_batch_size=4)
     cluster.start_coordinator("--partial-rollout" if partial else "--no-partial-rollout")
-    cluster.start_agent("a0", concurrency=16, sim_args="--token-latency-ms 15")
+    cluster.start_agent("a0", concurrency=16, sim_args="--token-latency-ms 25")
     with cluster.client() as client:
         batches, failures = [], []
 
         def generate():
             try:
-                batches.extend(client.generate(i) for i in range(4))
+                batches.extend(client.generate(i) for i in range(6))
             except Exception as exc:  # reported by the main thread
                 failures.append(exc)
 
         thread = threading.Thread(target=generate)
         thread.start()
-        for version in (1, 2, 3):
-            wait_for(lambda: running(cluster) > 0, 60, "samples generating")  # the update cuts turns short
+        for version in (1, 2, 3, 4, 5):
+            # After `version` batches the fleet is mid-stream (prefetched groups generating), so the update
+            # cuts turns that already hold tokens; right at the start it would find them with none yet.
+            wait_for(lambda: len(batches) >= version and running(cluster) > 0, 60, "samples generating")
             ckpt = tmp_path / f"ckpt{version}"
             ckpt.mkdir()
             client.update_weights_from_disk(str(ckpt), version)
