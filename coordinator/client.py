@@ -60,6 +60,11 @@ log = logging.getLogger("rollfleet.client")
 FETCH_CHUNK = 64
 
 
+MAX_REATTACH = 20
+"""Re-attaches one call may make (a coordinator restarted that many times while it waited) before it
+gives up: a bound against a coordinator that forgets sessions at once, not a limit on restarts."""
+
+
 class AsyncRolloutClient:
     def __init__(
         self,
@@ -143,9 +148,10 @@ class AsyncRolloutClient:
         re-attach: the first to hear ``unknown_session`` attaches, the others see the new session
         and ask again with it. A ``fenced`` answer to a session this client has already left
         behind is such a call, asked again too; ``Fenced`` is raised only when another trainer
-        replaced this client's current session."""
+        replaced this client's current session. A ``generate`` that waits long may span several
+        coordinator restarts: each one is attached again, up to ``MAX_REATTACH``."""
         await self.connect()
-        for _ in range(3):
+        for _ in range(MAX_REATTACH):
             async with self._attaching:
                 session = self.session
             msg, frames = await self._coord.request(
