@@ -12,6 +12,9 @@ in between:
   answer opens the gate for everyone: ``resume`` continues each interrupted call from its partial
   output on the new assignment (partial rollout on) or starts that sample's function over (off);
   otherwise every sample starts over.
+- **A turn about to start while a weight update runs** (its engine paused): it is not sent; the
+  group asks the core as for an abort, once nothing is in flight, and the answer comes when the
+  update is over. A paused engine is never sent new work it would hold through the update.
 - **An engine that fails** (connection refused, 5xx): every sample starts over on the engine the
   core assigns next, at most ``MAX_ENGINE_FAILURES`` times.
 - **An engine that refuses a request** (4xx): every sample starts over, at most ``MAX_REJECTED``
@@ -81,6 +84,8 @@ class _Gate:
     def __init__(self, runner, assignment):
         self.runner = runner
         self.assignment = assignment
+        self._weights = runner.ctx.weights  # the agent's WeightState (read only), or None
+        self.epoch = self._weights.begun if self._weights is not None else 0
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -89,8 +94,19 @@ class _Gate:
         self._resolution: asyncio.Future | None = None
 
     async def send(self, sample: int, input_ids: list[int], params: dict) -> tuple[dict, Any]:
-        """One ``/generate`` on the current assignment; returns the answer and the assignment it ran on."""
-        await self._open.wait()
+        """One ``/generate`` on the current assignment; returns the answer and the assignment it ran on.
+
+        A call about to start while a weight update runs on the agent (or after one began since the
+        assignment) is not sent to the paused engine: the group asks the core first, as an aborted
+        call would, and goes on with its answer once the update is over.
+        """
+        while True:
+            await self._open.wait()
+            w = self._weights
+            if w is None or not (w.updating or w.begun != self.epoch):
+                break
+            if not (await self.aborted()).resume:
+                raise _Restart("a weight update began")
         assignment = self.assignment
         self.in_flight += 1
         self._idle.clear()
@@ -115,6 +131,8 @@ class _Gate:
                     self._resolution.set_exception(exc)
                 raise
             self.assignment = assignment
+            if self._weights is not None:
+                self.epoch = self._weights.begun
             self._resolution.set_result(assignment)
             self._resolution = None
             self._open.set()

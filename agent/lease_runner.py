@@ -126,6 +126,8 @@ class LeaseContext:
     """Tokens generated per engine name, across configurations (the agent's metrics read it)."""
     generate: Any = None
     """The custom generate function (``--generate``), or None: one ``/generate`` per sample."""
+    weights: Any = None
+    """The agent core's ``WeightState`` (read only): a generate function's next turn waits out an update."""
 
 
 class LeaseRunner:

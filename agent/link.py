@@ -130,15 +130,20 @@ class CoordinatorLink:
         if faults.INJECTED is not None:
             faults.INJECTED.link_reopened()
         identity = f"agent:{self._agent_id}".encode()
-        self.sock = dealer(self._ctx, self.address, identity=identity, curve=self._curve)
-        if self._curve is not None:
-            # A plain PAIR on the same context: polled without awaiting, from the serve loop.
-            # A fresh name per socket: the previous monitor's inproc endpoint is released asynchronously.
+
+        def watch(sock) -> None:
+            # Before the connect, so the first handshake's refusal is seen too. A plain PAIR on the
+            # same context: polled without awaiting, from the serve loop. A fresh name per socket:
+            # the previous monitor's inproc endpoint is released asynchronously.
             address = f"inproc://rollfleet-link-monitor-{id(self)}-{next(_MONITORS)}"
-            self.sock.monitor(address, zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            sock.monitor(address, zmq.EVENT_HANDSHAKE_FAILED_AUTH)
             self._monitor = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PAIR)
             self._monitor.connect(address)
             self._refusal_logged = False
+
+        self.sock = dealer(
+            self._ctx, self.address, identity=identity, curve=self._curve, before_connect=watch if self._curve else None
+        )
 
     def _check_monitor(self) -> None:
         """Log a refused key once per connection (the link retries regardless)."""

@@ -327,6 +327,7 @@ class Agent:
             self.agent_id,
             self.tokens,
             generate=load_generate(config.generate),
+            weights=self.session.weights,
         )
 
     def _start_lease(self, ins: StartLease) -> None:

@@ -94,8 +94,13 @@ def dealer(
     identity: bytes | None = None,
     curve: ClientKeys | None = None,
     server_public: bytes | None = None,
+    before_connect: Callable[[zmq.asyncio.Socket], None] | None = None,
 ) -> zmq.asyncio.Socket:
-    """Connect a DEALER; with ``curve``, as a CURVE client of ``server_public`` (default: the coordinator's key)."""
+    """Connect a DEALER; with ``curve``, as a CURVE client of ``server_public`` (default: the coordinator's key).
+
+    ``before_connect(sock)`` runs before the connect: a socket monitor attached there sees the
+    first handshake's events too (one attached after may miss a refusal that came at once).
+    """
     sock = ctx.socket(zmq.DEALER)
     _common(sock)
     if curve is not None:
@@ -104,6 +109,8 @@ def dealer(
         sock.setsockopt(zmq.ROUTING_ID, identity)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+    if before_connect is not None:
+        before_connect(sock)
     sock.connect(connect)
     return sock
 

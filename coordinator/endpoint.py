@@ -79,19 +79,28 @@ class _Endpoint:
         self.address = address
         self.hint = hint
         """Appended to a timeout's message: which keys to check."""
-        self.sock = dealer(ctx, address, curve=curve, server_public=server_public)
+        monitors = []
+
+        def watch(sock) -> None:
+            # Before the connect, so the first handshake's refusal is seen. A name of its own:
+            # pyzmq's default names the socket's fd, which a closed socket hands on.
+            monitors.append(
+                sock.get_monitor_socket(
+                    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED,
+                    addr=f"inproc://rollfleet-endpoint-monitor-{next(_MONITORS)}",
+                )
+            )
+
+        self.sock = dealer(
+            ctx, address, curve=curve, server_public=server_public, before_connect=watch if curve else None
+        )
         self.waiting: dict[int, asyncio.Future] = {}
         self.refused: str | None = None
         """Why the server refused this client's key; None while it has not (or accepted it since)."""
         self.tasks = [asyncio.create_task(self._recv(), name=f"recv-{name}")]
         if curve is not None:
             self._key = fingerprint(curve.pair.public)
-            # A name of its own: pyzmq's default names the socket's fd, which a closed socket hands on.
-            mon = self.sock.get_monitor_socket(
-                zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED,
-                addr=f"inproc://rollfleet-endpoint-monitor-{next(_MONITORS)}",
-            )
-            self.tasks.append(asyncio.create_task(self._watch(mon), name=f"monitor-{name}"))
+            self.tasks.append(asyncio.create_task(self._watch(monitors[0]), name=f"monitor-{name}"))
 
     async def _watch(self, mon) -> None:
         from zmq.utils.monitor import parse_monitor_message

@@ -1,6 +1,6 @@
 """Generate functions the tests run on real agents (``--generate harness.generate_fns:NAME``).
 
-``two_turns`` is the shape of a tool-using rollout on the sim engine: a first turn cut at half the
+``two_turns`` is the shape of a tool-using rollout on the sim engine: a first turn cut at a quarter of the
 budget, a tool's output inserted (loss mask 0), and a second turn continuing after it with what is
 left of the budget. ``two_turns_sync`` is the same as a plain function (it runs in a worker thread).
 The others misbehave on purpose.
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from common.generation import RolloutTask, Trajectory
 
-TOOL_TEXT = " [tool: 42] "
+TOOL_TEXT = " [tool: done] "  # no digits: the math reward reads the last number in the response
 
 
 async def two_turns(task: RolloutTask, engine) -> Trajectory:
     budget = task.sampling["max_new_tokens"]
-    first = await engine.generate(task.prompt_tokens, max_new_tokens=max(1, budget // 2))
+    first = await engine.generate(task.prompt_tokens, max_new_tokens=max(1, budget // 4))
     traj = Trajectory(metadata={"turns": 1}).add(first)
     if first.finish_reason != "length" or budget - traj.generated <= 0:
         return traj
@@ -28,7 +28,7 @@ async def two_turns(task: RolloutTask, engine) -> Trajectory:
 
 def two_turns_sync(task: RolloutTask, engine) -> Trajectory:
     budget = task.sampling["max_new_tokens"]
-    first = engine.generate(task.prompt_tokens, max_new_tokens=max(1, budget // 2))
+    first = engine.generate(task.prompt_tokens, max_new_tokens=max(1, budget // 4))
     traj = Trajectory(metadata={"turns": 1, "sync": True}).add(first)
     if first.finish_reason != "length" or budget - traj.generated <= 0:
         return traj
