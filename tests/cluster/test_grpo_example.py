@@ -39,19 +39,34 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def start_fleet(make_cluster, tmp_path, *, max_staleness: int = 1, tools: bool = False):
+_WARM: dict[str, str] = {}
+
+
+@pytest.fixture(scope="session")
+def warm_models(tmp_path_factory):
+    """``warm(task)``: the warmed-up model directory of a task, made once per session (the engines only read it)."""
+
+    def warm(name: str) -> str:
+        if name not in _WARM:
+            out = tmp_path_factory.mktemp(f"warm-{name}")
+            steps = 75 if name == "calculator" else 90
+            _WARM[name] = str(prepare_model(out, warmup_steps=steps, seed=0, log=lambda line: None, task=name))
+        return _WARM[name]
+
+    yield warm
+    _WARM.clear()
+
+
+def start_fleet(make_cluster, tmp_path, warm, *, max_staleness: int = 1, tools: bool = False, batch: int = BATCH):
     """The example's fleet; ``tools``: the calculator task, each sample made by its multi-turn generate function."""
     from agent.hf.model import load_model
 
     module = tool_task if tools else task
-    warmup = 75 if tools else 90
-    model_dir = prepare_model(
-        tmp_path, warmup_steps=warmup, seed=0, log=lambda line: None, task="calculator" if tools else "add"
-    )
+    model_dir = warm("calculator" if tools else "add")
     extra = {"generate": tool_task.GENERATE} if tools else {}
     cluster = make_cluster(
         dataset=module.write_dataset(tmp_path / "data.jsonl"),
-        rollout_batch_size=BATCH,
+        rollout_batch_size=batch,
         n_samples_per_prompt=GROUP,
         max_new_tokens=tool_task.MAX_NEW_TOKENS if tools else 16,
         temperature=1.0,
@@ -65,16 +80,18 @@ def start_fleet(make_cluster, tmp_path, *, max_staleness: int = 1, tools: bool =
         "node-0",
         "--model-path",
         str(model_dir),
-        f"--hf-args=--threads 1 --slots {BATCH * GROUP}",
-        concurrency=BATCH * GROUP,
+        f"--hf-args=--threads 1 --slots {batch * GROUP}",
+        concurrency=batch * GROUP,
         engine="hf",
     )
     model, _ = load_model(str(model_dir))
     return cluster, model
 
 
-def test_grpo_learns_and_trainer_logprobs_match_the_engines_after_every_push(make_cluster, tmp_path, one_thread):
-    cluster, model = start_fleet(make_cluster, tmp_path)
+def test_grpo_learns_and_trainer_logprobs_match_the_engines_after_every_push(
+    make_cluster, tmp_path, one_thread, warm_models
+):
+    cluster, model = start_fleet(make_cluster, tmp_path, warm_models)
     history = train(cluster.address, model, TrainConfig(steps=STEPS, lr=LR, weights="gloo"), out=tmp_path / "run")
 
     assert len(history) == STEPS
@@ -86,14 +103,14 @@ def test_grpo_learns_and_trainer_logprobs_match_the_engines_after_every_push(mak
     assert end >= start + MARGIN, f"reward did not rise: {start:.2f} -> {end:.2f} ({[r['reward'] for r in history]})"
 
 
-TOOL_STEPS = 11
+TOOL_STEPS, TOOL_BATCH = 12, 32
 
 
-def test_grpo_learns_to_use_a_calculator_tool_mid_generation(make_cluster, tmp_path, one_thread):
+def test_grpo_learns_to_use_a_calculator_tool_mid_generation(make_cluster, tmp_path, one_thread, warm_models):
     """The multi-turn example: each sample calls the calculator (examples/tools/calculator.py), whose answer is
     inserted with loss mask 0; the trainer learns from the model's tokens only, its logprobs match the engine's
     on those, and the reward (two-digit sums, impossible without the tool) rises."""
-    cluster, model = start_fleet(make_cluster, tmp_path, tools=True)
+    cluster, model = start_fleet(make_cluster, tmp_path, warm_models, tools=True, batch=TOOL_BATCH)
     client = cluster.client()
     first = client.generate(0)
     client.close()
@@ -108,9 +125,9 @@ def test_grpo_learns_to_use_a_calculator_tool_mid_generation(make_cluster, tmp_p
     assert end >= start + MARGIN, f"reward did not rise: {start:.2f} -> {end:.2f} ({[r['reward'] for r in history]})"
 
 
-def test_disk_weight_updates_reach_the_engine_exactly(make_cluster, tmp_path, one_thread):
+def test_disk_weight_updates_reach_the_engine_exactly(make_cluster, tmp_path, one_thread, warm_models):
     """The same check with every push a checkpoint the engine loads (save_pretrained + update_weights_from_disk)."""
-    cluster, model = start_fleet(make_cluster, tmp_path)
+    cluster, model = start_fleet(make_cluster, tmp_path, warm_models)
     history = train(cluster.address, model, TrainConfig(steps=5, lr=LR, weights="disk"), out=tmp_path / "run")
     assert len(history) == 5
     assert_logprobs_match(history)

@@ -20,9 +20,9 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 
-from tests.cluster.test_grpo_example import one_thread, start_fleet  # noqa: E402,F401
+from tests.cluster.test_grpo_example import one_thread, start_fleet, warm_models  # noqa: E402,F401
 
-STEPS = 20
+STEPS = 14
 
 
 def _logprob_diff(model, out: dict, i: int) -> float:
@@ -35,15 +35,14 @@ def _logprob_diff(model, out: dict, i: int) -> float:
     return (mine - torch.tensor(out["logprobs"][i])).abs().max().item()
 
 
-def test_trl_grpo_trains_on_fleet_rollouts_and_pushes_weights(make_cluster, tmp_path, one_thread):  # noqa: F811
+def test_trl_grpo_trains_on_fleet_rollouts_and_pushes_weights(make_cluster, tmp_path, one_thread, warm_models):  # noqa: F811
     from trl import GRPOConfig, GRPOTrainer
 
     from agent.hf.model import load_model
     from coordinator.integrations.trl import FleetRollouts
 
-    cluster, _ = start_fleet(make_cluster, tmp_path, max_staleness=0)
-    model_dir = tmp_path / "model"
-    model, tokenizer = load_model(str(model_dir))
+    cluster, _ = start_fleet(make_cluster, tmp_path, warm_models, max_staleness=0)
+    model, tokenizer = load_model(warm_models("add"))
 
     fleet = FleetRollouts(cluster.address, weights="gloo", timeout=120)
     seen: list[list[int]] = []
