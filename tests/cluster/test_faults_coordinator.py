@@ -414,7 +414,14 @@ def test_partitioned_agent_is_presumed_dead_and_its_late_receipts_create_no_dupl
         trainer = TrainerLoop(cluster.client(), range(6))
         trainer.start()
 
-        wait_for(lambda: watch.stats()["agents"]["cut"]["leases"] > 0, 30, "the cut-off agent to hold leases")
+        def generating() -> bool:
+            # Leases granted by the coordinator, and work the agent reports on its engines: the grant
+            # reached it before the partition (a grant still in flight is lost with it, and the agent
+            # would have nothing to commit while cut off).
+            cut = watch.stats()["agents"]["cut"]
+            return cut["leases"] > 0 and sum(e.get("in_flight", 0) for e in cut["engines"]) > 0
+
+        wait_for(generating, 30, "the cut-off agent to hold leases and generate them")
         before, connections = sessions(watch)["cut"], proxy.connections
         proxy.partition()
 
@@ -430,7 +437,7 @@ def test_partitioned_agent_is_presumed_dead_and_its_late_receipts_create_no_dupl
         wait_for(reissued, 20, "the cut-off agent's leases to be reissued")
         # Alive but cut off, it keeps committing groups whose receipts cannot arrive,
         # and gives up on its connection: it reconnects and registers into the void.
-        wait_for(lambda: read_store(cluster, "cut")[1], 20, "the cut-off agent to commit groups during the partition")
+        wait_for(lambda: read_store(cluster, "cut")[1], 30, "the cut-off agent to commit groups during the partition")
         # A new connection through the proxy is the agent's new socket (the old one stays open).
         wait_for(lambda: proxy.connections > connections, 20, "the cut-off agent to notice the silence")
         # Healing delivers the old connection's held bytes (receipts and heartbeats of
