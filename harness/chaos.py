@@ -92,12 +92,12 @@ class ChaosRun:
         self,
         workdir: Path,
         *,
-        batches: int,
-        agents: int,
-        seed: int,
-        interval: tuple[float, float],
-        weights_every: int,
-        log,
+        batches: int = 30,
+        agents: int = 3,
+        seed: int = 0,
+        interval: tuple[float, float] = (0.5, 1.5),
+        weights_every: int = 3,
+        log=print,
         generate: str = "",
     ):
         if agents < 3:
@@ -454,27 +454,9 @@ class ChaosRun:
         return seen[-1]
 
 
-def run_chaos(
-    workdir: Path,
-    *,
-    batches: int = 30,
-    agents: int = 3,
-    seed: int = 0,
-    interval: tuple[float, float] = (0.5, 1.5),
-    weights_every: int = 3,
-    log=print,
-    generate: str = "",
-) -> ChaosReport:
-    return ChaosRun(
-        Path(workdir),
-        batches=batches,
-        agents=agents,
-        seed=seed,
-        interval=interval,
-        weights_every=weights_every,
-        log=log,
-        generate=generate,
-    ).run()
+def run_chaos(workdir: Path, **options) -> ChaosReport:
+    """One chaos run in ``workdir``; ``options`` are ``ChaosRun``'s (batches, agents, seed, ...)."""
+    return ChaosRun(Path(workdir), **options).run()
 
 
 # ---------------------------------------------------------------------- helpers
