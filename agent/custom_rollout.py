@@ -264,10 +264,8 @@ async def _sample(fn, task: RolloutTask, handle: EngineHandle) -> Trajectory:
             out = await _call(fn, task, handle)
         except _SampleRestart:
             continue
-        except (_Restart, asyncio.CancelledError):
-            raise
         except RolloutError:
-            raise
+            raise  # names its step already (restarts and cancellation are BaseExceptions: they pass through)
         except Exception as exc:
             raise GenerateError(f"generate function raised {type(exc).__name__}: {exc}") from exc
         return as_trajectory(out)

@@ -27,11 +27,11 @@ STEPS = 14
 
 def _logprob_diff(model, out: dict, i: int) -> float:
     """Largest |trainer logprob - engine logprob| over completion ``i``'s tokens, with the trainer's weights now."""
-    prompt, completion = out["prompt_ids"][i], out["completion_ids"][i]
-    ids = torch.tensor([prompt + completion])
+    from examples.grpo.policy import response_logprobs  # the GRPO example's recompute, one row
+
     with torch.no_grad():
-        logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
-    mine = logprobs[len(prompt) - 1 :].gather(-1, ids[0, len(prompt) :, None])[:, 0]
+        mine, _ = response_logprobs(model, [out["prompt_ids"][i]], [out["completion_ids"][i]])
+    mine = mine[0].double()
     return (mine - torch.tensor(out["logprobs"][i])).abs().max().item()
 
 
