@@ -163,6 +163,16 @@ class LeaseFiltered:
 
 
 @dataclass(frozen=True, slots=True)
+class LeaseEvaluated:
+    """An evaluation lease's group was generated and scored: its result goes to the coordinator, nothing is stored."""
+
+    lease: int
+    name: str
+    eval_pass: int
+    result: dict
+
+
+@dataclass(frozen=True, slots=True)
 class LeaseCommitted:
     """The group and its receipt are durable in the store (the commit returned)."""
 

@@ -15,6 +15,7 @@ from agent.events import (
     EngineFailed,
     EngineWanted,
     GenerationEnded,
+    LeaseEvaluated,
     LeaseFailed,
     LeaseFiltered,
     LeaseScored,
@@ -51,7 +52,10 @@ class LeaseFlow:
                 self.counters.groups_released += 1
                 self._send(p.Release(self.session, [lease], "aborted by pause"), out)
                 continue
-            self.leases.add(lease, epoch, index)
+            rec = self.leases.add(lease, epoch, index)
+            n = grant.get("n_samples")  # an evaluation lease's own group size
+            if isinstance(n, int) and n > 0:
+                rec.n_samples = n
             out.append(StartLease(lease, grant))
 
     def _on_engine_wanted(self, ev: EngineWanted, now: float, out: list) -> None:
@@ -69,7 +73,7 @@ class LeaseFlow:
             self._assign(rec, out)
 
     def _assign(self, rec: LeaseRecord, out: list) -> None:
-        assignment = self.leases.assign(rec, self.config.n_samples_per_prompt, self.weights.begun)
+        assignment = self.leases.assign(rec, rec.n_samples or self.config.n_samples_per_prompt, self.weights.begun)
         if assignment is not None:
             out.append(assignment)
         elif self.leases.all_retired:
@@ -118,6 +122,13 @@ class LeaseFlow:
             return
         self.counters.groups_filtered += 1
         self._send(p.Filtered(self.session, rec.lease, rec.data_epoch, rec.index, ev.reason, ev.stats), out)
+
+    def _on_evaluated(self, ev: LeaseEvaluated, now: float, out: list) -> None:
+        rec = self.leases.pop(ev.lease)
+        if rec is None:
+            return
+        self.counters.groups_evaluated += 1
+        self._send(p.EvalResult(self.session, rec.lease, ev.name, ev.eval_pass, rec.index, ev.result), out)
 
     def _on_failed(self, ev: LeaseFailed, now: float, out: list) -> None:
         rec = self.leases.pop(ev.lease)

@@ -50,6 +50,7 @@ from agent.events import (
     EngineWanted,
     GenerationEnded,
     LeaseCommitted,
+    LeaseEvaluated,
     LeaseFailed,
     LeaseFiltered,
     LeaseScored,
@@ -201,6 +202,16 @@ class LeaseRunner:
         scores = await ctx.reward.score(samples) if None in given else given
         for sample, own, reward in zip(samples, given, scores, strict=True):
             sample.reward = float(reward if own is None else own)
+        if "eval" in grant:  # an evaluation prompt: no filter, nothing stored (coordinator/evaluation.py)
+            self._dispatch(LeaseScored(lease, len(samples)))
+            result = {
+                "rewards": [s.reward for s in samples],
+                "lengths": [len(s.response_tokens) for s in samples],
+                "truncated": sum(s.status == "truncated" for s in samples),
+                "versions": sorted({s.weight_version for s in samples}),
+            }
+            self._dispatch(LeaseEvaluated(lease, grant["eval"], grant["eval_pass"], result))
+            return
         verdict = await ctx.filter.check(samples)
         self._dispatch(LeaseScored(lease, len(samples)))
         stats = {
@@ -235,12 +246,22 @@ class LeaseRunner:
 
     async def _generate_custom(self, prompt, input_ids: list[int], label, metadata: dict, index: int) -> list:
         """The group made by the ``--generate`` function (agent/custom_rollout.py), one call per sample."""
-        params = self.ctx.config.sampling_params()
+        params = self._params()
         tasks = [
             RolloutTask(prompt, list(input_ids), label, dict(metadata), dict(params), index, i)
-            for i in range(self.ctx.config.n_samples_per_prompt)
+            for i in range(self._n_samples())
         ]
         return await custom_rollout.generate_group(self, self.ctx.generate, tasks)
+
+    def _params(self) -> dict:
+        """The fleet's sampling parameters, with an evaluation dataset's own over them."""
+        params = self.ctx.config.sampling_params()
+        params.update(self.grant.get("sampling") or {})
+        return params
+
+    def _n_samples(self) -> int:
+        n = self.grant.get("n_samples")
+        return n if isinstance(n, int) and n > 0 else self.ctx.config.n_samples_per_prompt
 
     def _sample(self, answers: list[dict], prompt_tokens: array, label, metadata: dict) -> Sample:
         """One sample from its ``/generate`` answers (several when a weight update interrupted it)."""
@@ -272,7 +293,7 @@ class LeaseRunner:
         Samples the engine was too busy for are asked for again, the others kept. The module
         docstring bounds the tries.
         """
-        client, params = self.ctx.client, self.ctx.config.sampling_params()
+        client, params = self.ctx.client, self._params()
         partial = self.ctx.config.partial_rollout
         assignment = await self._ask(EngineWanted(self.lease))
         answers: list[list[dict]] = [[] for _ in assignment.request_ids]

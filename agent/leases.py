@@ -50,6 +50,7 @@ class LeaseRecord:
     aborting: bool = False  # a pause-with-abort aborted its requests
     epoch: int = 0  # weight updates begun when it was last put on an engine
     resume: bool = False  # a weight update interrupted it: the next assignment keeps what it generated
+    n_samples: int = 0  # its group's size when not the fleet's (an evaluation lease); 0: the fleet's
 
 
 class LeaseTable:

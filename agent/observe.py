@@ -77,6 +77,7 @@ class AgentCollector:
             ("committed", c.groups_committed),
             ("filtered", c.groups_filtered),
             ("released", c.groups_released),
+            ("evaluated", c.groups_evaluated),
         ):
             groups.add_metric([me, outcome], n)
         yield groups

@@ -67,6 +67,7 @@ from agent.events import (
     GenerationEnded,
     Instruction,
     LeaseCommitted,
+    LeaseEvaluated,
     LeaseFailed,
     LeaseFiltered,
     LeaseScored,
@@ -105,6 +106,7 @@ class Phase(enum.Enum):
 class Counters:
     groups_committed: int = 0
     groups_filtered: int = 0
+    groups_evaluated: int = 0
     groups_released: int = 0
     samples: int = 0
     engine_retries: int = 0
@@ -157,6 +159,7 @@ class AgentSession(LeaseFlow):
             EngineFailed: self._on_engine_failed,
             LeaseScored: self._on_scored,
             LeaseFiltered: self._on_filtered,
+            LeaseEvaluated: self._on_evaluated,
             LeaseCommitted: self._on_committed,
             LeaseFailed: self._on_failed,
             ShutdownRequested: self._on_shutdown,
@@ -205,6 +208,7 @@ class AgentSession(LeaseFlow):
         return {
             "groups_committed": self.counters.groups_committed,
             "groups_filtered": self.counters.groups_filtered,
+            "groups_evaluated": self.counters.groups_evaluated,
             "groups_released": self.counters.groups_released,
             "samples": self.counters.samples,
             "engine_retries": self.counters.engine_retries,

@@ -145,6 +145,22 @@ class Filtered(Message):
 
 
 @message
+class EvalResult(Message):
+    """agent -> coordinator: one evaluation prompt's group was generated and scored (coordinator/evaluation.py).
+
+    ``result`` is ``{"rewards": [float], "lengths": [int], "truncated": int, "versions": [str]}``,
+    one entry per sample; nothing is stored on the agent and no ack comes back."""
+
+    TYPE = "eval_result"
+    session: int
+    lease: int
+    name: str
+    eval_pass: int
+    index: int
+    result: dict
+
+
+@message
 class Release(Message):
     """agent -> coordinator: leases given back unfinished (pause with abort, no engine, a failure).
 
@@ -395,6 +411,19 @@ class Stats(Message):
 
     TYPE = "stats"
     req: int
+
+
+@message
+class Evaluate(Message):
+    """trainer -> coordinator: one pass over evaluation dataset ``name``; answered with its metrics when done.
+
+    ``token`` names the call: a resend (or the same call after a restart) joins the same pass."""
+
+    TYPE = "evaluate"
+    session: int
+    req: int
+    name: str
+    token: str
 
 
 TRAINER_REQUESTS = (Pause, Resume, StateDict, LoadStateDict, Consumed, Missing, Detach)

@@ -49,7 +49,8 @@ class Admission:
     def __init__(self, core: CoordinatorCore, now: float):
         self.core = core
         self.leases: dict[int, Lease] = {}
-        self.leased_by: dict[Prompt, int] = {}
+        self.leased_by: dict[Prompt, int] = {}  # training prompts only
+        self.eval_leases = 0  # leases in ``leases`` of evaluation prompts (coordinator/evaluation.py)
         self._lease_counter = 0
         self.failures: dict[Prompt, int] = {}  # prompts whose generation failed, by count
         self.filtered_total = 0
@@ -59,16 +60,39 @@ class Admission:
 
     # ------------------------------------------------------------------ leases
 
-    def _hold(self, lease: Lease, rec: AgentRecord) -> None:
+    def hold(self, lease: Lease, rec: AgentRecord) -> None:
         self.leases[lease.lease_id] = lease
-        self.leased_by[lease.prompt] = lease.lease_id
         rec.leases.add(lease.lease_id)
+        rec.max_granted = max(rec.max_granted, lease.lease_id)
+        if lease.eval:
+            self.eval_leases += 1
+        else:
+            self.leased_by[lease.prompt] = lease.lease_id
+
+    def next_lease_id(self) -> int:
+        """A lease id no earlier start used: ``generation << 32 | n``."""
+        self._lease_counter += 1
+        return (self.core.membership.generation << 32) | self._lease_counter
+
+    @property
+    def training_leases(self) -> int:
+        """Leases of training prompts in flight (evaluation leases are not in the training bound)."""
+        return len(self.leases) - self.eval_leases
+
+    def give_back(self, lease: Lease) -> None:
+        """An ended lease's prompt is pending again, first in line: training or evaluation."""
+        if lease.eval:
+            self.core.evaluations.release(lease)
+        else:
+            self.core.frontier.release(lease.data_epoch, lease.index)
 
     def end_lease(self, lease_id: int) -> Lease | None:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return None
-        if self.leased_by.get(lease.prompt) == lease_id:
+        if lease.eval:
+            self.eval_leases -= 1
+        elif self.leased_by.get(lease.prompt) == lease_id:
             del self.leased_by[lease.prompt]
         rec = self.core.membership.agents.get(lease.agent_id)
         if rec is not None:
@@ -82,7 +106,7 @@ class Admission:
                 continue
             lease = self.end_lease(lease_id)
             if lease is not None:
-                self.core.frontier.release(lease.data_epoch, lease.index)
+                self.give_back(lease)
 
     def grant(self, budget: int, rollout_id: int, now: float) -> list[Send]:
         """Lease up to ``budget`` pending prompts to agents with free capacity: one Grant per agent."""
@@ -96,11 +120,8 @@ class Admission:
                 taken = frontier.take(now)
                 if taken is None:
                     break
-                self._lease_counter += 1
-                lease_id = (membership.generation << 32) | self._lease_counter
-                lease = Lease(lease_id, agent_id, *taken, rollout_id, self.core.weights.log.updates)
-                self._hold(lease, rec)
-                rec.max_granted = lease.lease_id
+                lease = Lease(self.next_lease_id(), agent_id, *taken, rollout_id, self.core.weights.log.updates)
+                self.hold(lease, rec)
                 leases.append(
                     {
                         "lease": lease.lease_id,
@@ -163,7 +184,7 @@ class Admission:
                 rec.leases.add(lease_id)
             elif owner is None and core.frontier.adopt(epoch, index):
                 start = core.weights.log.start_of(lease_id)
-                self._hold(Lease(lease_id, msg.agent_id, epoch, index, core.batches.current_rollout_id, start), rec)
+                self.hold(Lease(lease_id, msg.agent_id, epoch, index, core.batches.current_rollout_id, start), rec)
             else:
                 cancel.append(lease_id)
         acks = []
@@ -226,7 +247,7 @@ class Admission:
         for lease_id in lost:
             lease = self.end_lease(lease_id)
             if lease is not None:
-                self.core.frontier.release(lease.data_epoch, lease.index)
+                self.give_back(lease)
                 self.core.counters.lease_ended("lost")
         return self.core.pump(now) if lost else []
 
@@ -239,6 +260,8 @@ class Admission:
         if lease is not None and lease.agent_id == rec.agent_id:
             self.end_lease(lease_id)
             self.core.counters.lease_ended("receipt")
+            if lease.eval:  # a receipt for an evaluation lease (a broken agent): refused below, prompt pending
+                self.give_back(lease)
         if isinstance(epoch, int) and frontier.is_closed(epoch):
             return False, "duplicate: its data epoch is complete"
         if not frontier.valid(epoch, index):
@@ -290,11 +313,28 @@ class Admission:
             return self.core.pump(now)  # lease was reissued; the successor accounts for the prompt
         self.end_lease(msg.lease)
         self.core.counters.lease_ended("filtered")
+        if lease.eval:  # evaluation groups are not filtered (a broken agent): generated again
+            self.give_back(lease)
+            return self.core.pump(now)
         # The lease's prompt, whatever the message claims.
         out = self._filter(lease.prompt, rec.agent_id, msg.reason)
         if out:
             self.starvation.dropped(msg.reason)  # a streak of them starves the rollout (coordinator/starvation.py)
         return out + self.core.pump(now)
+
+    def on_eval_result(self, peer: bytes, msg: p.EvalResult, now: float) -> list:
+        rec = self._agent(peer, msg.session, now)
+        if rec is None:
+            return self._fence(peer, msg)
+        lease = self.leases.get(msg.lease)
+        if lease is not None and lease.agent_id == rec.agent_id and lease.eval:
+            self.end_lease(msg.lease)
+            self.core.counters.lease_ended("evaluated")
+            if (lease.eval, lease.index) != (msg.name, msg.index):  # the lease's prompt, whatever the message says
+                self.give_back(lease)
+                return self.core.pump(now)
+        # A result for a lease this coordinator does not know (granted before a restart) still counts, once.
+        return self.core.evaluations.on_result(msg) + self.core.pump(now)
 
     def _filter(self, prompt: Prompt, agent_id: str, reason: str) -> list:
         core = self.core
@@ -319,7 +359,9 @@ class Admission:
                 self.end_lease(lease_id)
                 self.core.counters.lease_ended("released" if failure is None else "failed")
                 if failure is None:
-                    self.core.frontier.release(*lease.prompt)
+                    self.give_back(lease)
+                elif lease.eval:
+                    out += self.core.evaluations.failed(lease, *failure)
                 else:
                     out += self._failed(lease.prompt, rec.agent_id, *failure)
         return out + self.core.pump(now)

@@ -331,7 +331,7 @@ class Batches:
         out: list = self._fill_repairs() if self.repairs else []
         size = self.core.config.rollout_batch_size
         while self.pending and not self.repairs and len(self.ready_info) >= size:
-            leased = (lease.start for lease in self.core.admission.leases.values())
+            leased = (lease.start for lease in self.core.admission.leases.values() if not lease.eval)
             ready = (st.start for st in self.ready_info.values())
             if self.core.staleness.holds_batch(self.pending[0].rollout_id, leased, ready):
                 break  # leases in flight need this batch's places (staleness rule 2)
@@ -347,14 +347,14 @@ class Batches:
         """``(code, why)`` if no batch can come until something changes; None while one may."""
         if self.core.membership.all_gone():
             return "no_capacity", "no agent with a live engine is left to generate on (all retired)"
-        if self._all_stale():
+        if self.all_stale():
             return "no_capacity", ALL_STALE
         starvation = self.core.admission.starvation
         if starvation.starved:
             return "starved", starvation.reason
         return None
 
-    def _all_stale(self) -> bool:
+    def all_stale(self) -> bool:
         """Every engine that may serve is behind the fleet's weights, and no update runs to bring it back.
 
         After a broadcast, only a weight update returns a stale engine to the pool (docs/weights.md,

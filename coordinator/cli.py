@@ -28,6 +28,14 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--dataset", required=True, help="JSONL file, one prompt per line")
     sp.add_argument("--input-key", default="prompt", help="row key holding the prompt (string or chat messages)")
     sp.add_argument("--label-key", default="label", help="row key holding the label given to the reward")
+    sp.add_argument(
+        "--eval-dataset",
+        action="append",
+        default=[],
+        metavar="NAME=PATH[,OPT=V]",
+        help="an evaluation dataset for client.evaluate(NAME); repeatable; options n_samples, max_new_tokens, "
+        "temperature, top_p, pass_threshold (README 'Evaluation')",
+    )
     sp.add_argument("--data-dir", required=True, help="directory of the coordinator's LMDB ledger (keep it to resume)")
     sp.add_argument(
         "--bind",
@@ -158,6 +166,7 @@ def serve(args) -> int:
     from common.dataset import Dataset
     from common.filters import load_filter
     from common.rewards import load_reward
+    from coordinator.eval_datasets import load_eval_datasets
     from coordinator.server import CoordinatorServer
 
     config = RolloutConfig(
@@ -195,6 +204,9 @@ def serve(args) -> int:
     # The row index is cached beside the ledger: a restart on the same file skips validation.
     index = os.path.join(args.data_dir, "dataset.index")
     dataset = Dataset(args.dataset, input_key=args.input_key, label_key=args.label_key, index_path=index)
+    evals = load_eval_datasets(
+        args.eval_dataset, config, input_key=args.input_key, label_key=args.label_key, data_dir=args.data_dir
+    )
     server = CoordinatorServer(
         dataset=dataset,
         config=config,
@@ -211,6 +223,7 @@ def serve(args) -> int:
         metrics_port=args.metrics_port,
         map_size=args.map_size,
         curve=curve,
+        eval_datasets=evals,
     )
     if exposed:
         logging.getLogger("rollfleet.coordinator").warning("%s", exposed)

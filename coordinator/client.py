@@ -19,6 +19,8 @@ attached meanwhile, calls raise ``Fenced`` instead.
 
 ``RolloutClient(addr, expect={...})`` attaches only to a fleet whose rollout
 configuration has those values (``StateError`` listing the fields otherwise).
+``evaluate(name)`` runs one pass over an evaluation dataset and returns its metrics (mean
+reward, pass@k, response length, truncated ratio).
 Weight updates (docs/weights.md): ``update_weights_from_disk(path, version)``
 and ``update_weights(named_tensors, version, backend=..., bucket_bytes=...)``
 (this process is rank 0 of the engines' update group; coordinator/client_weights.py)
@@ -299,6 +301,21 @@ class AsyncRolloutClient:
         await self._request(lambda s, req: p.LoadStateDict(s, req, state), "load_state_dict")
         self.consumed = state["rollout_id"]
 
+    async def evaluate(self, name: str) -> dict:
+        """One pass over the evaluation dataset ``name`` (``coordinator serve --eval-dataset NAME=PATH``); its metrics.
+
+        Runs on the same fleet as training, first in line for free capacity, without the dynamic
+        filter and without touching the training prompts or batches. Returns ``{"name", "pass",
+        "prompts", "samples", "failed_prompts", "n_samples", "reward_mean", "pass@1", "pass@2", ...,
+        "pass@<n_samples>", "response_length_mean", "truncated_ratio", "weight_versions"}``.
+        Every prompt is counted once, also across coordinator restarts (the pass resumes) and when
+        this process dies and calls again (it joins the running pass). A later call starts the next pass.
+        Raises ``RemoteError`` (code ``unknown_eval``) for a name the coordinator does not declare.
+        """
+        token = uuid.uuid4().hex
+        msg = await self._call(lambda s, req: p.Evaluate(s, req, name, token), f"evaluate({name!r})")
+        return msg.result
+
     async def stats(self) -> dict:
         await self.connect()
         msg, _ = await self._coord.request(
@@ -404,6 +421,9 @@ class RolloutClient:
 
     def load_state_dict(self, state: dict) -> None:
         self._run(self._async.load_state_dict(state))
+
+    def evaluate(self, name: str) -> dict:
+        return self._run(self._async.evaluate(name))
 
     def stats(self) -> dict:
         return self._run(self._async.stats())

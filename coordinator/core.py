@@ -44,6 +44,9 @@ Invariants kept across them:
 - Bounded: leased + ready <= demand + prefetch, where demand is
   ``rollout_batch_size`` per waiting ``generate``. With no trainer pulling,
   admission stops once ``prefetch`` groups are in flight or ready.
+- Evaluation passes (evaluation.py) run on the same agents, first in line for
+  free capacity, and never touch the training frontier, its bound or its
+  batches; each evaluation prompt's result is durable and counted once.
 - Idempotent: a recorded batch is replayed verbatim for the same rollout id.
 - Fencing: agent and trainer messages carry sessions; a superseded or
   unknown session gets ``Fence``/an error and changes nothing.
@@ -71,9 +74,10 @@ from typing import Any
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
 from coordinator.admission import Admission
-from coordinator.batches import Batches
+from coordinator.batches import ALL_STALE, Batches
 from coordinator.counters import CoreCounters
 from coordinator.effects import Persist, Send
+from coordinator.evaluation import EvalSpec, Evaluations
 from coordinator.frontier import Frontier
 from coordinator.membership import Membership
 from coordinator.records import AgentStats, CoordinatorStats, LedgerSnapshot, SetCursors
@@ -103,6 +107,7 @@ class CoordinatorCore:
         starve_after: int | None = None,
         starve_after_drops: int | None = None,
         trainer_keys=(),
+        eval_specs: list[EvalSpec] = (),
     ):
         self.config = config
         self.trainer_keys = list(trainer_keys)
@@ -124,6 +129,7 @@ class CoordinatorCore:
         self.batches = Batches(self, restored)
         self.trainer = TrainerSessions(self, restored)
         self.admission = Admission(self, now)
+        self.evaluations = Evaluations(self, list(eval_specs), restored)
         self.now = now
         """The time of the event being handled (batch metrics read it)."""
         self._in_turn = False
@@ -136,6 +142,8 @@ class CoordinatorCore:
             p.Filtered: a.on_filtered,
             p.Release: a.on_release,
             p.Capacity: a.on_capacity,
+            p.EvalResult: a.on_eval_result,
+            p.Evaluate: self.evaluations.on_evaluate,
             p.Attach: t.on_attach,
             p.Generate: t.on_generate,
             p.Stats: self._on_stats,
@@ -211,11 +219,12 @@ class CoordinatorCore:
         out = self.batches.pump()
         if self.trainer.paused:
             return out + self.trainer.answer_drained()
-        if self.admission.starvation.starved:
-            return out  # every recent group failed: leasing more prompts would only burn them
         if self.weights.locked:
             return out  # a weight update runs: no lease may start on weights about to change
-        outstanding = len(self.admission.leases) + len(self.batches.ready_info)
+        out += self._pump_evaluations(now)
+        if self.admission.starvation.starved:
+            return out  # every recent group failed: leasing more prompts would only burn them
+        outstanding = self.admission.training_leases + len(self.batches.ready_info)
         budget = self.batches.demand(self.trainer.prefetch) - outstanding
         allowed = self.staleness.budget(outstanding, self.batches.current_rollout_id, self.weights.log.updates)
         self.staleness.note_admission(budget, allowed, now)
@@ -228,6 +237,18 @@ class CoordinatorCore:
             # Write-ahead: the cursor covering these leases is durable before they leave.
             out.append(self.persist([], granted))
         return out
+
+    def _pump_evaluations(self, now: float) -> list:
+        """Evaluation prompts go first to free capacity (a trainer waits on them); a pass nobody can
+        run answers its waiting calls."""
+        evaluations = self.evaluations
+        if not evaluations.wanted:
+            return []
+        if self.membership.all_gone():
+            return evaluations.answer_hopeless("no_capacity", "no agent with a live engine is left to evaluate on")
+        if self.batches.all_stale():
+            return evaluations.answer_hopeless("no_capacity", ALL_STALE)
+        return evaluations.grant(now)
 
     def peer_of(self, agent_id: str) -> bytes | None:
         """The ZeroMQ peer an agent last spoke from."""
@@ -263,4 +284,5 @@ class CoordinatorCore:
             filtered_total=self.admission.filtered_total,
             fenced_messages=dict(self.admission.fenced),
             weights=self.weights.statistics(self.now if now is None else now),
+            evaluations=self.evaluations.statistics(),
         )

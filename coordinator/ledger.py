@@ -1,6 +1,6 @@
 """The coordinator's durable ledger (LMDB): what was accepted, filtered and delivered.
 
-Layout (one environment, three named databases), every value msgpack:
+Layout (one environment, four named databases), every value msgpack:
 - ``meta``: ``generation`` (bumped at every start; fences pre-restart
   sessions and lease ids), ``dataset`` (size + fingerprint), ``cursors``,
   the marks ``trimmed_upto``, ``consumed_upto`` (highest batch a trainer
@@ -12,6 +12,10 @@ Layout (one environment, three named databases), every value msgpack:
   records are deleted, so the ledger does not grow with run length.
 - ``batches``: ``rollout_id`` -> the ``RecordedBatch`` (group refs +
   metrics), kept until a trainer checkpoint moves past it.
+- ``evals``: ``name \0 index`` -> the result of one prompt of an evaluation
+  dataset's current pass; ``meta`` ``evals`` holds each dataset's
+  ``EvalRecord``. A new pass deletes the previous one's results, so the
+  ledger holds at most one pass per evaluation dataset.
 
 This module is the only place where ledger records and operations
 (``coordinator/records.py``) are encoded and decoded. ``read_ledger`` gives
@@ -38,15 +42,19 @@ from coordinator.records import (
     MARKS,
     CloseEpoch,
     DropBatch,
+    DropEvalResults,
     DropPrompt,
+    EvalRecord,
     GroupRef,
     LedgerOp,
     LedgerSnapshot,
     PromptState,
     PutBatch,
+    PutEvalResult,
     PutPrompt,
     RecordedBatch,
     SetCursors,
+    SetEvalPass,
     SetMark,
     SetPaused,
     SetWeights,
@@ -56,6 +64,7 @@ from coordinator.records import (
 _PROMPT = struct.Struct(">QQ")
 _BATCH = struct.Struct(">q")
 _EPOCH = struct.Struct(">Q")
+MAX_DBS = 8
 
 
 def _pack(v) -> bytes:
@@ -103,7 +112,33 @@ def _decode_batch(raw: bytes) -> RecordedBatch:
     return RecordedBatch(tuple(GroupRef(*g) for g in d["groups"]), d["metrics"], tuple(tuple(x) for x in d["lost"]))
 
 
-def _snapshot(txn, meta, prompts, batches) -> LedgerSnapshot:
+def _eval_key(name: str, index: int) -> bytes:
+    return name.encode() + b"\0" + _EPOCH.pack(index)
+
+
+def _encode_evals(records: dict[str, EvalRecord]) -> bytes:
+    return _pack(
+        {
+            name: {
+                "pass": r.pass_id,
+                "tokens": list(r.tokens),
+                "fingerprint": r.fingerprint,
+                "done": r.done,
+                "metrics": dict(r.metrics),
+            }  # fmt: skip
+            for name, r in records.items()
+        }
+    )
+
+
+def _decode_evals(raw: bytes) -> dict[str, EvalRecord]:
+    return {
+        name: EvalRecord(name, d["pass"], tuple(d["tokens"]), d["fingerprint"], d["done"], d["metrics"])
+        for name, d in _unpack(raw).items()
+    }
+
+
+def _snapshot(txn, meta, prompts, batches, evals=None) -> LedgerSnapshot:
     snap = LedgerSnapshot()
     raw = txn.get(b"generation", db=meta)
     snap.generation = _unpack(raw) if raw is not None else 0
@@ -128,16 +163,27 @@ def _snapshot(txn, meta, prompts, batches) -> LedgerSnapshot:
         snap.prompts[_PROMPT.unpack(k)] = _decode_prompt(v)
     for k, v in txn.cursor(db=batches):
         snap.batches[_BATCH.unpack(k)[0]] = _decode_batch(v)
+    raw = txn.get(b"evals", db=meta)
+    if raw is not None:
+        snap.evals = _decode_evals(raw)
+    if evals is not None:
+        for k, v in txn.cursor(db=evals):
+            name, index = k[:-9].decode(), _EPOCH.unpack(k[-8:])[0]  # name \0 index (8 bytes)
+            snap.eval_results[(name, index)] = _unpack(v)
     return snap
 
 
 def read_ledger(data_dir: str | os.PathLike) -> LedgerSnapshot:
     """A consistent read-only snapshot of a coordinator's ledger (running or stopped)."""
-    env = lmdb.open(str(Path(data_dir) / "ledger"), readonly=True, max_dbs=4, lock=True, create=False)
+    env = lmdb.open(str(Path(data_dir) / "ledger"), readonly=True, max_dbs=MAX_DBS, lock=True, create=False)
     try:
         with env.begin() as txn:
             dbs = [env.open_db(name, txn=txn, create=False) for name in (b"meta", b"prompts", b"batches")]
-            return _snapshot(txn, *dbs)
+            try:
+                evals = env.open_db(b"evals", txn=txn, create=False)
+            except lmdb.NotFoundError:  # a ledger from before evaluation passes
+                evals = None
+            return _snapshot(txn, *dbs, evals)
     finally:
         env.close()
 
@@ -145,7 +191,7 @@ def read_ledger(data_dir: str | os.PathLike) -> LedgerSnapshot:
 def read_config_changes(data_dir: str | os.PathLike) -> list[dict]:
     """The batch-setting changes recorded by ``--allow-config-change`` restarts, oldest first:
     ``{"generation": g, "changed": {field: [old, new]}}``."""
-    env = lmdb.open(str(Path(data_dir) / "ledger"), readonly=True, max_dbs=4, lock=True, create=False)
+    env = lmdb.open(str(Path(data_dir) / "ledger"), readonly=True, max_dbs=MAX_DBS, lock=True, create=False)
     try:
         with env.begin() as txn:
             raw = txn.get(b"config_changes", db=env.open_db(b"meta", txn=txn, create=False))
@@ -178,10 +224,11 @@ class Ledger:
         self.path = Path(data_dir) / "ledger"
         self.map_size = map_size
         self._lock = lock_dir(Path(data_dir), "coordinator data dir")
-        self.env = open_env(self.path, sync=sync, max_readers=256, map_size=map_size)
+        self.env = open_env(self.path, sync=sync, max_readers=256, map_size=map_size, max_dbs=MAX_DBS)
         self.meta = self.env.open_db(b"meta")
         self.prompts = self.env.open_db(b"prompts")
         self.batches = self.env.open_db(b"batches")
+        self.evals = self.env.open_db(b"evals")
 
     def close(self) -> None:
         self.env.close()
@@ -197,7 +244,7 @@ class Ledger:
 
     def snapshot(self) -> LedgerSnapshot:
         with self.env.begin() as txn:
-            return _snapshot(txn, self.meta, self.prompts, self.batches)
+            return _snapshot(txn, self.meta, self.prompts, self.batches, self.evals)
 
     @_full_is_storage_full
     def open_run(
@@ -265,6 +312,7 @@ class Ledger:
         is written (each one overwrites the same key, so the result is the same)."""
         last_cursors = next((i for i in range(len(ops) - 1, -1, -1) if type(ops[i]) is SetCursors), -1)
         with self.env.begin(write=True) as txn:
+            evals = None  # the eval records, read once if this transaction changes them
             for i, op in enumerate(ops):
                 if isinstance(op, PutPrompt):
                     txn.put(_PROMPT.pack(op.data_epoch, op.index), _encode_prompt(op.state), db=self.prompts)
@@ -284,11 +332,23 @@ class Ledger:
                 elif isinstance(op, SetWeights):
                     txn.put(b"weights", _encode_weights(op.log), db=self.meta)
                 elif isinstance(op, CloseEpoch):
-                    cur = txn.cursor(db=self.prompts)
-                    prefix = _EPOCH.pack(op.data_epoch)
-                    if cur.set_range(prefix):
-                        while cur.key().startswith(prefix):
-                            if not cur.delete():
-                                break
+                    _delete_prefix(txn.cursor(db=self.prompts), _EPOCH.pack(op.data_epoch))
+                elif isinstance(op, PutEvalResult):
+                    txn.put(_eval_key(op.name, op.index), _pack(op.result), db=self.evals)
+                elif isinstance(op, DropEvalResults):
+                    _delete_prefix(txn.cursor(db=self.evals), op.name.encode() + b"\0")
+                elif isinstance(op, SetEvalPass):
+                    if evals is None:
+                        raw = txn.get(b"evals", db=self.meta)
+                        evals = _decode_evals(raw) if raw is not None else {}
+                    evals[op.record.name] = op.record
+                    txn.put(b"evals", _encode_evals(evals), db=self.meta)
                 else:
                     raise TypeError(f"not a ledger operation: {op!r}")
+
+
+def _delete_prefix(cur, prefix: bytes) -> None:
+    if cur.set_range(prefix):
+        while cur.key().startswith(prefix):
+            if not cur.delete():
+                break

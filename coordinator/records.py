@@ -10,12 +10,15 @@ Records:
                     or FILTERED (the frontier's durable states).
     RecordedBatch   a trainer batch as recorded: group refs, metrics, and the
                     prompts of groups lost with a retired node.
+    EvalRecord      an evaluation dataset's current pass: its id, the calls
+                    that asked for it, and its metrics once done.
     WeightLog       the fleet's weights: current version, how it was reached,
                     updates pushed, and the lease-id boundary of each recent
                     update (so a lease's ``start`` is known after a restart).
 
 Ledger operations (``PutPrompt``, ``DropPrompt``, ``PutBatch``, ``DropBatch``,
-``SetCursors``, ``SetPaused``, ``SetMark``, ``CloseEpoch``, ``SetWeights``) are what a
+``SetCursors``, ``SetPaused``, ``SetMark``, ``CloseEpoch``, ``SetWeights``, and for evaluation
+passes ``SetEvalPass``, ``PutEvalResult``, ``DropEvalResults``) are what a
 ``Persist`` effect carries. ``coordinator/ledger.py`` alone encodes them for
 LMDB; ``LedgerSnapshot.apply`` folds them in memory with the same meaning, so
 the ledger's reader, the core's restore and the tests share one definition.
@@ -70,10 +73,32 @@ class Lease:
     """The rollout being collected when the prompt was leased."""
     start: int = 0
     """Weight updates pushed when it was granted (docs/weights.md, staleness)."""
+    eval: str = ""
+    """The evaluation dataset it belongs to (``coordinator/evaluation.py``); "" for a training prompt."""
 
     @property
     def prompt(self) -> Prompt:
         return (self.data_epoch, self.index)
+
+
+@dataclass(frozen=True, slots=True)
+class EvalRecord:
+    """One evaluation dataset's current pass as recorded (``coordinator/evaluation.py``).
+
+    ``tokens`` are the ``evaluate`` calls that asked for this pass (a resend, or a call after a
+    restart, carries the same token and gets this pass); ``fingerprint`` the dataset file it ran
+    on; ``metrics`` its result once ``done``."""
+
+    name: str
+    pass_id: int
+    tokens: tuple[str, ...] = ()
+    fingerprint: str = ""
+    done: bool = False
+    metrics: MappingProxyType = field(default_factory=dict)
+
+    def __post_init__(self):
+        object.__setattr__(self, "tokens", tuple(self.tokens))
+        object.__setattr__(self, "metrics", MappingProxyType(dict(self.metrics)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,7 +255,43 @@ class SetWeights:
     log: WeightLog
 
 
-LedgerOp = PutPrompt | DropPrompt | PutBatch | DropBatch | SetCursors | SetPaused | SetMark | CloseEpoch | SetWeights
+@dataclass(frozen=True, slots=True)
+class SetEvalPass:
+    """Record an evaluation dataset's current pass (a new one, a token added, or its result)."""
+
+    record: EvalRecord
+
+
+@dataclass(frozen=True, slots=True)
+class PutEvalResult:
+    """One evaluation prompt's result in the current pass of ``name``."""
+
+    name: str
+    index: int
+    result: dict
+
+
+@dataclass(frozen=True, slots=True)
+class DropEvalResults:
+    """Delete every prompt result of ``name`` (a new pass starts)."""
+
+    name: str
+
+
+LedgerOp = (
+    PutPrompt
+    | DropPrompt
+    | PutBatch
+    | DropBatch
+    | SetCursors
+    | SetPaused
+    | SetMark
+    | CloseEpoch
+    | SetWeights
+    | SetEvalPass
+    | PutEvalResult
+    | DropEvalResults
+)
 
 
 @dataclass(slots=True)
@@ -257,6 +318,10 @@ class LedgerSnapshot:
     last_checkpoint: int = -1
     paused: bool = False
     weights: WeightLog = field(default_factory=WeightLog)
+    evals: dict[str, EvalRecord] = field(default_factory=dict)
+    """Each evaluation dataset's current pass."""
+    eval_results: dict[tuple[str, int], dict] = field(default_factory=dict)
+    """``(name, index) -> result`` of the prompts the current passes have finished."""
 
     def apply(self, ops: list[LedgerOp]) -> None:
         """Fold ``ops`` in, with the meaning ``Ledger.apply`` gives them on disk."""
@@ -280,6 +345,13 @@ class LedgerSnapshot:
                     del self.prompts[prompt]
             elif isinstance(op, SetWeights):
                 self.weights = op.log
+            elif isinstance(op, SetEvalPass):
+                self.evals[op.record.name] = op.record
+            elif isinstance(op, PutEvalResult):
+                self.eval_results[(op.name, op.index)] = dict(op.result)
+            elif isinstance(op, DropEvalResults):
+                for key in [k for k in self.eval_results if k[0] == op.name]:
+                    del self.eval_results[key]
             else:
                 raise TypeError(f"not a ledger operation: {op!r}")
 
@@ -335,3 +407,6 @@ class CoordinatorStats:
     weights: dict = field(default_factory=dict)
     """``{"version", "updates", "kind", "path", "lock": {...} | None, "engines": {"agent/engine": version}}``
     (docs/weights.md, Status)."""
+    evaluations: dict = field(default_factory=dict)
+    """Each evaluation dataset: ``{"running": True, "pass", "prompts", "finished", "leased", "waiting"}`` while a
+    pass runs, else ``{"running": False, "prompts", "last": metrics of the last pass}``."""

@@ -54,6 +54,7 @@ from common.lmdb_env import MAP_SIZE
 from common.shuffle import SHUFFLE_ORDER, epoch_permutation
 from common.transport import router, send_nowait, stop_on_signals
 from coordinator.core import CoordinatorCore, Persist, Send
+from coordinator.evaluation import EvalSpec
 from coordinator.ledger import Ledger
 
 log = logging.getLogger("rollfleet.coordinator")
@@ -92,8 +93,10 @@ class CoordinatorServer:
         metrics_port: int | None = None,
         map_size: int = MAP_SIZE,
         curve: CoordinatorKeys | None = None,
+        eval_datasets: dict[str, tuple[Dataset, EvalSpec]] | None = None,
     ):
         self.dataset = dataset
+        self.eval_datasets = {name: ds for name, (ds, _) in (eval_datasets or {}).items()}
         self.metrics_host, self.metrics_port = metrics_host, metrics_port
         self.observe = None  # the /metrics and status page endpoint while serving (coordinator/observe.py)
         self.max_message_bytes = max_message_bytes
@@ -142,6 +145,7 @@ class CoordinatorServer:
             starve_after=starve_after,
             starve_after_drops=starve_after_drops,
             trainer_keys=sorted(k.decode("ascii") for k in curve.trainers) if curve else (),
+            eval_specs=[spec for _, spec in (eval_datasets or {}).values()],
         )
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
         # One thread: the dataset's file handle is used from it alone.
@@ -231,7 +235,8 @@ class CoordinatorServer:
             try:
                 leases = []
                 for lease in s.msg.leases:
-                    row = self.dataset.row(lease["index"])
+                    dataset = self.eval_datasets[lease["eval"]] if "eval" in lease else self.dataset
+                    row = dataset.row(lease["index"])
                     leases.append({**lease, "prompt": row.prompt, "label": row.label, "metadata": row.metadata})
                 out[id(s)] = p.Grant(s.msg.session, leases)
             except Exception:

@@ -80,6 +80,7 @@ class TrainerSessions:
         pending = self.core.batches.pending
         out = [Send(g.peer, p.Error("fenced", "a newer trainer session attached", g.req)) for g in pending]
         pending.clear()
+        out += self.core.evaluations.fence_waiters("a newer trainer session attached")
         self.core.counters.note_waiting(bool(self.core.batches.repairs), now)
         out += self.core.weights.trainer_gone(previous, f"its trainer was replaced by {msg.client_id}", now)
         return out + [Send(peer, p.Ok(msg.req, self._attach_result()))]
@@ -95,7 +96,7 @@ class TrainerSessions:
             "trimmed_upto": core.batches.trimmed_upto,
         }
 
-    def _session_error(self, peer: bytes, session: int, req: int) -> list | None:
+    def session_error(self, peer: bytes, session: int, req: int) -> list | None:
         """None if ``session`` is the current trainer's; else the error to send."""
         if session == self.session and session != 0:
             return None
@@ -106,7 +107,7 @@ class TrainerSessions:
 
     def on_request(self, peer: bytes, msg: p.Message, now: float) -> list:
         """A session-bound trainer request (one of ``protocol.TRAINER_REQUESTS``)."""
-        return self._session_error(peer, msg.session, msg.req) or self._requests[type(msg)](peer, msg, now)
+        return self.session_error(peer, msg.session, msg.req) or self._requests[type(msg)](peer, msg, now)
 
     def on_detach(self, peer: bytes, msg: p.Detach, now: float) -> list:
         previous, self.session = self.session, 0
@@ -116,7 +117,7 @@ class TrainerSessions:
     # ------------------------------------------------------------------ generate
 
     def on_generate(self, peer: bytes, msg: p.Generate, now: float) -> list:
-        err = self._session_error(peer, msg.session, msg.req)
+        err = self.session_error(peer, msg.session, msg.req)
         if err:
             return err
         core, batches = self.core, self.core.batches

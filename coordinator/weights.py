@@ -142,7 +142,7 @@ class WeightUpdates:
     # ------------------------------------------------------------------ trainer requests
 
     def _refuse(self, peer: bytes, msg: p.Message) -> list | None:
-        return self.core.trainer._session_error(peer, msg.session, msg.req)
+        return self.core.trainer.session_error(peer, msg.session, msg.req)
 
     def _remember(self, key: tuple[int, int], reply: p.Message) -> None:
         self._replies[key] = reply

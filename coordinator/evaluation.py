@@ -1,0 +1,384 @@
+"""Evaluation passes: one pass over a declared evaluation dataset, on the training fleet.
+
+``coordinator serve --eval-dataset NAME=PATH[,n_samples=..,max_new_tokens=..,temperature=..]``
+declares a dataset (``EvalSpec``); a trainer's ``evaluate(NAME)`` (an ``Evaluate`` message)
+runs one pass over it and is answered with its metrics (``eval_metrics``). Pure: events in,
+effects out, like the rest of the core.
+
+How a pass runs:
+- Its prompts are leased like training prompts, to agents with free capacity, before any
+  training prompt (the trainer waits on it). An evaluation lease has data epoch ``EVAL_EPOCH``
+  (-1), which no training epoch has: nothing an agent says about it can touch the training
+  frontier, and an agent that re-registers with one in flight has it cancelled (its prompt is
+  pending again). Its Grant always carries the rows, read from the evaluation file.
+- The agent generates the group with the dataset's own samples per prompt and sampling
+  settings, scores it with the fleet's reward, skips the dynamic filter and the store, and
+  reports the per-sample rewards, lengths and finish reasons (``EvalResult``).
+- Training is not disturbed: evaluation leases count neither in the training bound
+  (``leased + ready <= demand + prefetch``) nor in bounded staleness, and no training prompt,
+  cursor, batch or epoch changes.
+
+Invariants:
+- Counted once: a prompt's result is recorded once per pass (``PutEvalResult``, keyed by
+  dataset and index); any later result for it, from a reissued lease or an agent that went on
+  generating through a coordinator restart, is ignored.
+- Durable: each result is in the ledger before it counts, and the pass itself (``EvalRecord``)
+  before its first lease. A restarted coordinator resumes the pass: prompts without a result are
+  pending again, finished ones are not generated again. A lost ``EvalResult`` needs no ack or
+  retransmission: its lease is released (heartbeat reconciliation) and the prompt generated again.
+- Idempotent: each ``evaluate`` call carries a token; a resend, or the same call after a
+  restart, joins the same pass or gets its recorded metrics. A new call while a pass runs joins
+  it (a restarted trainer resumes its evaluation); a new call after it finished starts the next
+  pass, which replaces the previous one's results (at most one pass per dataset in the ledger).
+- A prompt whose reward or generation fails ``MAX_FAILURES`` times is recorded as failed (counted
+  in ``failed_prompts``, left out of the means): a pass always ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from common import protocol as p
+from coordinator.effects import Persist, Send
+from coordinator.records import DropEvalResults, EvalRecord, Lease, LedgerSnapshot, PutEvalResult, SetEvalPass
+
+if TYPE_CHECKING:
+    from coordinator.core import CoordinatorCore
+
+EVAL_EPOCH = -1
+"""The data epoch of every evaluation lease (no training epoch is negative)."""
+
+MAX_FAILURES = 3
+"""Failed attempts after which an evaluation prompt is recorded as failed."""
+
+TOKENS_KEPT = 8
+"""``evaluate`` call tokens a pass remembers (a resend carries the newest)."""
+
+PENDING, LEASED, DONE = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class EvalSpec:
+    """An evaluation dataset as declared at ``coordinator serve``."""
+
+    name: str
+    size: int
+    fingerprint: str
+    n_samples: int
+    sampling: dict = field(default_factory=dict)
+    """Overrides of the fleet's sampling parameters (``max_new_tokens``, ``temperature``, ...)."""
+    pass_threshold: float = 1.0
+    """A sample passes (for pass@k) when its reward is at least this."""
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of a prompt with ``c`` of ``n`` samples passing: 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def eval_metrics(spec: EvalSpec, pass_id: int, results: dict[int, dict]) -> dict:
+    """The metrics of a finished pass from its per-prompt results."""
+    scored = [r for r in results.values() if "rewards" in r]
+    rewards = [x for r in scored for x in r["rewards"]]
+    lengths = [x for r in scored for x in r["lengths"]]
+    samples = len(rewards)
+    out: dict = {
+        "name": spec.name,
+        "pass": pass_id,
+        "prompts": len(results),
+        "samples": samples,
+        "failed_prompts": len(results) - len(scored),
+        "n_samples": spec.n_samples,
+        "reward_mean": sum(rewards) / samples if samples else 0.0,
+        "response_length_mean": sum(lengths) / samples if samples else 0.0,
+        "truncated_ratio": sum(r["truncated"] for r in scored) / samples if samples else 0.0,
+    }
+    ks = sorted({1 << i for i in range(spec.n_samples.bit_length()) if 1 << i <= spec.n_samples} | {spec.n_samples})
+    for k in ks:
+        values = []
+        for r in scored:
+            n = len(r["rewards"])
+            if n >= k:
+                values.append(pass_at_k(n, sum(x >= spec.pass_threshold for x in r["rewards"]), k))
+        out[f"pass@{k}"] = sum(values) / len(values) if values else 0.0
+    out["weight_versions"] = sorted({v for r in scored for v in r.get("versions", ())})
+    return out
+
+
+def check_result(result, n_samples: int) -> str:
+    """Why an agent's per-prompt result is malformed; "" if it is well formed."""
+    if not isinstance(result, dict):
+        return f"an evaluation result is a map, not {type(result).__name__}"
+    if "failed" in result:
+        return "" if isinstance(result["failed"], str) else "'failed' must be a string"
+    rewards, lengths, truncated = result.get("rewards"), result.get("lengths"), result.get("truncated")
+    if not (isinstance(rewards, list) and rewards and all(_number(x) for x in rewards)):
+        return "'rewards' must be a non-empty list of numbers"
+    if not (isinstance(lengths, list) and len(lengths) == len(rewards) and all(_count(x) for x in lengths)):
+        return "'lengths' must be one non-negative int per reward"
+    if not (_count(truncated) and truncated <= len(rewards)):
+        return "'truncated' must count the truncated samples"
+    if len(rewards) != n_samples:
+        return f"{len(rewards)} samples, the dataset asks for {n_samples}"
+    return ""
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+class EvalPass:
+    """The prompts of one running pass: one state byte each, results for the finished ones."""
+
+    def __init__(self, spec: EvalSpec, record: EvalRecord, results: dict[int, dict]):
+        self.spec = spec
+        self.record = record
+        self.state = bytearray(spec.size)
+        self.results = dict(results)
+        for index in self.results:
+            self.state[index] = DONE
+        self.pending = spec.size - len(self.results)
+        self.cursor = 0
+        self.requeue: deque[int] = deque()
+        self.failures: dict[int, int] = {}
+        self.waiters: list[tuple[bytes, int]] = []
+
+    def take(self) -> int | None:
+        while self.requeue:
+            index = self.requeue.popleft()
+            if self.state[index] == PENDING:
+                return self._lease(index)
+        while self.cursor < self.spec.size:
+            index = self.cursor
+            self.cursor += 1
+            if self.state[index] == PENDING:
+                return self._lease(index)
+        return None
+
+    def _lease(self, index: int) -> int:
+        self.state[index] = LEASED
+        self.pending -= 1
+        return index
+
+    def release(self, index: int) -> None:
+        if self.state[index] == LEASED:
+            self.state[index] = PENDING
+            self.pending += 1
+            self.requeue.append(index)
+
+    def finish(self, index: int, result: dict) -> bool:
+        """Record ``index``'s result; False if it already has one (counted once)."""
+        if self.state[index] == DONE:
+            return False
+        if self.state[index] == PENDING:
+            self.pending -= 1
+        self.state[index] = DONE
+        self.results[index] = result
+        return True
+
+    @property
+    def complete(self) -> bool:
+        return len(self.results) == self.spec.size
+
+    def progress(self) -> dict:
+        leased = self.spec.size - self.pending - len(self.results)
+        return {"pass": self.record.pass_id, "prompts": self.spec.size, "finished": len(self.results),
+                "leased": leased, "waiting": len(self.waiters)}  # fmt: skip
+
+
+class Evaluations:
+    """Every declared evaluation dataset, its current pass, and the trainers waiting on it."""
+
+    def __init__(self, core: CoordinatorCore, specs: list[EvalSpec], restored: LedgerSnapshot):
+        self.core = core
+        self.specs = {s.name: s for s in specs}
+        self.records: dict[str, EvalRecord] = {}
+        self.passes: dict[str, EvalPass] = {}  # the unfinished ones
+        for name, rec in restored.evals.items():
+            spec = self.specs.get(name)
+            if spec is None:
+                continue  # no longer declared: its record stays in the ledger, unused
+            self.records[name] = rec
+            if not rec.done and rec.fingerprint == spec.fingerprint:  # a changed file: the next call starts over
+                results = {i: r for (n, i), r in restored.eval_results.items() if n == name and 0 <= i < spec.size}
+                self.passes[name] = EvalPass(spec, rec, results)
+
+    # ------------------------------------------------------------------ trainer
+
+    def on_evaluate(self, peer: bytes, msg: p.Evaluate, now: float) -> list:
+        core = self.core
+        err = core.trainer.session_error(peer, msg.session, msg.req)
+        if err:
+            return err
+        spec = self.specs.get(msg.name)
+        if spec is None:
+            declared = ", ".join(sorted(self.specs)) or "none"
+            why = (
+                f"no evaluation dataset {msg.name!r} (declared: {declared}; coordinator serve --eval-dataset NAME=PATH)"
+            )
+            return [Send(peer, p.Error("unknown_eval", why, msg.req))]
+        rec = self.records.get(msg.name)
+        if rec is not None and rec.done and msg.token in rec.tokens:
+            return [Send(peer, p.Ok(msg.req, dict(rec.metrics)))]  # a resend of a call already answered
+        ops: list = []
+        run = self.passes.get(msg.name)
+        if run is None:
+            rec = EvalRecord(msg.name, (rec.pass_id if rec else 0) + 1, (msg.token,), spec.fingerprint)
+            ops += [DropEvalResults(msg.name), SetEvalPass(rec)]
+            run = self.passes[msg.name] = EvalPass(spec, rec, {})
+            self.records[msg.name] = rec
+        elif msg.token not in run.record.tokens:
+            rec = dataclasses.replace(run.record, tokens=run.record.tokens[-(TOKENS_KEPT - 1) :] + (msg.token,))
+            run.record = self.records[msg.name] = rec
+            ops.append(SetEvalPass(rec))
+        if (peer, msg.req) not in run.waiters:
+            run.waiters.append((peer, msg.req))
+        # Like generate: a rollout left paused (a trainer that died checkpointing) is resumed.
+        resumed = core.trainer.resume() if core.trainer.paused else []
+        out: list = [Persist(ops, [])] if ops else []
+        return out + resumed + self._finish(run) + core.pump(now)
+
+    def fence_waiters(self, why: str) -> list[Send]:
+        """A newer trainer attached: the calls of the old one are answered (the passes go on)."""
+        out = []
+        for run in self.passes.values():
+            out += [Send(peer, p.Error("fenced", why, req)) for peer, req in run.waiters]
+            run.waiters.clear()
+        return out
+
+    # ------------------------------------------------------------------ leases
+
+    @property
+    def wanted(self) -> int:
+        """Prompts waiting for a lease, over every running pass with a trainer waiting on it."""
+        return sum(run.pending for run in self.passes.values() if run.waiters)
+
+    def grant(self, now: float) -> list:
+        """Lease pending evaluation prompts to agents with free capacity: one Grant per agent, rows added."""
+        wanted = self.wanted
+        if not wanted:
+            return []
+        core = self.core
+        membership, admission = core.membership, core.admission
+        granted: list[Send] = []
+        for agent_id, n in membership.distribute(wanted).items():
+            rec = membership.agents[agent_id]
+            leases = []
+            for _ in range(n):
+                taken = self._take()
+                if taken is None:
+                    break
+                run, index = taken
+                lease_id = admission.next_lease_id()
+                rollout_id = core.batches.current_rollout_id
+                lease = Lease(
+                    lease_id, agent_id, EVAL_EPOCH, index, rollout_id, core.weights.log.updates, run.spec.name
+                )
+                admission.hold(lease, rec)
+                leases.append(
+                    {
+                        "lease": lease_id,
+                        "data_epoch": EVAL_EPOCH,
+                        "index": index,
+                        "rollout_id": rollout_id,
+                        "eval": run.spec.name,
+                        "eval_pass": run.record.pass_id,
+                        "n_samples": run.spec.n_samples,
+                        "sampling": dict(run.spec.sampling),
+                    }
+                )
+            if leases:
+                core.counters.leases_granted += len(leases)
+                granted.append(Send(agent_id, p.Grant(rec.session, leases), with_rows=True))
+            membership.note_room(rec)
+        return [Persist([], granted)] if granted else []
+
+    def _take(self) -> tuple[EvalPass, int] | None:
+        for name in sorted(self.passes):
+            run = self.passes[name]
+            if run.waiters:
+                index = run.take()
+                if index is not None:
+                    return run, index
+        return None
+
+    def release(self, lease: Lease) -> None:
+        """A lease ended without a result: its prompt is pending again, first in line."""
+        run = self.passes.get(lease.eval)
+        if run is not None and 0 <= lease.index < run.spec.size:
+            run.release(lease.index)
+
+    def failed(self, lease: Lease, kind: str, detail: str) -> list:
+        """A group of an evaluation prompt failed; recorded as failed after ``MAX_FAILURES`` tries."""
+        run = self.passes.get(lease.eval)
+        if run is None or not 0 <= lease.index < run.spec.size:
+            return []
+        return self._fail(run, lease.index, f"{kind}: {detail}")
+
+    def _fail(self, run: EvalPass, index: int, reason: str) -> list:
+        n = run.failures[index] = run.failures.get(index, 0) + 1
+        if n < MAX_FAILURES:
+            run.release(index)
+            return []
+        return self._record(run, index, {"failed": reason[: p.MAX_FAILURE_DETAIL]})
+
+    def on_result(self, msg: p.EvalResult) -> list:
+        """An agent's result for one prompt (its lease already ended by the caller)."""
+        run = self.passes.get(msg.name)
+        if run is None or run.record.pass_id != msg.eval_pass or not 0 <= msg.index < run.spec.size:
+            return []  # a pass that ended, or another one: nothing to count
+        why = check_result(msg.result, run.spec.n_samples)
+        if why:  # generated again, a bounded number of times (a reward that returns NaN on this row)
+            return self._fail(run, msg.index, f"bad_result: {why}")
+        result = {
+            k: msg.result[k] for k in ("rewards", "lengths", "truncated", "versions", "failed") if k in msg.result
+        }
+        return self._record(run, msg.index, result)
+
+    def _record(self, run: EvalPass, index: int, result: dict) -> list:
+        if not run.finish(index, result):
+            return []  # counted once
+        ops: list = [PutEvalResult(run.spec.name, index, result)]
+        return self._finish(run, ops)
+
+    def _finish(self, run: EvalPass, ops: list | None = None) -> list:
+        """Write ``ops``; if the pass is complete, its metrics too, and answer its waiters after the commit."""
+        ops = list(ops or [])
+        then: list[Send] = []
+        if run.complete:
+            metrics = eval_metrics(run.spec, run.record.pass_id, run.results)
+            rec = dataclasses.replace(run.record, done=True, metrics=metrics)
+            self.records[run.spec.name] = rec
+            del self.passes[run.spec.name]
+            ops.append(SetEvalPass(rec))
+            then = [Send(peer, p.Ok(req, metrics)) for peer, req in run.waiters]
+        return [Persist(ops, then)] if ops or then else []
+
+    def answer_hopeless(self, code: str, why: str) -> list[Send]:
+        """No agent can generate: the waiting calls get the error (the pass stays, resumed by the next call)."""
+        out = []
+        for run in self.passes.values():
+            out += [Send(peer, p.Error(code, why, req)) for peer, req in run.waiters]
+            run.waiters.clear()
+        return out
+
+    def statistics(self) -> dict:
+        out = {}
+        for name, spec in sorted(self.specs.items()):
+            run, rec = self.passes.get(name), self.records.get(name)
+            if run is not None:
+                out[name] = {"running": True, **run.progress()}
+            else:
+                last = dict(rec.metrics) if rec is not None and rec.done else {}
+                out[name] = {"running": False, "prompts": spec.size, "last": last}
+        return out
