@@ -51,6 +51,7 @@ import lmdb
 from common.errors import NoCapacity
 from coordinator.ledger import read_ledger
 from harness.chaos_check import KINDS, Findings, RunEvidence, batch_record, check
+from harness.chaos_eval import eval_flag, read_eval_log
 from harness.chaos_evidence import (
     pending_behind_cursor,
     read_consumed,
@@ -99,6 +100,7 @@ class ChaosRun:
         weights_every: int = 3,
         log=print,
         generate: str = "",
+        evaluate_every: int = 0,
     ):
         if agents < 3:
             raise ValueError("the chaos run needs 3 agents: one behind the proxy, one lost for good, one more")
@@ -118,6 +120,7 @@ class ChaosRun:
         self.ckpt = workdir / "checkpoint.json"
         self.weights_every = weights_every
         self.generate = generate  # a custom generate function for every sample (e.g. multi-turn), or ""
+        self.evaluate_every = evaluate_every  # an evaluation pass every K batches (harness/chaos_eval.py)
         self.weights_log = workdir / "weights.jsonl"
         torch = importlib.util.find_spec("torch") is not None  # the trainer broadcasts only with it
         self.with_torch = torch
@@ -136,6 +139,7 @@ class ChaosRun:
 
     def start_coordinator(self) -> None:
         extra = ["--generate", self.generate] if self.generate else []
+        extra += eval_flag(self.workdir) if self.evaluate_every else []
         self.cluster.start_coordinator("--retire-after", str(RETIRE_AFTER), *extra)
 
     def start_agent(self, name: str, wait: bool = True) -> None:
@@ -158,6 +162,8 @@ class ChaosRun:
             "weights-dir": self.workdir / "weights",
             "weights-log": self.weights_log,
             "update-timeout": UPDATE_TIMEOUT,
+            "evaluate-every": self.evaluate_every,
+            "eval-log": self.workdir / "evaluations.jsonl",
         }
         argv = [sys.executable, "-m", "harness.chaos_trainer"] + [
             x for k, v in flags.items() for x in (f"--{k}", str(v))
@@ -339,6 +345,7 @@ class ChaosRun:
             weight_updates=read_consumed(self.weights_log),
             weight_kinds=self.weight_kinds,
             engine_versions=self.engine_versions,
+            evaluations=read_eval_log(self.workdir / "evaluations.jsonl"),
         )
         findings = check(evidence)
         for name in Findings.__dataclass_fields__:

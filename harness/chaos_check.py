@@ -51,6 +51,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from coordinator.records import LedgerSnapshot
+from harness.chaos_eval import check_evaluations
 
 KINDS = ("agent", "engine", "coordinator", "trainer", "partition", "node_lost")
 """Failure kinds the chaos schedule causes; a run that misses one fails."""
@@ -89,6 +90,8 @@ class RunEvidence:
     engine_versions: dict[str, str | None] = field(default_factory=dict)
     """``agent/engine`` -> ``/model_info`` ``weight_version`` at quiesce, for every engine ``stats`` calls
     healthy on an alive agent (None: it did not answer)."""
+    evaluations: list[dict] = field(default_factory=list)
+    """The trainers' ``evaluate`` calls in write order: ``rid``, ``ok``, ``metrics`` or ``error``."""
 
 
 def batch_record(batch, run: str) -> dict:
@@ -115,6 +118,8 @@ class Findings:
     replaced_groups: int = 0
     tool_samples: int = 0
     """Samples in the final stream with tokens a generate function inserted (multi-turn runs)."""
+    evaluations: int = 0
+    """Evaluation passes that returned, each counting every evaluation prompt once (harness/chaos_eval.py)."""
     weight_updates: dict = field(default_factory=dict)
     """Update attempts by outcome: ``{"disk": ok, "distributed": ok, "failed": n}``."""
     problems: list[str] = field(default_factory=list)
@@ -126,6 +131,7 @@ def check(ev: RunEvidence) -> Findings:
     _check_accounting(ev, final, ever, out)
     _check_stores(ev, out)
     _check_weights(ev, out)
+    out.evaluations = check_evaluations(ev.evaluations, ev.ledger, out.problems)
     for prompt in sorted(ev.never_reissued):
         _unaccounted(out, f"prompt {prompt} came back to pending and was never leased again (forgotten)")
     for kind in KINDS:

@@ -76,7 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=2.0,
         help="while a generate waits this long, push a disk update if every engine is stale (0: never)",
     )
+    ap.add_argument("--evaluate-every", type=int, default=0, help="run client.evaluate every K batches (0: never)")
+    ap.add_argument("--eval-name", default="chaos-eval", help="the evaluation dataset evaluate() runs")
+    ap.add_argument("--eval-log", default=None, help="one JSON line per evaluate() call: its metrics or its error")
     args = ap.parse_args(argv)
+    if args.evaluate_every and not args.eval_log:
+        ap.error("--evaluate-every needs --eval-log")
     if args.weights_every and not (args.weights_dir and args.weights_log):
         ap.error("--weights-every needs --weights-dir and --weights-log")
     return args
@@ -228,6 +233,21 @@ class Pusher:
         self.log.close()
 
 
+async def evaluate(client: AsyncRolloutClient, args: argparse.Namespace, rid: int, run: str) -> None:
+    """One evaluation pass after rollout ``rid``, logged (fsynced) with its metrics; a failure is logged, not raised:
+    a trainer killed during it calls again after resuming and joins the same pass."""
+    record = {"run": run, "pid": os.getpid(), "rid": rid, "name": args.eval_name}
+    started = time.monotonic()
+    try:
+        record.update(ok=True, metrics=await client.evaluate(args.eval_name))
+    except RolloutError as exc:
+        record.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
+    record["seconds"] = round(time.monotonic() - started, 3)
+    print(f"evaluate after rollout {rid}: {record.get('metrics') or record.get('error')}", flush=True)
+    with open(args.eval_log, "a") as log:
+        await asyncio.to_thread(append, log, record)
+
+
 async def train(args: argparse.Namespace) -> int:
     ckpt = Path(args.checkpoint)
     run = "resumed" if args.resume else "first"
@@ -247,6 +267,8 @@ async def train(args: argparse.Namespace) -> int:
                 print(f"consumed {rid}", flush=True)
                 if pusher is not None and (rid + 1) % args.weights_every == 0:
                     await pusher.push(rid, (rid + 1) // args.weights_every)
+                if args.evaluate_every and (rid + 1) % args.evaluate_every == 0:
+                    await evaluate(client, args, rid, run)
                 if (rid + 1) % args.checkpoint_every == 0:
                     await client.pause(drain=True)
                     state = await client.state_dict()

@@ -39,6 +39,7 @@ def main() -> int:
         default="harness.generate_fns:two_turns",
         help="generate function for every sample (default: two turns with a tool's tokens between; '' for one call)",
     )
+    ap.add_argument("--evaluate-every", type=int, default=10, help="an evaluation pass every K batches (0: none)")
     args = ap.parse_args()
     failed = 0
     for seed in args.seeds:
@@ -52,6 +53,7 @@ def main() -> int:
             seed=seed,
             weights_every=args.weights_every,
             generate=args.generate,
+            evaluate_every=args.evaluate_every,
             log=lambda m: print(m, file=sys.stderr, flush=True),
         )
         ok = not report.problems
@@ -69,6 +71,7 @@ def main() -> int:
             "replay_mismatches": report.replay_mismatches,
             "replaced_groups": report.replaced_groups,
             "tool_samples": report.tool_samples,
+            "evaluations": report.evaluations,
             "weight_updates": report.weight_updates,
             "problems": report.problems[:20],
             "workdir": str(work),

@@ -202,4 +202,22 @@ MUTATIONS = [
         "        if True:\n",
         "tests/cluster/test_failing_rewards.py::test_reward_that_raises_starves_generate_with_its_name_and_burns_no_prompt",
     ),
+    Mutation(
+        "10",
+        "eval-result-counted-twice",
+        "a second result for an evaluation prompt replaces the first",
+        "coordinator/evaluation.py",
+        "        if self.state[index] == DONE:\n            return False\n",
+        "",
+        "tests/unit/test_evaluation_core.py::test_a_pass_leases_every_prompt_once_outside_the_training_bound_and_answers_after_the_commit",
+    ),
+    Mutation(
+        "10",
+        "eval-results-not-restored",
+        "a restarted coordinator forgets the results of the running pass",
+        "coordinator/evaluation.py",
+        "                self.passes[name] = EvalPass(spec, rec, results)\n",
+        "                self.passes[name] = EvalPass(spec, rec, {})\n",
+        "tests/cluster/test_evaluation.py::test_evaluation_resumes_after_coordinator_sigkill_counting_each_prompt_once",
+    ),
 ]
