@@ -317,7 +317,10 @@ class Admission:
             lease = self.leases.get(lease_id)
             if lease is not None and lease.agent_id == rec.agent_id:
                 self.end_lease(lease_id)
-                self.core.counters.lease_ended("released" if failure is None else "failed")
+                if msg.reason == p.STOPPED:
+                    self.core.oversampling.on_stopped(lease_id)  # over-sampled: pending again, counted
+                else:
+                    self.core.counters.lease_ended("released" if failure is None else "failed")
                 if failure is None:
                     self.core.frontier.release(*lease.prompt)
                 else:

@@ -92,6 +92,7 @@ class CoordinatorServer:
         metrics_port: int | None = None,
         map_size: int = MAP_SIZE,
         curve: CoordinatorKeys | None = None,
+        over_sampling: float = 1.0,
     ):
         self.dataset = dataset
         self.metrics_host, self.metrics_port = metrics_host, metrics_port
@@ -142,6 +143,7 @@ class CoordinatorServer:
             starve_after=starve_after,
             starve_after_drops=starve_after_drops,
             trainer_keys=sorted(k.decode("ascii") for k in curve.trainers) if curve else (),
+            over_sampling=over_sampling,
         )
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
         # One thread: the dataset's file handle is used from it alone.
