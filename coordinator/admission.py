@@ -16,6 +16,9 @@ Invariants kept here:
   agent that holds it.
 - A lease lost in transit (a dropped Grant, Filtered or Release) is released
   by heartbeat reconciliation, never leaked.
+- A lease given back after a ``Stop`` (over-sampling: a ``Release`` with
+  reason ``protocol.STOPPED``) is pending again, first in line, and counted
+  for the next batch (``coordinator/oversampling.py``); it is not a failure.
 - Failing user code loses no data: a group whose reward or filter raised (a
   ``Release`` tagged ``failed: <kind>: <detail>``) is an error outcome, not a
   filter verdict; its prompt is pending again, and filtered (reason: the kind)
