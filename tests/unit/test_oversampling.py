@@ -290,3 +290,46 @@ def test_the_ledger_keeps_a_partial_batch_size_and_reads_old_records_as_full():
     partial = RecordedBatch((GroupRef(0, 1, "a", "k"),), {"rollout/deficit": 3.0}, size=1)
     assert _decode_batch(_encode_batch(partial)) == partial
     assert _decode_batch(_pack({"groups": [[0, 1, "a", "k"]], "metrics": {}, "lost": []})).size == 0
+
+
+# ---------------------------------------------------------------------------- flag and API
+
+
+def test_the_flag_and_its_config_file_key_take_a_factor_of_at_least_one(tmp_path):
+    from common.config_file import parse_args_with_config
+    from coordinator.cli import build_parser
+
+    base = ["serve", "--dataset", "d.jsonl", "--data-dir", "d"]
+    args, _ = parse_args_with_config(build_parser(), base)
+    assert args.over_sampling == 1.0
+    path = tmp_path / "c.toml"
+    path.write_text("over-sampling = 1.5\n")
+    args, effective = parse_args_with_config(build_parser(), [*base, "--config", str(path)])
+    assert args.over_sampling == 1.5 and effective["over-sampling"] == 1.5
+    path.write_text("over_sampling = 0.5\n")
+    with pytest.raises(ConfigError, match=r"key 'over_sampling': must be a number >= 1, got '0.5'"):
+        parse_args_with_config(build_parser(), [*base, "--config", str(path)])
+
+
+@pytest.mark.parametrize("deadline", [0, -1.0, float("inf"), float("nan"), "5"])
+def test_generate_refuses_a_deadline_that_is_not_a_positive_number_of_seconds(deadline):
+    import asyncio
+
+    from coordinator.client import AsyncRolloutClient
+
+    async def call():
+        client = AsyncRolloutClient("tcp://127.0.0.1:9", attach=False, timeout=1)
+        try:
+            with pytest.raises(ValueError, match="deadline must be a number of seconds > 0"):
+                await client.generate(0, deadline=deadline)
+        finally:
+            await client.close()
+
+    asyncio.run(call())
+
+
+def test_a_batch_knows_its_size_and_deficit():
+    from coordinator.batch import RolloutBatch
+
+    batch = RolloutBatch(3, [], {"rollout/deficit": 2.0})
+    assert (len(batch), batch.deficit) == (0, 2) and RolloutBatch(4, []).deficit == 0
