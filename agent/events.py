@@ -285,7 +285,7 @@ class CancelLease:
 
 @dataclass(frozen=True, slots=True)
 class AbortRequests:
-    """Abort these SGLang requests on the engine at ``url`` (pause with abort)."""
+    """Abort these SGLang requests on the engine at ``url`` (pause with abort, a Stop)."""
 
     url: str
     request_ids: tuple[str, ...]

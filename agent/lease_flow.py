@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from agent.events import (
+    AbortRequests,
     CancelLease,
     EngineFailed,
     EngineWanted,
@@ -63,8 +64,25 @@ class LeaseFlow:
         if rec is not None and rec.state in NOT_ON_ENGINE:
             self._next_engine(rec, out)
 
+    def _on_stop(self, msg: p.Stop, now: float, out: list) -> None:
+        """Over-sampled leases the coordinator no longer needs: abort and give back those still generating."""
+        if msg.session != self.session or self.paused:
+            return  # a pause has its own say over in-flight work (and a resume brings admission back)
+        for lease in msg.leases:
+            rec = self.leases.get(lease)
+            if rec is None or rec.stopped:
+                continue  # not ours (any more), or stopped already
+            if rec.state in NOT_ON_ENGINE:
+                self._release(rec, p.STOPPED, out)
+            elif rec.state is LeaseState.GENERATING:
+                rec.stopped = True  # released when its aborted generation comes back (_next_engine)
+                out.append(AbortRequests(rec.url, rec.request_ids))
+            # SCORING/COMMITTING: finished generating; its receipt (or Filtered) ends the lease.
+
     def _next_engine(self, rec: LeaseRecord, out: list) -> None:
-        if rec.aborting or self.paused:
+        if rec.stopped:
+            self._release(rec, p.STOPPED, out)
+        elif rec.aborting or self.paused:
             # Not on an engine while paused: give it back, a pause(drain=True) must not wait for it.
             self._release(rec, "aborted by pause", out)
         elif self.weights.updating:

@@ -4,7 +4,8 @@ Pure bookkeeping under the session's policy (agent/session.py decides when a
 lease starts, is assigned, released or forgotten; this module keeps the books):
 
 - one ``LeaseRecord`` per lease, with its state (``LeaseState``), its engine
-  and SGLang request ids while it generates, and whether a pause aborted it;
+  and SGLang request ids while it generates, and whether a pause or a Stop
+  aborted it;
 - the generation pool (agent/pool.py) and the supervisor's state of each
   engine, as last reported.
 
@@ -48,6 +49,7 @@ class LeaseRecord:
     samples: int = 0  # pool slots held on ``engine``
     attempts: int = 0  # engine assignments so far (they name the request ids)
     aborting: bool = False  # a pause-with-abort aborted its requests
+    stopped: bool = False  # the coordinator stopped it (over-sampling): given back once its requests end
     epoch: int = 0  # weight updates begun when it was last put on an engine
     resume: bool = False  # a weight update interrupted it: the next assignment keeps what it generated
     n_samples: int = 0  # its group's size when not the fleet's (an evaluation lease); 0: the fleet's

@@ -37,6 +37,10 @@ Invariants:
   comes back, fails or is cancelled, and given back exactly once.
 - Pause gives back at once every lease not on an engine (a drain must not wait
   for them); leases on an engine finish, unless the pause aborts them.
+- Stop (over-sampling, coordinator/oversampling.py) gives a lease back the same
+  way (reason ``protocol.STOPPED``): at once if it is not on an engine, once its
+  aborted requests come back if it is; a lease past generation completes and
+  reports as usual (never discard a finished group). Ignored while paused.
 - Shutdown: capacity 0; every lease not yet past scoring is cancelled and
   released in one message; leases committing finish and report.
 - Weight updates (agent/weight_state.py): while one is under way no lease is
@@ -170,6 +174,7 @@ class AgentSession(LeaseFlow):
             p.Grant: self._on_grant,
             p.ReceiptAck: self._on_ack,
             p.Control: self._on_control,
+            p.Stop: self._on_stop,
             p.Trim: self._on_trim,
             p.Heartbeat: self._on_heartbeat,
             p.Fence: self._on_fence,

@@ -175,6 +175,10 @@ class Release(Message):
     reason: str
 
 
+STOPPED = "stopped: the batch was full (over-sampling)"
+"""The ``Release`` reason of leases an agent gave back because the coordinator sent ``Stop`` for them."""
+
+
 FAILURE_KINDS = ("reward_error", "filter_error", "generation_failed", "generate_error")
 """Why a group failed: its reward raised (or returned a non-number), its filter raised (or returned a
 non-verdict), its custom generate function raised (or returned no trajectory), or anything else
@@ -273,6 +277,21 @@ class Control(Message):
 
 
 @message
+class Stop(Message):
+    """coordinator -> agent: over-sampled leases no batch needs now; abort them and give them back.
+
+    The agent aborts their engine requests and answers with a ``Release`` (reason ``STOPPED``).
+    A lease it no longer holds, or one already past generation, is left alone (its Receipt or
+    Filtered answers for it); a paused agent ignores the message. Losing it loses nothing: the
+    groups simply complete.
+    """
+
+    TYPE = "stop"
+    session: int
+    leases: list[int]
+
+
+@message
 class Trim(Message):
     """coordinator -> agent: delete these group payloads; no trainer can ask for them again."""
 
@@ -312,6 +331,9 @@ class Generate(Message):
     req: int
     rollout_id: int
     prefetch: int = -1
+    deadline: float = 0.0
+    """Seconds after the coordinator first got this ``generate`` at which it returns a partial batch
+    of the groups ready (at least one); 0: none, wait for the full batch."""
 
 
 @message

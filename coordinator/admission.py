@@ -16,6 +16,9 @@ Invariants kept here:
   agent that holds it.
 - A lease lost in transit (a dropped Grant, Filtered or Release) is released
   by heartbeat reconciliation, never leaked.
+- A lease given back after a ``Stop`` (over-sampling: a ``Release`` with
+  reason ``protocol.STOPPED``) is pending again, first in line, and counted
+  for the next batch (``coordinator/oversampling.py``); it is not a failure.
 - Failing user code loses no data: a group whose reward or filter raised (a
   ``Release`` tagged ``failed: <kind>: <detail>``) is an error outcome, not a
   filter verdict; its prompt is pending again, and filtered (reason: the kind)
@@ -357,7 +360,10 @@ class Admission:
             lease = self.leases.get(lease_id)
             if lease is not None and lease.agent_id == rec.agent_id:
                 self.end_lease(lease_id)
-                self.core.counters.lease_ended("released" if failure is None else "failed")
+                if msg.reason == p.STOPPED:
+                    self.core.oversampling.on_stopped(lease_id)  # over-sampled: pending again, counted
+                else:
+                    self.core.counters.lease_ended("released" if failure is None else "failed")
                 if failure is None:
                     self.give_back(lease)
                 elif lease.eval:

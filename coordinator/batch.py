@@ -14,6 +14,15 @@ class RolloutBatch:
     groups: list[Group]
     metrics: dict = field(default_factory=dict)
 
+    def __len__(self) -> int:
+        """Groups in the batch (``rollout_batch_size`` unless it is a partial one)."""
+        return len(self.groups)
+
+    @property
+    def deficit(self) -> int:
+        """Groups a partial batch (``generate(..., deadline=)``) lacks; 0 for a full one."""
+        return int(self.metrics.get("rollout/deficit", 0))
+
     @property
     def samples(self):
         return [s for g in self.groups for s in g.samples]

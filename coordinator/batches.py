@@ -3,10 +3,13 @@
 Ready groups (committed on an agent, recorded READY in the ledger) wait in
 acceptance order; a waiting ``generate`` takes exactly
 ``rollout_batch_size`` of them into a ``RecordedBatch`` with its metrics
-(``common.metrics.batch_metrics``). Pure: events in, effects out.
+(``common.metrics.batch_metrics``), or fewer, at least one, once its
+``deadline`` passed (a partial batch, ``coordinator/oversampling.py``). Pure:
+events in, effects out.
 
 Invariants kept here:
-- Idempotent: a recorded batch is replayed verbatim for the same rollout id.
+- Idempotent: a recorded batch is replayed verbatim for the same rollout id,
+  a partial one too; a repair fills a batch to its own size (``target``).
 - Batch replies travel in ``Persist.then``, after the batch is durable.
 - A retired node's groups leave the batches that hold them (``lost``); when
   a trainer asks for such a batch again it is completed with replacements:
@@ -28,6 +31,7 @@ from common.metrics import DropStats, batch_metrics
 from coordinator.effects import Persist, Send
 from coordinator.frontier import DELIVERED, READY
 from coordinator.membership import RETIRED
+from coordinator.oversampling import deadline_due
 from coordinator.records import (
     CloseEpoch,
     DropBatch,
@@ -61,6 +65,8 @@ class PendingGenerate:
     rollout_id: int
     since: float = 0.0
     """When the trainer's ``generate`` for it arrived (a resend keeps the first arrival)."""
+    deadline: float = 0.0
+    """Seconds after ``since`` at which the groups ready make a partial batch; 0: none."""
 
 
 class Batches:
@@ -171,8 +177,14 @@ class Batches:
         prompt = self.ready.popleft()
         return prompt, self.ready_info.pop(prompt, None)  # None: reopened after its node was retired
 
-    def assemble(self, g: PendingGenerate) -> Persist:
-        size = self.core.config.rollout_batch_size
+    def target(self, batch: RecordedBatch) -> int:
+        """Groups ``batch`` holds when complete: a partial batch's own size, else ``rollout_batch_size``."""
+        return batch.size or self.core.config.rollout_batch_size
+
+    def assemble(self, g: PendingGenerate, size: int | None = None) -> Persist:
+        """Record batch ``g.rollout_id`` from ``size`` ready groups (fewer than a full one: a partial batch)."""
+        full = self.core.config.rollout_batch_size
+        size = full if size is None else size
         chosen = []
         while len(chosen) < size:
             prompt, st = self._pop_ready()
@@ -182,7 +194,10 @@ class Batches:
         groups = tuple(self._deliver(prompt, st, g.rollout_id, ops) for prompt, st in chosen)
         metrics = batch_metrics([st.stats for _, st in chosen], [prompt[0] for prompt, _ in chosen], self.drops)
         metrics.update(self.core.staleness.metrics(g.rollout_id, [st.start for _, st in chosen], self.core.now))
-        batch = RecordedBatch(groups, metrics)
+        metrics.update(self.core.oversampling.batch_metrics(full, len(groups)))
+        batch = RecordedBatch(groups, metrics, size=len(groups) if len(groups) < full else 0)
+        if batch.size:
+            self.core.counters.partial_batches += 1
         self.recorded[g.rollout_id] = batch
         self.last_rollout_id = max(self.last_rollout_id, g.rollout_id)
         ops.append(PutBatch(g.rollout_id, batch))
@@ -237,7 +252,8 @@ class Batches:
         metrics = dict(batch.metrics)
         metrics["rollout/replaced_groups"] = metrics.get("rollout/replaced_groups", 0.0) + len(lost)
         kept = tuple(g for g in batch.groups if g not in lost)
-        batch = RecordedBatch(kept, metrics, batch.lost + tuple(g.prompt for g in lost))
+        lost_prompts = batch.lost + tuple(g.prompt for g in lost)
+        batch = dataclasses.replace(batch, groups=kept, metrics=metrics, lost=lost_prompts)  # keeps a partial size
         self.recorded[rollout_id] = batch
         ops.append(PutBatch(rollout_id, batch))
 
@@ -262,12 +278,12 @@ class Batches:
 
     def _fill_repairs(self) -> list:
         out = []
-        size = self.core.config.rollout_batch_size
         for rollout_id in sorted(self.repairs):
             batch = self.recorded.get(rollout_id)
             if batch is None:  # trimmed meanwhile
                 self.repairs.pop(rollout_id)
                 continue
+            size = self.target(batch)
             ops: list = []
             added: list[GroupRef] = []
             while len(batch.groups) + len(added) < size and self.ready:
@@ -288,8 +304,10 @@ class Batches:
 
     # ------------------------------------------------------------------ demand
 
-    def enqueue(self, peer: bytes, req: int, rollout_id: int) -> p.Error | None:
-        """Wait for batch ``rollout_id`` (or its repair); the error if it can never come."""
+    def enqueue(self, peer: bytes, req: int, rollout_id: int, deadline: float = 0.0) -> p.Error | None:
+        """Wait for batch ``rollout_id`` (or its repair); the error if it can never come.
+
+        ``deadline``: seconds after the first arrival at which a partial batch will do (0: none)."""
         if rollout_id in self.repairs:
             self.repairs[rollout_id].append((peer, req))
             self.core.counters.note_waiting(True, self.core.now)
@@ -307,9 +325,9 @@ class Batches:
             return p.Error("bad_rollout_id", why, req)
         for g in self.pending:
             if g.rollout_id == rollout_id:
-                g.peer, g.req = peer, req
+                g.peer, g.req, g.deadline = peer, req, deadline
                 return None
-        self.pending.append(PendingGenerate(peer, req, rollout_id, self.core.now))
+        self.pending.append(PendingGenerate(peer, req, rollout_id, self.core.now, deadline))
         self.pending.sort(key=lambda g: g.rollout_id)
         self.core.counters.note_waiting(True, self.core.now)
         return None
@@ -321,21 +339,29 @@ class Batches:
         return self.last_rollout_id + 1
 
     def demand(self, prefetch: int) -> int:
-        """Groups wanted in flight or ready: waiting batches, repairs and the prefetch."""
-        size = self.core.config.rollout_batch_size
-        missing = sum(size - len(self.recorded[r].groups) for r in self.repairs if r in self.recorded)
-        return size * len(self.pending) + missing + prefetch
+        """Groups wanted in flight or ready: waiting batches (over-sampled), repairs and the prefetch."""
+        wanted = self.core.oversampling.demand(self.core.config.rollout_batch_size)
+        missing = sum(self.target(b) - len(b.groups) for b in map(self.recorded.get, self.repairs) if b is not None)
+        return wanted * len(self.pending) + missing + prefetch
 
     def pump(self) -> list:
-        """Complete repairs, then assemble waiting batches; fail them if they can never come."""
+        """Complete repairs, then assemble waiting batches (partial ones past their deadline), then
+        stop the over-sampled leases no batch needs any more; fail waiting batches that can never come."""
         out: list = self._fill_repairs() if self.repairs else []
         size = self.core.config.rollout_batch_size
-        while self.pending and not self.repairs and len(self.ready_info) >= size:
+        assembled = False
+        while self.pending and not self.repairs:
+            n = min(size, len(self.ready_info))
+            if n < size and not (n and deadline_due(self.pending[0], self.core.now)):
+                break
             leased = (lease.start for lease in self.core.admission.leases.values() if not lease.eval)
             ready = (st.start for st in self.ready_info.values())
             if self.core.staleness.holds_batch(self.pending[0].rollout_id, leased, ready):
                 break  # leases in flight need this batch's places (staleness rule 2)
-            out.append(self.assemble(self.pending.pop(0)))
+            out.append(self.assemble(self.pending.pop(0), n))
+            assembled = True
+        if assembled:
+            out += self.core.oversampling.stop_excess()
         if (self.pending or self.repairs) and len(self.ready_info) < size:
             hopeless = self._hopeless()
             if hopeless is not None:

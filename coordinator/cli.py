@@ -69,6 +69,14 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
         "--prefetch", type=number(int, min=-1), default=d.prefetch, help="ready groups beyond demand (-1: one batch)"
     )
     sp.add_argument(
+        "--over-sampling",
+        type=number(float, min=1),
+        default=1.0,
+        metavar="FACTOR",
+        help="start ceil(rollout-batch-size x FACTOR) groups for a waiting generate() and stop the surplus once "
+        "its batch is full (README 'Over-sampling and deadlines'; default 1.0: off)",
+    )
+    sp.add_argument(
         "--max-staleness",
         type=number(int, min=0),
         default=d.max_staleness,
@@ -224,6 +232,7 @@ def serve(args) -> int:
         map_size=args.map_size,
         curve=curve,
         eval_datasets=evals,
+        over_sampling=args.over_sampling,
     )
     if exposed:
         logging.getLogger("rollfleet.coordinator").warning("%s", exposed)

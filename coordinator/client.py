@@ -180,8 +180,10 @@ class AsyncRolloutClient:
 
     # ---------------------------------------------------------------- API
 
-    async def generate(self, rollout_id: int, prefetch: int | None = None) -> RolloutBatch:
-        """The batch for ``rollout_id``: exactly ``rollout_batch_size`` groups.
+    async def generate(
+        self, rollout_id: int, prefetch: int | None = None, deadline: float | None = None
+    ) -> RolloutBatch:
+        """The batch for ``rollout_id``: exactly ``rollout_batch_size`` groups (fewer with ``deadline``).
 
         Asking for a batch not generated yet resumes a paused rollout (so a
         trainer restarted after dying while paused is not left waiting).
@@ -189,15 +191,24 @@ class AsyncRolloutClient:
         coordinator's ``--prefetch`` for this and every later call, until another
         ``generate(..., prefetch=N)`` or a coordinator restart; None keeps the current one.
 
+        ``deadline`` (seconds > 0): if the batch is not full that long after the coordinator first
+        got this call, it is made of the groups ready then (at least one: with none ready, as soon
+        as one is), a *partial batch*; ``batch.deficit`` (metric ``rollout/deficit``) says how many
+        groups it lacks. It is recorded like any batch: asked again, the same id returns the same
+        partial batch, and the prompts it lacks are generated for later batches. None: wait for a full batch.
+
         Raises ``NoCapacity`` when no engine is left anywhere (or every one is stale: push an
         update), and ``Starved`` when every recent group failed (a reward or filter that raises):
         its message names the failure,
         and the next call starts over (e.g. once the agents run a fixed reward).
         """
+        if deadline is not None and not (isinstance(deadline, (int, float)) and 0 < deadline < float("inf")):
+            raise ValueError(f"generate({rollout_id}): deadline must be a number of seconds > 0, got {deadline!r}")
         started = time.monotonic()
+        wire_prefetch, wire_deadline = -1 if prefetch is None else prefetch, float(deadline or 0.0)
         while True:
             refs = await self._call(
-                lambda s, req: p.Generate(s, req, rollout_id, -1 if prefetch is None else prefetch),
+                lambda s, req: p.Generate(s, req, rollout_id, wire_prefetch, wire_deadline),
                 f"generate({rollout_id})",
             )
             waited = time.monotonic() - started
@@ -407,8 +418,8 @@ class RolloutClient:
     def config(self) -> dict:
         return self._async.config
 
-    def generate(self, rollout_id: int, prefetch: int | None = None) -> RolloutBatch:
-        return self._run(self._async.generate(rollout_id, prefetch))
+    def generate(self, rollout_id: int, prefetch: int | None = None, deadline: float | None = None) -> RolloutBatch:
+        return self._run(self._async.generate(rollout_id, prefetch, deadline))
 
     def pause(self, drain: bool = True, abort: bool = False) -> dict:
         return self._run(self._async.pause(drain, abort))

@@ -14,6 +14,8 @@ routes; each role lives in its own module:
     admission.py   agents: register, heartbeat, receipts, filtered, release,
                    capacity, lease issuing, TTL and retirement (``tick``)
     batches.py     ready groups, batch assembly, repair, trimming
+    oversampling.py  over-sampling (stopping the surplus leases) and partial
+                   batches at a ``generate`` deadline
     trainer.py     trainer sessions: attach, generate, pause/resume,
                    state dict, consumed, missing, detach
     starvation.py  the streak of failed groups that stops admission
@@ -42,7 +44,8 @@ Invariants kept across them:
 - Bounded staleness (``--max-staleness``): no batch holds a group started
   more than ETA updates before it (staleness.py).
 - Bounded: leased + ready <= demand + prefetch, where demand is
-  ``rollout_batch_size`` per waiting ``generate``. With no trainer pulling,
+  ``rollout_batch_size`` per waiting ``generate`` (times ``--over-sampling``:
+  once its batch is assembled, the surplus leases are stopped). With no trainer pulling,
   admission stops once ``prefetch`` groups are in flight or ready.
 - Evaluation passes (evaluation.py) run on the same agents, first in line for
   free capacity, and never touch the training frontier, its bound or its
@@ -80,6 +83,7 @@ from coordinator.effects import Persist, Send
 from coordinator.evaluation import EvalSpec, Evaluations
 from coordinator.frontier import Frontier
 from coordinator.membership import Membership
+from coordinator.oversampling import OverSampling
 from coordinator.records import AgentStats, CoordinatorStats, LedgerSnapshot, SetCursors
 from coordinator.staleness import Staleness
 from coordinator.starvation import default_starve_after
@@ -108,6 +112,7 @@ class CoordinatorCore:
         starve_after_drops: int | None = None,
         trainer_keys=(),
         eval_specs: list[EvalSpec] = (),
+        over_sampling: float = 1.0,
     ):
         self.config = config
         self.trainer_keys = list(trainer_keys)
@@ -125,6 +130,7 @@ class CoordinatorCore:
         self.membership = Membership(restored.generation)
         self.frontier = Frontier(dataset_size, lambda e: order_for_epoch(dataset_size, e))
         self.staleness = Staleness(config.max_staleness, config.rollout_batch_size)
+        self.oversampling = OverSampling(self, over_sampling)
         self.weights = WeightUpdates(self, restored)
         self.batches = Batches(self, restored)
         self.trainer = TrainerSessions(self, restored)

@@ -67,10 +67,15 @@ class CoreCounters:
         self.leases_granted = 0
         self.lease_ends: dict[str, int] = {}
         """Leases ended, by how: receipt, filtered, released, failed, lost (missing from the agent's
-        heartbeat), expired (agent silent past the TTL), reregistered (the agent no longer held it)."""
+        heartbeat), expired (agent silent past the TTL), reregistered (the agent no longer held it),
+        stopped (over-sampled, given back after a Stop)."""
         self.drops: dict[str, int] = {}
         """Groups filtered (dynamic filter verdicts and prompts given up after repeated failures), by reason."""
         self.batches = 0
+        self.partial_batches = 0
+        """Batches made short at a ``generate`` deadline."""
+        self.stops_sent = 0
+        """Over-sampled leases a Stop was sent for (``coordinator/oversampling.py``)."""
         self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
         self._wait_total = 0.0

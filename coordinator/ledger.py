@@ -11,7 +11,8 @@ Layout (one environment, four named databases), every value msgpack:
   of an open epoch that is READY, DELIVERED or FILTERED. A closed epoch's
   records are deleted, so the ledger does not grow with run length.
 - ``batches``: ``rollout_id`` -> the ``RecordedBatch`` (group refs +
-  metrics), kept until a trainer checkpoint moves past it.
+  metrics, and ``size`` for a partial batch), kept until a trainer
+  checkpoint moves past it.
 - ``evals``: ``name \0 index`` -> the result of one prompt of an evaluation
   dataset's current pass; ``meta`` ``evals`` holds each dataset's
   ``EvalRecord``. A new pass deletes the previous one's results, so the
@@ -104,12 +105,16 @@ def _decode_weights(raw: bytes) -> WeightLog:
 
 def _encode_batch(batch: RecordedBatch) -> bytes:
     groups = [[g.data_epoch, g.index, g.agent_id, g.key] for g in batch.groups]
-    return _pack({"groups": groups, "metrics": dict(batch.metrics), "lost": [list(x) for x in batch.lost]})
+    record = {"groups": groups, "metrics": dict(batch.metrics), "lost": [list(x) for x in batch.lost]}
+    if batch.size:  # a partial batch only: full batches stay as they were written before partial ones existed
+        record["size"] = batch.size
+    return _pack(record)
 
 
 def _decode_batch(raw: bytes) -> RecordedBatch:
     d = _unpack(raw)
-    return RecordedBatch(tuple(GroupRef(*g) for g in d["groups"]), d["metrics"], tuple(tuple(x) for x in d["lost"]))
+    groups = tuple(GroupRef(*g) for g in d["groups"])
+    return RecordedBatch(groups, d["metrics"], tuple(tuple(x) for x in d["lost"]), d.get("size", 0))
 
 
 def _eval_key(name: str, index: int) -> bytes:

@@ -11,10 +11,12 @@ Metric names (all ``rollfleet_``; counters end in ``_total``):
 
     receipts_total{outcome}           accepted | refused
     leases_granted_total
-    lease_ends_total{reason}          receipt, filtered, released, failed, lost, expired, reregistered
+    lease_ends_total{reason}          receipt, filtered, released, failed, lost, expired, reregistered, stopped
+    stops_sent_total                  over-sampled leases a Stop was sent for
     leases_in_flight, groups_ready
     groups_dropped_total{reason}      filter verdicts and prompts given up, by reason
     batches_total, batch_latency_seconds (histogram: generate arrival -> batch recorded)
+    partial_batches_total             batches made short at a generate deadline
     trainer_wait_seconds_total        time during which a generate waited
     trainer_waiting_generates
     agents{status}                    alive | dead | retired
@@ -73,10 +75,14 @@ class CoordinatorCollector:
         )
         yield CounterMetricFamily("rollfleet_leases_granted", "Prompt leases granted to agents", value=c.leases_granted)
         yield _labelled(CounterMetricFamily, "lease_ends", "Leases ended, by how", "reason", c.lease_ends)
+        yield CounterMetricFamily("rollfleet_stops_sent", "Over-sampled leases a Stop was sent for", value=c.stops_sent)
         yield _gauge("leases_in_flight", "Leases held by agents now", len(admission.leases))
         yield _gauge("groups_ready", "Groups committed on agents, waiting for a batch", len(batches.ready_info))
         yield _labelled(CounterMetricFamily, "groups_dropped", "Groups filtered, by reason", "reason", c.drops)
         yield CounterMetricFamily("rollfleet_batches", "Trainer batches assembled", value=c.batches)
+        yield CounterMetricFamily(
+            "rollfleet_partial_batches", "Batches made short at a generate deadline", value=c.partial_batches
+        )
         yield HistogramMetricFamily(
             "rollfleet_batch_latency_seconds",
             "From a trainer's generate reaching the coordinator to its batch being recorded",

@@ -8,8 +8,9 @@ Records:
     Lease           one prompt leased to one agent while it generates it.
     PromptState     the ledger's record of a prompt that is READY, DELIVERED
                     or FILTERED (the frontier's durable states).
-    RecordedBatch   a trainer batch as recorded: group refs, metrics, and the
-                    prompts of groups lost with a retired node.
+    RecordedBatch   a trainer batch as recorded: group refs, metrics, the
+                    prompts of groups lost with a retired node, and the size
+                    of a partial batch (made at a ``generate`` deadline).
     EvalRecord      an evaluation dataset's current pass: its id, the calls
                     that asked for it, and its metrics once done.
     WeightLog       the fleet's weights: current version, how it was reached,
@@ -147,6 +148,9 @@ class RecordedBatch:
     metrics: MappingProxyType
     lost: tuple[Prompt, ...] = ()
     """Prompts of groups lost with a retired node, decided on when a trainer asks again."""
+    size: int = 0
+    """Groups the batch holds when complete: a partial batch (a ``generate`` deadline) its own,
+    recorded with it; 0 for a full one, i.e. ``rollout_batch_size`` (a repair fills to this)."""
 
     def __post_init__(self):
         object.__setattr__(self, "groups", tuple(self.groups))

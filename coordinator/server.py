@@ -94,6 +94,7 @@ class CoordinatorServer:
         map_size: int = MAP_SIZE,
         curve: CoordinatorKeys | None = None,
         eval_datasets: dict[str, tuple[Dataset, EvalSpec]] | None = None,
+        over_sampling: float = 1.0,
     ):
         self.dataset = dataset
         self.eval_datasets = {name: ds for name, (ds, _) in (eval_datasets or {}).items()}
@@ -146,6 +147,7 @@ class CoordinatorServer:
             starve_after_drops=starve_after_drops,
             trainer_keys=sorted(k.decode("ascii") for k in curve.trainers) if curve else (),
             eval_specs=[spec for _, spec in (eval_datasets or {}).values()],
+            over_sampling=over_sampling,
         )
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
         # One thread: the dataset's file handle is used from it alone.

@@ -9,7 +9,8 @@ Invariants kept here:
   trainer request names its session, and a superseded or unknown session
   gets an error and changes nothing.
 - Idempotent: a resent ``Attach`` (same client id and request id) gets the
-  same session; ``generate`` is idempotent by rollout id; ``pause``,
+  same session; ``generate`` is idempotent by rollout id (a partial batch,
+  made at its ``deadline``, too); ``pause``,
   ``resume`` and ``consumed`` by the state they set.
 - Pause is durable: it is acknowledged only once the ledger holds it, so a
   restarted coordinator stays paused (and a drain waits for it).
@@ -126,7 +127,7 @@ class TrainerSessions:
         batch = batches.recorded.get(msg.rollout_id)
         repair: list = []
         if batch is not None and msg.rollout_id not in batches.repairs:
-            if len(batch.groups) >= core.config.rollout_batch_size:
+            if len(batch.groups) >= batches.target(batch):  # complete (a partial batch: at its own size)
                 return [Send(peer, batches.reply(msg.req, msg.rollout_id))]
             ops: list = []
             batches.start_repair(msg.rollout_id, ops)
@@ -142,7 +143,7 @@ class TrainerSessions:
             # A new call: the user may have fixed the reward and restarted the agents. Start over.
             starvation.clear()
         resumed = self.resume() if self.paused and waits else []
-        error = batches.enqueue(peer, msg.req, msg.rollout_id)
+        error = batches.enqueue(peer, msg.req, msg.rollout_id, msg.deadline)
         return repair + resumed + ([Send(peer, error)] if error else core.pump(now))
 
     # ------------------------------------------------------------------ pause
