@@ -59,6 +59,19 @@ def render(stats: dict) -> str:
     lock = weights.get("lock")
     if lock:
         out.append(f"weights:  update {lock.get('update_id')} by {lock.get('holder')} at step {lock.get('step')}")
+    for name, e in sorted((stats.get("evaluations") or {}).items()):
+        if e.get("running"):
+            line = (
+                f"pass {e.get('pass')} running: {e.get('finished')}/{e.get('prompts')} prompts done, "
+                f"{e.get('leased')} leased, {e.get('waiting')} caller(s) waiting"
+            )
+        else:
+            last = e.get("last") or {}
+            line = f"no pass yet ({e.get('prompts')} prompts)"
+            if last:
+                line = f"last pass {last.get('pass')}: reward_mean {last.get('reward_mean', 0):.4f}"
+                line += f", pass@1 {last.get('pass@1', 0):.4f}"
+        out.append(f"eval:     {name}: {line}")
     if stats.get("starved"):
         out.append(f"starved:  {stats['starved']}")
     return "\n".join(out)

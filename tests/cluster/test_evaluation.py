@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -16,6 +18,7 @@ from common.demo_data import write_arithmetic_dataset
 from common.errors import RemoteError
 from coordinator.evaluation import pass_at_k
 from coordinator.ledger import read_ledger
+from harness.cluster import ROOT
 from harness.polling import wait_for
 
 
@@ -100,6 +103,15 @@ def test_evaluate_reports_metrics_and_leaves_training_untouched(make_cluster, tm
 
         stats = client.stats()["evaluations"]
         assert stats["math"]["running"] is False and stats["math"]["last"]["pass"] == 1
+        table = subprocess.run(
+            [sys.executable, "-m", "coordinator.cli", "status", "--coordinator", cluster.address],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=ROOT,
+        ).stdout
+        assert f"eval:     math: last pass 1: reward_mean {m['reward_mean']:.4f}" in table, table
+        assert "eval:     short: last pass 1" in table, table
         # A new call is a new pass over the same prompts.
         again = client.evaluate("math")
         assert again["pass"] == 2 and again["prompts"] == 24
