@@ -22,6 +22,13 @@ def plot(history: list[dict], path: str | Path, *, title: str = "GRPO on single-
     diff = [h["train/rollout_logprob_abs_diff"] for h in history]
     fig, (ax_reward, ax_diff) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True, height_ratios=[3, 2])
     ax_reward.plot(steps, [h["reward"] for h in history], color="tab:blue", label="mean reward (batch)")
+    evals = {h["eval_after_step"]: h["eval_reward"] for h in history if "eval_reward" in h}
+    if evals:  # client.evaluate passes: greedy accuracy on the weights after that step (-1: before training)
+        points = sorted(evals.items())
+        ax_reward.plot(
+            [s + 1 for s, _ in points], [r for _, r in points], color="tab:green", marker="o", label="greedy eval"
+        )
+        ax_reward.legend(loc="upper left")
     ax_reward.set_ylabel("mean reward")
     ax_reward.set_ylim(0, 1.02)
     ax_reward.axhline(0.8, color="grey", linestyle=":", linewidth=1)

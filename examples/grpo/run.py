@@ -111,7 +111,20 @@ def coordinator_argv(dataset: Path, data_dir: Path, address: str, args) -> list[
         "--max-new-tokens", str(args.max_new_tokens), "--temperature", "1.0",
         "--max-staleness", str(args.max_staleness), "--shuffle-seed", str(args.seed),
         *(["--generate", task_module(args.task).GENERATE] if args.task == "calculator" else []),
+        # Greedy (temperature 0), one sample per prompt: client.evaluate("greedy") is the greedy accuracy.
+        "--eval-dataset", f"greedy={eval_dataset(dataset)},n_samples=1,temperature=0",
     ]  # fmt: skip
+
+
+EVAL_PROMPTS = 64
+
+
+def eval_dataset(dataset: Path) -> Path:
+    """The first ``EVAL_PROMPTS`` rows of the (shuffled) training file: what the greedy evaluation scores."""
+    path = dataset.with_name("eval.jsonl")
+    if not path.exists():
+        path.write_text("".join(dataset.read_text().splitlines(keepends=True)[:EVAL_PROMPTS]))
+    return path
 
 
 def agent_argv(address: str, data_dir: Path, model: Path, args) -> list[str]:
@@ -170,6 +183,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine (default 1)")
     ap.add_argument("--trainer-threads", type=int, default=1, help="torch threads of the trainer (default 1)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--eval-every",
+        type=int,
+        default=10,
+        help="greedy evaluation of EVAL_PROMPTS prompts before training and every K steps (0: never)",
+    )
     return ap.parse_args(argv)
 
 
@@ -214,6 +233,7 @@ def main(argv=None) -> int:
             target_reward=args.stop_at_reward,
             seed=args.seed,
             expect={"n_samples_per_prompt": args.group_size, "rollout_batch_size": args.batch_size},
+            eval_every=args.eval_every,
         )
         history = train(address, model, config, out=out)
     except KeyboardInterrupt:
@@ -228,6 +248,9 @@ def main(argv=None) -> int:
     first, last = history[0]["reward"], history[-1]["reward"]
     reached = next((h for h in history if h["reward"] >= 0.8), None)
     print(f"reward {first:.2f} -> {last:.2f} in {len(history)} steps, {history[-1]['elapsed_s']:.0f}s of training")
+    evals = [h for h in history if "eval_reward" in h]
+    if evals:
+        print(f"greedy evaluation reward {evals[0]['eval_reward']:.2f} -> {evals[-1]['eval_reward']:.2f}")
     if reached:
         print(f"first step with reward >= 0.8: {reached['step']} after {reached['elapsed_s']:.0f}s")
     print(f"total {time.monotonic() - started:.0f}s; metrics {out / 'metrics.jsonl'}, plot {png}")

@@ -58,6 +58,9 @@ class TrainConfig:
     seed: int = 0
     expect: dict = field(default_factory=dict)
     """Rollout configuration the fleet must have (``RolloutClient(expect=...)``)."""
+    eval_every: int = 0
+    """Run ``client.evaluate(eval_name)`` before the first step and every this many steps (0: never)."""
+    eval_name: str = "greedy"
 
 
 def sample_version(sample) -> int | None:
@@ -98,6 +101,7 @@ def train(
     with RolloutClient(address, expect={"max_staleness": config.max_staleness, **config.expect}) as client:
         version = client.weight_version()
         held = {version: snapshot(model)}  # weights of the versions samples may come from
+        evals: dict = _evaluate(client, config, -1, log) if config.eval_every else {}
         for step in range(config.steps):
             t0 = time.monotonic()
             batch = client.generate(step)
@@ -122,6 +126,10 @@ def train(
                     "elapsed_s": round(time.monotonic() - started, 1),
                 }
             )
+            last = step + 1 == config.steps
+            if config.eval_every and ((step + 1) % config.eval_every == 0 or last):
+                evals = _evaluate(client, config, step, log)  # on the weights just pushed
+            row.update(evals)
             history.append(row)
             with metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -132,6 +140,21 @@ def train(
                     log(f"reward >= {config.target_reward} for {config.target_window} steps: done")
                     break
     return history
+
+
+def _evaluate(client, config: TrainConfig, step: int, log) -> dict:
+    """One evaluation pass on the fleet (the coordinator's ``--eval-dataset``): ``eval_*`` metrics for the rows."""
+    m = client.evaluate(config.eval_name)
+    log(
+        f"eval after step {step}: {config.eval_name} reward {m['reward_mean']:.3f} over {m['prompts']} prompts, "
+        f"truncated {m['truncated_ratio']:.2f}, weights {','.join(m['weight_versions'])}"
+    )
+    return {
+        "eval_reward": m["reward_mean"],
+        "eval_truncated": m["truncated_ratio"],
+        "eval_after_step": step,
+        "eval_versions": m["weight_versions"],
+    }
 
 
 def _train_step(model, optimizer, batch, version: int, held: dict, config: TrainConfig) -> dict:

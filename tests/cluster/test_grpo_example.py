@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 from examples.grpo import task, tool_task  # noqa: E402
-from examples.grpo.run import prepare_model  # noqa: E402
+from examples.grpo.run import eval_dataset, prepare_model  # noqa: E402
 from examples.grpo.train import TrainConfig, train  # noqa: E402
 
 STEPS = 24
@@ -57,7 +57,9 @@ def warm_models(tmp_path_factory):
     _WARM.clear()
 
 
-def start_fleet(make_cluster, tmp_path, warm, *, max_staleness: int = 1, tools: bool = False, batch: int = BATCH):
+def start_fleet(
+    make_cluster, tmp_path, warm, *, max_staleness: int = 1, tools: bool = False, batch: int = BATCH, evaluate=False
+):
     """The example's fleet; ``tools``: the calculator task, each sample made by its multi-turn generate function."""
     from agent.hf.model import load_model
 
@@ -75,7 +77,10 @@ def start_fleet(make_cluster, tmp_path, warm, *, max_staleness: int = 1, tools: 
         dynamic_filter="none",
         **extra,
     )
-    cluster.start_coordinator()
+    extra_flags = []
+    if evaluate:  # the example's greedy evaluation (examples/grpo/run.py)
+        extra_flags = ["--eval-dataset", f"greedy={eval_dataset(cluster.dataset)},n_samples=1,temperature=0"]
+    cluster.start_coordinator(*extra_flags)
     cluster.start_agent(
         "node-0",
         "--model-path",
@@ -91,11 +96,17 @@ def start_fleet(make_cluster, tmp_path, warm, *, max_staleness: int = 1, tools: 
 def test_grpo_learns_and_trainer_logprobs_match_the_engines_after_every_push(
     make_cluster, tmp_path, one_thread, warm_models
 ):
-    cluster, model = start_fleet(make_cluster, tmp_path, warm_models)
-    history = train(cluster.address, model, TrainConfig(steps=STEPS, lr=LR, weights="gloo"), out=tmp_path / "run")
+    cluster, model = start_fleet(make_cluster, tmp_path, warm_models, evaluate=True)
+    config = TrainConfig(steps=STEPS, lr=LR, weights="gloo", eval_every=STEPS)
+    history = train(cluster.address, model, config, out=tmp_path / "run")
 
     assert len(history) == STEPS
     assert_logprobs_match(history)
+    # The greedy evaluation ran on the fleet before training, on the launch weights, and after the last
+    # step, on exactly the weights the trainer pushed last: evaluate() sees the pushes.
+    before, after = history[0], history[-1]
+    assert before["eval_after_step"] == -1 and before["eval_versions"] == ["default"]
+    assert after["eval_after_step"] == STEPS - 1 and after["eval_versions"] == [str(STEPS)]
 
     start = sum(r["reward"] for r in history[:3]) / 3
     end = sum(r["reward"] for r in history[-3:]) / 3
