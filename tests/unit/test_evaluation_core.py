@@ -13,6 +13,8 @@ from coordinator.core import CoordinatorCore, Persist
 from coordinator.eval_datasets import parse_eval_dataset
 from coordinator.evaluation import EVAL_EPOCH, EvalSpec, eval_metrics, pass_at_k
 from coordinator.records import LedgerSnapshot, PutEvalResult, SetEvalPass
+from tests.unit.test_core import grants, sends
+from tests.unit.test_starvation import ledger_ops as ops
 
 N = 4
 SPEC = EvalSpec("math", size=6, fingerprint="efp", n_samples=2, sampling={"temperature": 0.0})
@@ -30,20 +32,7 @@ def make_core(restored=None, prefetch=2, specs=(SPEC,)):
     )
 
 
-def sends(effects, kind=None):
-    out = []
-    for e in effects:
-        items = e.then if isinstance(e, Persist) else [e]
-        out += [s for s in items if kind is None or isinstance(s.msg, kind)]
-    return out
-
-
-def ops(effects):
-    return [op for e in effects if isinstance(e, Persist) for op in e.ops]
-
-
-def leases(effects):
-    return [g for s in sends(effects, p.Grant) for g in s.msg.leases]
+leases = grants  # the Grants' leases, training or evaluation
 
 
 def setup(restored=None, slots=8 * N, prefetch=2):
