@@ -28,7 +28,13 @@ def plot(history: list[dict], path: str | Path, *, title: str = "GRPO on single-
         ax_reward.plot(
             [s + 1 for s, _ in points], [r for _, r in points], color="tab:green", marker="o", label="greedy eval"
         )
-        ax_reward.legend(loc="upper left")
+        sampled = sorted({h["eval_after_step"]: h["eval_pass@1"] for h in history if "eval_pass@1" in h}.items())
+        if sampled:
+            ax_reward.plot(
+                [s + 1 for s, _ in sampled], [r for _, r in sampled], color="tab:orange", marker="s",
+                label="eval pass@1 (4 samples, T=1)",
+            )  # fmt: skip
+        ax_reward.legend(loc="lower right", bbox_to_anchor=(1.0, 0.1))
     ax_reward.set_ylabel("mean reward")
     ax_reward.set_ylim(0, 1.02)
     ax_reward.axhline(0.8, color="grey", linestyle=":", linewidth=1)

@@ -111,8 +111,10 @@ def coordinator_argv(dataset: Path, data_dir: Path, address: str, args) -> list[
         "--max-new-tokens", str(args.max_new_tokens), "--temperature", "1.0",
         "--max-staleness", str(args.max_staleness), "--shuffle-seed", str(args.seed),
         *(["--generate", task_module(args.task).GENERATE] if args.task == "calculator" else []),
-        # Greedy (temperature 0), one sample per prompt: client.evaluate("greedy") is the greedy accuracy.
+        # Greedy (temperature 0), one sample per prompt: client.evaluate("greedy") is the greedy accuracy;
+        # "sampled": the same prompts, 4 samples each at the training temperature, for pass@1 and pass@4.
         "--eval-dataset", f"greedy={eval_dataset(dataset)},n_samples=1,temperature=0",
+        "--eval-dataset", f"sampled={eval_dataset(dataset)},n_samples=4,temperature=1.0",
     ]  # fmt: skip
 
 
@@ -187,7 +189,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--eval-every",
         type=int,
         default=10,
-        help="greedy evaluation of EVAL_PROMPTS prompts before training and every K steps (0: never)",
+        help="evaluate EVAL_PROMPTS prompts (greedy, and pass@1/pass@4) before training and every K steps (0: never)",
     )
     return ap.parse_args(argv)
 
@@ -234,6 +236,7 @@ def main(argv=None) -> int:
             seed=args.seed,
             expect={"n_samples_per_prompt": args.group_size, "rollout_batch_size": args.batch_size},
             eval_every=args.eval_every,
+            eval_sampled="sampled",
         )
         history = train(address, model, config, out=out)
     except KeyboardInterrupt:
@@ -250,7 +253,12 @@ def main(argv=None) -> int:
     print(f"reward {first:.2f} -> {last:.2f} in {len(history)} steps, {history[-1]['elapsed_s']:.0f}s of training")
     evals = [h for h in history if "eval_reward" in h]
     if evals:
-        print(f"greedy evaluation reward {evals[0]['eval_reward']:.2f} -> {evals[-1]['eval_reward']:.2f}")
+        first, last = evals[0], evals[-1]
+        print(
+            f"evaluation: greedy reward {first['eval_reward']:.2f} -> {last['eval_reward']:.2f}, "
+            f"pass@1 {first['eval_pass@1']:.2f} -> {last['eval_pass@1']:.2f}, "
+            f"pass@4 {first['eval_pass@4']:.2f} -> {last['eval_pass@4']:.2f}"
+        )
     if reached:
         print(f"first step with reward >= 0.8: {reached['step']} after {reached['elapsed_s']:.0f}s")
     print(f"total {time.monotonic() - started:.0f}s; metrics {out / 'metrics.jsonl'}, plot {png}")

@@ -59,8 +59,11 @@ class TrainConfig:
     expect: dict = field(default_factory=dict)
     """Rollout configuration the fleet must have (``RolloutClient(expect=...)``)."""
     eval_every: int = 0
-    """Run ``client.evaluate(eval_name)`` before the first step and every this many steps (0: never)."""
+    """Run ``client.evaluate`` of ``eval_name`` (and ``eval_sampled``) before the first step and every this
+    many steps (0: never)."""
     eval_name: str = "greedy"
+    eval_sampled: str = ""
+    """A second evaluation dataset with several samples per prompt (pass@k), or "" for none."""
 
 
 def sample_version(sample) -> int | None:
@@ -149,12 +152,18 @@ def _evaluate(client, config: TrainConfig, step: int, log) -> dict:
         f"eval after step {step}: {config.eval_name} reward {m['reward_mean']:.3f} over {m['prompts']} prompts, "
         f"truncated {m['truncated_ratio']:.2f}, weights {','.join(m['weight_versions'])}"
     )
-    return {
+    out = {
         "eval_reward": m["reward_mean"],
         "eval_truncated": m["truncated_ratio"],
         "eval_after_step": step,
         "eval_versions": m["weight_versions"],
     }
+    if config.eval_sampled:
+        m = client.evaluate(config.eval_sampled)
+        k = m["n_samples"]
+        log(f"eval after step {step}: {config.eval_sampled} pass@1 {m['pass@1']:.3f}, pass@{k} {m[f'pass@{k}']:.3f}")
+        out.update({"eval_pass@1": m["pass@1"], f"eval_pass@{k}": m[f"pass@{k}"]})
+    return out
 
 
 def _train_step(model, optimizer, batch, version: int, held: dict, config: TrainConfig) -> dict:
