@@ -38,6 +38,7 @@ from typing import Any
 
 from agent.engine_client import sample_status
 from agent.events import EngineFailed, EngineWanted, GenerationEnded
+from agent.retry_policy import MAX_ENGINE_FAILURES, MAX_REJECTED, RETRY_DELAY, busy_backoff
 from agent.spans import continuation, join
 from common.errors import EngineBusy, EngineRejected, EngineUnavailable, RolloutError
 from common.generation import Generation, RolloutTask, Trajectory
@@ -164,8 +165,6 @@ class EngineHandle:
         merged.pop("n", None)
         answers: list[dict] = []
         busy_rounds = 0
-        from agent.lease_runner import busy_backoff
-
         tokens = self._gate.runner.ctx.tokens
         while True:
             ids, budget = continuation(list(input_ids), answers, merged)
@@ -306,8 +305,6 @@ def as_trajectory(out: Any) -> Trajectory:
 
 async def generate_group(runner, fn, tasks: list[RolloutTask]) -> list[Trajectory]:
     """Every sample of ``runner``'s group made by ``fn``, on engines the core assigns."""
-    from agent.lease_runner import MAX_ENGINE_FAILURES, MAX_REJECTED, RETRY_DELAY
-
     ctx = runner.ctx
     assignment = await runner._ask(EngineWanted(runner.lease))
     rejected = failures = 0

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from array import array
 from collections.abc import Callable
@@ -56,6 +55,7 @@ from agent.events import (
     LeaseScored,
     PendingReceipt,
 )
+from agent.retry_policy import MAX_ENGINE_FAILURES, MAX_REJECTED, RETRY_DELAY, busy_backoff
 from agent.spans import continuation, held_tokens
 from agent.spans import join as spans_join
 from agent.store import GroupStore
@@ -79,25 +79,6 @@ from common.types import Group, Sample
 _ONE = array("b", [1])
 
 log = logging.getLogger("rollfleet.agent")
-
-RETRY_DELAY = 0.1
-"""Seconds between an engine failing under a group and the group asking for another engine."""
-
-MAX_REJECTED = 3
-"""Tries of a group whose requests an engine refuses (HTTP 4xx) before its prompt fails."""
-
-MAX_ENGINE_FAILURES = 5
-"""Engine failures (connection refused, 5xx) under one group before its prompt fails."""
-
-BUSY_BACKOFF = (0.2, 5.0)
-"""Seconds before samples an engine was too busy for are asked for again: first wait, longest wait."""
-
-
-def busy_backoff(rounds: int) -> float:
-    """The wait after the ``rounds``-th busy answer in a row: doubling, capped, with jitter so refused
-    groups do not all come back at once."""
-    first, longest = BUSY_BACKOFF
-    return min(longest, first * 2 ** max(0, rounds - 1)) * random.uniform(0.5, 1.0)
 
 
 def _failure_kind(exc: RolloutError) -> str:
