@@ -120,13 +120,18 @@ def test_evaluate_reports_metrics_and_leaves_training_untouched(make_cluster, tm
         assert err.value.code == "unknown_eval"
 
 
+SLOW_SHORT = "--token-latency-ms 5 --output-len-median 40 --output-len-max 100"
+
+
 def test_evaluation_resumes_after_coordinator_sigkill_counting_each_prompt_once(make_cluster, tmp_path):
     evals = write_arithmetic_dataset(tmp_path / "eval.jsonl", 40, seed=5)
     cluster = make_cluster(rows=80)
-    spec = f"math={evals},n_samples=2,max_new_tokens=24"
+    # Long, varied answers (a regenerated result differs from the recorded one), and two groups at a time per
+    # agent, so the pass takes seconds and the kill lands in the middle of it.
+    spec = f"math={evals},n_samples=2,max_new_tokens=100"
     cluster.start_coordinator("--eval-dataset", spec)
     for name in ("a1", "a2"):
-        cluster.start_agent(name, "--sim-args", "--token-latency-ms 15")
+        cluster.start_agent(name, concurrency=4, sim_args=SLOW_SHORT)
     data_dir = cluster.tmp / "coordinator"
     result: dict = {}
     with cluster.client(timeout=120) as client:
@@ -145,9 +150,12 @@ def test_evaluation_resumes_after_coordinator_sigkill_counting_each_prompt_once(
             done = {i: r for (n, i), r in read_ledger(data_dir).eval_results.items() if n == "math"}
             return done if 5 <= len(done) < 40 else None
 
-        early = wait_for(some_done, timeout=60, what="some evaluation results in the ledger")
+        wait_for(some_done, timeout=60, what="some evaluation results in the ledger")
         cluster.coordinator.signal(signal.SIGKILL)
         cluster.coordinator.wait(10)
+        early = {i: r for (n, i), r in read_ledger(data_dir).eval_results.items() if n == "math"}
+        assert len(early) < 40, "the pass finished before the kill: nothing left to resume"
+        assert len({tuple(r["lengths"]) for r in early.values()}) > 1  # results tell regenerated ones apart
         cluster.start_coordinator("--eval-dataset", spec)
         caller.join(timeout=120)
         assert not caller.is_alive(), "evaluate() never returned after the restart"
