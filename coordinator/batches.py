@@ -369,18 +369,26 @@ class Batches:
         self.core.counters.note_waiting(bool(self.pending or self.repairs), self.core.now)
         return out
 
+    def no_capacity(self) -> str | None:
+        """Why no engine can generate anything until something changes (every agent gone, every engine
+        stale); None while one may. Waiting batches and evaluation passes are answered with it."""
+        if self.core.membership.all_gone():
+            return "no agent with a live engine is left to generate on (all retired)"
+        if self._all_stale():
+            return ALL_STALE
+        return None
+
     def _hopeless(self) -> tuple[str, str] | None:
         """``(code, why)`` if no batch can come until something changes; None while one may."""
-        if self.core.membership.all_gone():
-            return "no_capacity", "no agent with a live engine is left to generate on (all retired)"
-        if self.all_stale():
-            return "no_capacity", ALL_STALE
+        why = self.no_capacity()
+        if why is not None:
+            return "no_capacity", why
         starvation = self.core.admission.starvation
         if starvation.starved:
             return "starved", starvation.reason
         return None
 
-    def all_stale(self) -> bool:
+    def _all_stale(self) -> bool:
         """Every engine that may serve is behind the fleet's weights, and no update runs to bring it back.
 
         After a broadcast, only a weight update returns a stale engine to the pool (docs/weights.md,

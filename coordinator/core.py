@@ -77,7 +77,7 @@ from typing import Any
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
 from coordinator.admission import Admission
-from coordinator.batches import ALL_STALE, Batches
+from coordinator.batches import Batches
 from coordinator.counters import CoreCounters
 from coordinator.effects import Persist, Send
 from coordinator.evaluation import EvalSpec, Evaluations
@@ -250,10 +250,9 @@ class CoordinatorCore:
         evaluations = self.evaluations
         if not evaluations.wanted:
             return []
-        if self.membership.all_gone():
-            return evaluations.answer_hopeless("no_capacity", "no agent with a live engine is left to evaluate on")
-        if self.batches.all_stale():
-            return evaluations.answer_hopeless("no_capacity", ALL_STALE)
+        why = self.batches.no_capacity()
+        if why is not None:
+            return evaluations.answer_hopeless("no_capacity", why)
         return evaluations.grant(now)
 
     def peer_of(self, agent_id: str) -> bytes | None:

@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from common import protocol as p
 from coordinator.effects import Persist, Send
+from coordinator.frontier import DELIVERED, LEASED, PENDING, EpochFrontier
 from coordinator.records import DropEvalResults, EvalRecord, Lease, LedgerSnapshot, PutEvalResult, SetEvalPass
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ MAX_FAILURES = 3
 TOKENS_KEPT = 8
 """``evaluate`` call tokens a pass remembers (a resend carries the newest)."""
 
-PENDING, LEASED, DONE = 0, 1, 2
+DONE = DELIVERED
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,51 +138,39 @@ def _count(x) -> bool:
 
 
 class EvalPass:
-    """The prompts of one running pass: one state byte each, results for the finished ones."""
+    """The prompts of one running pass, kept as a frontier epoch (``coordinator/frontier.py``: a state byte
+    each, a cursor, a requeue and per-state tallies) in file order; DONE is the frontier's DELIVERED."""
 
     def __init__(self, spec: EvalSpec, record: EvalRecord, results: dict[int, dict]):
         self.spec = spec
         self.record = record
-        self.state = bytearray(spec.size)
+        self.prompts = EpochFrontier(EVAL_EPOCH, range(spec.size))
         self.results = dict(results)
         for index in self.results:
-            self.state[index] = DONE
-        self.pending = spec.size - len(self.results)
-        self.cursor = 0
-        self.requeue: deque[int] = deque()
+            self.prompts.move(index, DONE)
         self.failures: dict[int, int] = {}
         self.waiters: list[tuple[bytes, int]] = []
 
-    def take(self) -> int | None:
-        while self.requeue:
-            index = self.requeue.popleft()
-            if self.state[index] == PENDING:
-                return self._lease(index)
-        while self.cursor < self.spec.size:
-            index = self.cursor
-            self.cursor += 1
-            if self.state[index] == PENDING:
-                return self._lease(index)
-        return None
+    @property
+    def pending(self) -> int:
+        return self.prompts.tally[PENDING]
 
-    def _lease(self, index: int) -> int:
-        self.state[index] = LEASED
-        self.pending -= 1
+    def take(self) -> int | None:
+        index = self.prompts.take(0.0)
+        if index is not None:
+            self.prompts.move(index, LEASED)
         return index
 
     def release(self, index: int) -> None:
-        if self.state[index] == LEASED:
-            self.state[index] = PENDING
-            self.pending += 1
-            self.requeue.append(index)
+        if self.prompts.state[index] == LEASED:
+            self.prompts.move(index, PENDING)
+            self.prompts.requeue.append(index)
 
     def finish(self, index: int, result: dict) -> bool:
         """Record ``index``'s result; False if it already has one (counted once)."""
-        if self.state[index] == DONE:
+        if self.prompts.state[index] == DONE:
             return False
-        if self.state[index] == PENDING:
-            self.pending -= 1
-        self.state[index] = DONE
+        self.prompts.move(index, DONE)
         self.results[index] = result
         return True
 
@@ -191,9 +179,8 @@ class EvalPass:
         return len(self.results) == self.spec.size
 
     def progress(self) -> dict:
-        leased = self.spec.size - self.pending - len(self.results)
         return {"pass": self.record.pass_id, "prompts": self.spec.size, "finished": len(self.results),
-                "leased": leased, "waiting": len(self.waiters)}  # fmt: skip
+                "leased": self.prompts.tally[LEASED], "waiting": len(self.waiters)}  # fmt: skip
 
 
 class Evaluations:

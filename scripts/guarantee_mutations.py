@@ -207,7 +207,7 @@ MUTATIONS = [
         "eval-result-counted-twice",
         "a second result for an evaluation prompt replaces the first",
         "coordinator/evaluation.py",
-        "        if self.state[index] == DONE:\n            return False\n",
+        "        if self.prompts.state[index] == DONE:\n            return False\n",
         "",
         "tests/unit/test_evaluation_core.py::test_a_pass_leases_every_prompt_once_outside_the_training_bound_and_answers_after_the_commit",
     ),
