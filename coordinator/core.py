@@ -252,7 +252,7 @@ class CoordinatorCore:
             return []
         why = self.batches.no_capacity()
         if why is not None:
-            return evaluations.answer_hopeless("no_capacity", why)
+            return evaluations.answer_waiters("no_capacity", why)
         return evaluations.grant(now)
 
     def peer_of(self, agent_id: str) -> bytes | None:

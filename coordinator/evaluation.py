@@ -191,14 +191,17 @@ class Evaluations:
         self.specs = {s.name: s for s in specs}
         self.records: dict[str, EvalRecord] = {}
         self.passes: dict[str, EvalPass] = {}  # the unfinished ones
+        results: dict[str, dict[int, dict]] = {}
+        for (name, index), result in restored.eval_results.items():
+            results.setdefault(name, {})[index] = result
         for name, rec in restored.evals.items():
             spec = self.specs.get(name)
             if spec is None:
                 continue  # no longer declared: its record stays in the ledger, unused
             self.records[name] = rec
             if not rec.done and rec.fingerprint == spec.fingerprint:  # a changed file: the next call starts over
-                results = {i: r for (n, i), r in restored.eval_results.items() if n == name and 0 <= i < spec.size}
-                self.passes[name] = EvalPass(spec, rec, results)
+                mine = {i: r for i, r in results.get(name, {}).items() if 0 <= i < spec.size}
+                self.passes[name] = EvalPass(spec, rec, mine)
 
     # ------------------------------------------------------------------ trainer
 
@@ -235,11 +238,12 @@ class Evaluations:
         out: list = [Persist(ops, [])] if ops else []
         return out + resumed + self._finish(run) + core.pump(now)
 
-    def fence_waiters(self, why: str) -> list[Send]:
-        """A newer trainer attached: the calls of the old one are answered (the passes go on)."""
+    def answer_waiters(self, code: str, why: str) -> list[Send]:
+        """Answer every waiting ``evaluate`` with an error (a newer trainer attached: ``fenced``; no engine
+        left: ``no_capacity``); the passes stay, and the next call resumes them."""
         out = []
         for run in self.passes.values():
-            out += [Send(peer, p.Error("fenced", why, req)) for peer, req in run.waiters]
+            out += [Send(peer, p.Error(code, why, req)) for peer, req in run.waiters]
             run.waiters.clear()
         return out
 
@@ -350,14 +354,6 @@ class Evaluations:
             ops.append(SetEvalPass(rec))
             then = [Send(peer, p.Ok(req, metrics)) for peer, req in run.waiters]
         return [Persist(ops, then)] if ops or then else []
-
-    def answer_hopeless(self, code: str, why: str) -> list[Send]:
-        """No agent can generate: the waiting calls get the error (the pass stays, resumed by the next call)."""
-        out = []
-        for run in self.passes.values():
-            out += [Send(peer, p.Error(code, why, req)) for peer, req in run.waiters]
-            run.waiters.clear()
-        return out
 
     def statistics(self) -> dict:
         out = {}

@@ -81,7 +81,7 @@ class TrainerSessions:
         pending = self.core.batches.pending
         out = [Send(g.peer, p.Error("fenced", "a newer trainer session attached", g.req)) for g in pending]
         pending.clear()
-        out += self.core.evaluations.fence_waiters("a newer trainer session attached")
+        out += self.core.evaluations.answer_waiters("fenced", "a newer trainer session attached")
         self.core.counters.note_waiting(bool(self.core.batches.repairs), now)
         out += self.core.weights.trainer_gone(previous, f"its trainer was replaced by {msg.client_id}", now)
         return out + [Send(peer, p.Ok(msg.req, self._attach_result()))]

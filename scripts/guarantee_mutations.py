@@ -216,7 +216,7 @@ MUTATIONS = [
         "eval-results-not-restored",
         "a restarted coordinator forgets the results of the running pass",
         "coordinator/evaluation.py",
-        "                self.passes[name] = EvalPass(spec, rec, results)\n",
+        "                self.passes[name] = EvalPass(spec, rec, mine)\n",
         "                self.passes[name] = EvalPass(spec, rec, {})\n",
         "tests/cluster/test_evaluation.py::test_evaluation_resumes_after_coordinator_sigkill_counting_each_prompt_once",
     ),
