@@ -24,7 +24,7 @@ from agent.events import (
     ReportEngineFailure,
     StartLease,
 )
-from agent.leases import NOT_ON_ENGINE, LeaseRecord, LeaseState
+from agent.leases import NOT_ON_ENGINE, LeaseRecord, LeaseState, group_size
 from common import protocol as p
 
 
@@ -54,9 +54,7 @@ class LeaseFlow:
                 self._send(p.Release(self.session, [lease], "aborted by pause"), out)
                 continue
             rec = self.leases.add(lease, epoch, index)
-            n = grant.get("n_samples")  # an evaluation lease's own group size
-            if isinstance(n, int) and n > 0:
-                rec.n_samples = n
+            rec.n_samples = group_size(grant, self.config.n_samples_per_prompt)
             out.append(StartLease(lease, grant))
 
     def _on_engine_wanted(self, ev: EngineWanted, now: float, out: list) -> None:
@@ -91,7 +89,7 @@ class LeaseFlow:
             self._assign(rec, out)
 
     def _assign(self, rec: LeaseRecord, out: list) -> None:
-        assignment = self.leases.assign(rec, rec.n_samples or self.config.n_samples_per_prompt, self.weights.begun)
+        assignment = self.leases.assign(rec, rec.n_samples, self.weights.begun)
         if assignment is not None:
             out.append(assignment)
         elif self.leases.all_retired:

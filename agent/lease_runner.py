@@ -55,6 +55,7 @@ from agent.events import (
     LeaseScored,
     PendingReceipt,
 )
+from agent.leases import group_size
 from agent.retry_policy import MAX_ENGINE_FAILURES, MAX_REJECTED, RETRY_DELAY, busy_backoff
 from agent.spans import continuation, held_tokens
 from agent.spans import join as spans_join
@@ -241,8 +242,7 @@ class LeaseRunner:
         return params
 
     def _n_samples(self) -> int:
-        n = self.grant.get("n_samples")
-        return n if isinstance(n, int) and n > 0 else self.ctx.config.n_samples_per_prompt
+        return group_size(self.grant, self.ctx.config.n_samples_per_prompt)
 
     def _sample(self, answers: list[dict], prompt_tokens: array, label, metadata: dict) -> Sample:
         """One sample from its ``/generate`` answers (several when a weight update interrupted it)."""

@@ -52,7 +52,13 @@ class LeaseRecord:
     stopped: bool = False  # the coordinator stopped it (over-sampling): given back once its requests end
     epoch: int = 0  # weight updates begun when it was last put on an engine
     resume: bool = False  # a weight update interrupted it: the next assignment keeps what it generated
-    n_samples: int = 0  # its group's size when not the fleet's (an evaluation lease); 0: the fleet's
+    n_samples: int = 0  # its group's size: the fleet's, or an evaluation lease's own (``group_size``)
+
+
+def group_size(grant: dict, default: int) -> int:
+    """Samples a grant's group has: its own ``n_samples`` (an evaluation lease), else ``default``, the fleet's."""
+    n = grant.get("n_samples")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else default
 
 
 class LeaseTable:

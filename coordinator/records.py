@@ -327,6 +327,10 @@ class LedgerSnapshot:
     eval_results: dict[tuple[str, int], dict] = field(default_factory=dict)
     """``(name, index) -> result`` of the prompts the current passes have finished."""
 
+    def eval_results_of(self, name: str) -> dict[int, dict]:
+        """``index -> result`` of evaluation dataset ``name``'s current pass."""
+        return {index: r for (n, index), r in self.eval_results.items() if n == name}
+
     def apply(self, ops: list[LedgerOp]) -> None:
         """Fold ``ops`` in, with the meaning ``Ledger.apply`` gives them on disk."""
         for op in ops:

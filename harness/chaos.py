@@ -51,7 +51,7 @@ import lmdb
 from common.errors import NoCapacity
 from coordinator.ledger import read_ledger
 from harness.chaos_check import KINDS, Findings, RunEvidence, batch_record, check
-from harness.chaos_eval import eval_flag, read_eval_log
+from harness.chaos_eval import eval_flag
 from harness.chaos_evidence import (
     pending_behind_cursor,
     read_consumed,
@@ -345,7 +345,7 @@ class ChaosRun:
             weight_updates=read_consumed(self.weights_log),
             weight_kinds=self.weight_kinds,
             engine_versions=self.engine_versions,
-            evaluations=read_eval_log(self.workdir / "evaluations.jsonl"),
+            evaluations=read_consumed(self.workdir / "evaluations.jsonl"),
         )
         findings = check(evidence)
         for name in Findings.__dataclass_fields__:

@@ -9,7 +9,6 @@ the metrics returned for it are those of its recorded results.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from common.demo_data import write_arithmetic_dataset
@@ -25,12 +24,6 @@ def eval_flag(workdir: Path) -> list[str]:
     if not path.exists():
         write_arithmetic_dataset(path, ROWS, seed=99)
     return ["--eval-dataset", f"{NAME}={path},n_samples={N_SAMPLES},max_new_tokens=48"]
-
-
-def read_eval_log(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def check_evaluations(calls: list[dict], ledger: LedgerSnapshot, problems: list[str]) -> int:
@@ -50,7 +43,7 @@ def check_evaluations(calls: list[dict], ledger: LedgerSnapshot, problems: list[
         if done:
             problems.append("evaluation: passes returned but the ledger records none")
         return len(passes)
-    results = {i: r for (name, i), r in ledger.eval_results.items() if name == NAME}
+    results = ledger.eval_results_of(NAME)
     if record.done:
         if sorted(results) != list(range(ROWS)):
             missing = sorted(set(range(ROWS)) - set(results))

@@ -44,6 +44,7 @@ from pathlib import Path
 from common.errors import NoCapacity, RolloutError
 from coordinator.client import AsyncRolloutClient
 from harness.chaos_check import batch_record
+from harness.chaos_eval import NAME as EVAL_NAME
 
 ACCURACY = 0.5
 """``sim.accuracy`` of every update: the sim's default, so rewards and filtering stay as without updates."""
@@ -77,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="while a generate waits this long, push a disk update if every engine is stale (0: never)",
     )
     ap.add_argument("--evaluate-every", type=int, default=0, help="run client.evaluate every K batches (0: never)")
-    ap.add_argument("--eval-name", default="chaos-eval", help="the evaluation dataset evaluate() runs")
+    ap.add_argument("--eval-name", default=EVAL_NAME, help="the evaluation dataset evaluate() runs")
     ap.add_argument("--eval-log", default=None, help="one JSON line per evaluate() call: its metrics or its error")
     args = ap.parse_args(argv)
     if args.evaluate_every and not args.eval_log:

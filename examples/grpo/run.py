@@ -253,11 +253,11 @@ def main(argv=None) -> int:
     print(f"reward {first:.2f} -> {last:.2f} in {len(history)} steps, {history[-1]['elapsed_s']:.0f}s of training")
     evals = [h for h in history if "eval_reward" in h]
     if evals:
-        first, last = evals[0], evals[-1]
+        e0, e1 = evals[0], evals[-1]
         print(
-            f"evaluation: greedy reward {first['eval_reward']:.2f} -> {last['eval_reward']:.2f}, "
-            f"pass@1 {first['eval_pass@1']:.2f} -> {last['eval_pass@1']:.2f}, "
-            f"pass@4 {first['eval_pass@4']:.2f} -> {last['eval_pass@4']:.2f}"
+            f"evaluation: greedy reward {e0['eval_reward']:.2f} -> {e1['eval_reward']:.2f}, "
+            f"pass@1 {e0['eval_pass@1']:.2f} -> {e1['eval_pass@1']:.2f}, "
+            f"pass@4 {e0['eval_pass@4']:.2f} -> {e1['eval_pass@4']:.2f}"
         )
     if reached:
         print(f"first step with reward >= 0.8: {reached['step']} after {reached['elapsed_s']:.0f}s")

@@ -81,7 +81,7 @@ def test_evaluate_reports_metrics_and_leaves_training_untouched(make_cluster, tm
         assert 0 < m["response_length_mean"] <= 400
         assert m["weight_versions"] == ["default"]
         ledger = read_ledger(cluster.tmp / "coordinator")
-        results = {i: r for (name, i), r in ledger.eval_results.items() if name == "math"}
+        results = ledger.eval_results_of("math")
         assert sorted(results) == list(range(24)), "every evaluation prompt has exactly one result"
         assert all(len(r["rewards"]) == len(r["lengths"]) == 3 for r in results.values())
         for key, value in _expected(results, 3).items():
@@ -147,13 +147,13 @@ def test_evaluation_resumes_after_coordinator_sigkill_counting_each_prompt_once(
         caller.start()
 
         def some_done():
-            done = {i: r for (n, i), r in read_ledger(data_dir).eval_results.items() if n == "math"}
+            done = read_ledger(data_dir).eval_results_of("math")
             return done if 5 <= len(done) < 40 else None
 
         wait_for(some_done, timeout=60, what="some evaluation results in the ledger")
         cluster.coordinator.signal(signal.SIGKILL)
         cluster.coordinator.wait(10)
-        early = {i: r for (n, i), r in read_ledger(data_dir).eval_results.items() if n == "math"}
+        early = read_ledger(data_dir).eval_results_of("math")
         assert len(early) < 40, "the pass finished before the kill: nothing left to resume"
         assert len({tuple(r["lengths"]) for r in early.values()}) > 1  # results tell regenerated ones apart
         cluster.start_coordinator("--eval-dataset", spec)
@@ -162,7 +162,7 @@ def test_evaluation_resumes_after_coordinator_sigkill_counting_each_prompt_once(
         assert "error" not in result, result.get("error")
         m = result["metrics"]
         assert (m["pass"], m["prompts"], m["samples"], m["failed_prompts"]) == (1, 40, 80, 0)
-        final = {i: r for (n, i), r in read_ledger(data_dir).eval_results.items() if n == "math"}
+        final = read_ledger(data_dir).eval_results_of("math")
         assert sorted(final) == list(range(40))
         # What was recorded before the kill counts as it was: not generated again, not counted twice.
         for index, r in early.items():
