@@ -203,8 +203,15 @@ class Updater:
 
 
 def run_config(
-    name: str, workdir: Path, args, max_staleness: int | None, update: str | None, step_s: float | None = None
+    name: str,
+    workdir: Path,
+    args,
+    max_staleness: int | None,
+    update: str | None,
+    step_s: float | None = None,
+    overrides: dict | None = None,
 ) -> dict:
+    """One configuration on a fresh cluster; ``overrides``: coordinator flags over the defaults (e.g. prefetch)."""
     step_s = args.step_s if step_s is None else step_s
     sim_args = (
         f"--slots {args.slots} --token-latency-ms {args.token_ms} --output-len-dist lognormal "
@@ -221,6 +228,7 @@ def run_config(
     }
     if max_staleness is not None:
         config["max_staleness"] = max_staleness
+    config.update(overrides or {})
     cluster = Cluster(workdir / name, rows=max(2000, (args.steps + 10) * args.batch * 4), **config)
     updater = Updater(update, workdir / name) if update else None
     sync = ["--no-sync"] if args.no_sync else []
@@ -348,6 +356,12 @@ def main(argv=None) -> int:
         "--no-covered", dest="covered", action="store_false", help="skip the run whose trainer step outlasts generation"
     )
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
+    ap.add_argument(
+        "--over-sampling",
+        type=float,
+        default=None,
+        help="also run on-policy (prefetch 0) with --over-sampling 1 and with this factor: the trainer's wait",
+    )
     args = ap.parse_args(argv)
     if args.steps is None:
         args.steps = 5 if args.quick else 12
@@ -381,6 +395,12 @@ def main(argv=None) -> int:
             rows.append(run_config("covered", workdir, args, None, None, step_s=1.5 * batch_s))
         for eta in [int(x) for x in args.staleness.split(",") if x]:
             rows.append(run_config(f"eta={eta}", workdir, args, eta, args.update))
+        if args.over_sampling:
+            # On-policy: nothing generated ahead, so each batch waits for its slowest group; over-sampling
+            # starts FACTOR x the batch and stops the rest once it is full.
+            for factor in (1.0, args.over_sampling):
+                on_policy = {"prefetch": 0, "over_sampling": factor}
+                rows.append(run_config(f"prefetch0 os={factor:g}", workdir, args, None, None, overrides=on_policy))
     finally:
         if args.keep:
             progress(f"kept {workdir}")
