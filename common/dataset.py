@@ -114,6 +114,11 @@ def _loads(line: bytes) -> Any:
         raise ValueError(f"invalid UTF-8 at byte {e.start + 1} of the line") from None
 
 
+def parse_line(line: bytes) -> Any:
+    """One JSONL line parsed as the load scan parses it (``ValueError`` with a readable message)."""
+    return _loads(line)
+
+
 @dataclass
 class Row:
     """One dataset row."""

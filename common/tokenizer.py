@@ -75,9 +75,36 @@ class HFTokenizer:
         self.eos_token_id = self._tok.eos_token_id
         self.name = path
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def render_chat(self, messages: list) -> str:
+        """``messages`` through the chat template, with the generation prompt: the text a model is asked to continue.
+
+        Rendered to text and encoded separately (:meth:`encode`) rather than with ``tokenize=True``,
+        whose return type changed across transformers releases (a list of ids before 5.0, a
+        ``BatchEncoding`` since): the text is the one stable contract. ``ValueError`` names what the
+        template refused (a role it does not know, a missing ``content``), or that there is no template.
+        """
+        if not self.has_chat_template:
+            raise ValueError(f"tokenizer {self.name!r} has no chat template, so chat messages cannot be rendered")
+        try:
+            text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja's TemplateError, or whatever a template's own code raises
+            raise ValueError(f"the chat template of {self.name!r} cannot render these messages: {exc}") from None
+        if not isinstance(text, str):
+            raise ValueError(f"the chat template of {self.name!r} rendered a {type(text).__name__}, not text")
+        return text
+
     def encode(self, prompt: Any) -> list[int]:
+        """Token ids of a string, or of chat messages rendered by :meth:`render_chat`.
+
+        The rendered text is encoded without added special tokens, as ``apply_chat_template(...,
+        tokenize=True)`` and SGLang's chat path do: a template that wants a BOS writes it itself.
+        """
         if isinstance(prompt, list):
-            return list(self._tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True))
+            return [int(i) for i in self._tok.encode(self.render_chat(prompt), add_special_tokens=False)]
         return list(self._tok.encode(prompt))
 
     def decode(self, ids: list[int]) -> str:

@@ -29,6 +29,12 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--input-key", default="prompt", help="row key holding the prompt (string or chat messages)")
     sp.add_argument("--label-key", default="label", help="row key holding the label given to the reward")
     sp.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the agents' tokenizer ('byte' or an HF path): chat rows its chat template cannot render are refused "
+        "at start (file and line)",
+    )
+    sp.add_argument(
         "--eval-dataset",
         action="append",
         default=[],
@@ -170,6 +176,18 @@ def _client_key_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--curve-server-key", default=None, help="CurveZMQ: the coordinator's public key, coordinator.key")
 
 
+def _check_chat_rows(name: str, data_dir: str, datasets: list) -> None:
+    """Every chat row of ``datasets`` rendered by the chat template of tokenizer ``name`` (common/chat_rows.py)."""
+    from common.chat_rows import check_chat_rows
+    from common.tokenizer import check_tokenizer, load_tokenizer
+
+    check_tokenizer(name, "--tokenizer")
+    tokenizer = load_tokenizer(name)
+    os.makedirs(data_dir, exist_ok=True)
+    for what, dataset in datasets:
+        check_chat_rows(dataset, tokenizer, cache_path=os.path.join(data_dir, f"{what}.chat-check"))
+
+
 def serve(args) -> int:
     from common.dataset import Dataset
     from common.filters import load_filter
@@ -215,6 +233,10 @@ def serve(args) -> int:
     evals = load_eval_datasets(
         args.eval_dataset, config, input_key=args.input_key, label_key=args.label_key, data_dir=args.data_dir
     )
+    if args.tokenizer:
+        _check_chat_rows(
+            args.tokenizer, args.data_dir, [("dataset", dataset)] + [(f"eval-{n}", d) for n, (d, _) in evals.items()]
+        )
     server = CoordinatorServer(
         dataset=dataset,
         config=config,

@@ -1,10 +1,11 @@
 """Small causal LMs made in code, saved as Hugging Face model directories: no hub, no download.
 
 :func:`make_model` writes ``config.json``, ``generation_config.json``, ``model.safetensors`` and a
-byte-level tokenizer (``tokenizer.json`` + ``tokenizer_config.json``) that ``AutoTokenizer``
-loads. The tokenizer's ids are :class:`common.tokenizer.ByteTokenizer`'s: one token per UTF-8
-byte (ids 0-255), then ``<|bos|>`` 256, ``<|eos|>`` 257, ``<|pad|>`` 258; it adds no special
-tokens when encoding, so ``AutoTokenizer(dir).encode(text) == list(text.encode())``.
+byte-level tokenizer (``tokenizer.json`` + ``tokenizer_config.json``, and its chat template,
+:data:`CHAT_TEMPLATE`, in ``chat_template.jinja``) that ``AutoTokenizer`` loads. The tokenizer's
+ids are :class:`common.tokenizer.ByteTokenizer`'s: one token per UTF-8 byte (ids 0-255), then
+``<|bos|>`` 256, ``<|eos|>`` 257, ``<|pad|>`` 258; it adds no special tokens when encoding, so
+``AutoTokenizer(dir).encode(text) == list(text.encode())``.
 
 The model is a ``LlamaForCausalLM`` (RMSNorm, rotary positions, SwiGLU MLP, tied embeddings)
 with random initial weights drawn from ``seed``, in fp32. Presets (parameters with the 259-token
@@ -30,6 +31,33 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 DEFAULT_CONTEXT_LENGTH = 512
 SPECIAL_TOKENS = {"<|bos|>": ByteTokenizer.BOS, "<|eos|>": ByteTokenizer.EOS, "<|pad|>": ByteTokenizer.PAD}
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- set i = loop.index0 -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
+    "{{ raise_exception('message ' ~ i ~ ' has role ' ~ message['role'] ~ ', which this template does not know "
+    "(system, user, assistant, tool)') }}"
+    "{%- endif -%}"
+    "{%- if message['content'] is not defined or message['content'] is none -%}"
+    "{{ raise_exception('message ' ~ i ~ ' has no content') }}"
+    "{%- endif -%}"
+    "{{ '<|' ~ message['role'] ~ '|>\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- else -%}{{ raise_exception('message ' ~ i ~ ' has a content part of type ' ~ part['type'] ~ "
+    "'; this template renders text parts only') }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<|eos|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
+)
+"""The chat template :func:`make_model` writes: each message is ``<|ROLE|>`` and a newline, its content
+(a string, or the ``text`` of its ``{"type": "text"}`` parts), then ``<|eos|>`` and a newline; the
+generation prompt is ``<|assistant|>`` and a newline. The role markers are plain bytes (only
+``<|eos|>`` is a special token), and a role other than system, user, assistant or tool, a missing
+``content`` or a non-text content part is an error naming the message."""
 
 
 def _require(*modules: str) -> None:
@@ -63,7 +91,7 @@ def byte_symbols() -> list[str]:
 
 
 def build_tokenizer() -> Any:
-    """A ``PreTrainedTokenizerFast`` with :class:`ByteTokenizer`'s ids."""
+    """A ``PreTrainedTokenizerFast`` with :class:`ByteTokenizer`'s ids and :data:`CHAT_TEMPLATE`."""
     _require("tokenizers", "transformers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -74,9 +102,11 @@ def build_tokenizer() -> Any:
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
     core.add_special_tokens(list(SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>", model_max_length=1 << 20
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def model_config(preset: str = "tiny", context_length: int = DEFAULT_CONTEXT_LENGTH, **overrides: int) -> Any:

@@ -330,3 +330,29 @@ def test_map_size_below_the_minimum_is_refused(tmp_path):
     assert_one_line(run_cli("coordinator.cli", *argv), "--map-size", "4KiB")
     argv = ["join", "--coordinator", "tcp://127.0.0.1:1", "--data-dir", str(tmp_path / "a"), "--map-size", "lots"]
     assert_one_line(run_cli("agent.cli", *argv), "--map-size", "lots")
+
+
+def test_serve_refuses_a_chat_row_the_tokenizers_template_cannot_render_naming_file_and_line(tmp_path, hf_model_dir):
+    """Rows of chat messages are rendered by the --tokenizer's chat template at start, the training
+    dataset's and every evaluation dataset's: a role the template does not know is refused there."""
+    import json
+
+    good = tmp_path / "chat.jsonl"
+    good.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}+1="}]}) + "\n" for i in range(9)))
+    bad = tmp_path / "eval.jsonl"
+    bad.write_text(good.read_text() + "\n" + json.dumps({"prompt": [{"role": "wizard", "content": "1+1="}]}) + "\n")
+    slow = 60.0  # loading transformers takes most of it
+    out = run_cli(
+        "coordinator.cli", "serve", "--dataset", str(bad), "--data-dir", str(tmp_path / "c1"),
+        "--tokenizer", hf_model_dir, "--bind", "tcp://127.0.0.1:0", timeout=slow,
+    )  # fmt: skip
+    line = assert_one_line(out, f"{bad}:11:", "role wizard")
+    assert "does not know" in line
+    out = run_cli(
+        "coordinator.cli", "serve", "--dataset", str(good), "--eval-dataset", f"held={bad}",
+        "--data-dir", str(tmp_path / "c2"), "--tokenizer", hf_model_dir, "--bind", "tcp://127.0.0.1:0", timeout=slow,
+    )  # fmt: skip
+    # the training dataset's check passed and says so in a log line; the refusal is the last line
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "9 chat rows" in out.stderr and f"{bad}:11:" in out.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "c2" / "ledger").exists()
