@@ -265,7 +265,10 @@ class ChaosRun:
         return name
 
     def _engine(self) -> str | None:
-        targets = [(name, pid) for name in self.live_agents() for pid in self.live_engines(name)]
+        # Only an agent past its start: an engine that dies while its agent starts is a start failure by design
+        # (the agent exits with the engine's error), not a fault the supervisor recovers from.
+        started = [n for n in self.live_agents() if "engines up:" in self.cluster.agents[n].text()]
+        targets = [(name, pid) for name in started for pid in self.live_engines(name)]
         if not targets:
             return None
         name, pid = self.rng.choice(targets)
