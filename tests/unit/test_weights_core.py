@@ -167,7 +167,7 @@ def test_an_agent_registering_during_a_disk_update_joins_it_and_a_lost_one_is_le
 
 
 def broadcast(core, session, version, req=20, address="127.0.0.1", port=29500, confirmed=None, now=0.0):
-    """Begin a broadcast; every agent sent ``WeightsBegin`` confirms its engines that are up (or ``confirmed[agent]``)."""
+    """Begin a broadcast; each agent sent ``WeightsBegin`` confirms its engines up (or ``confirmed[agent]``)."""
     eff = core.handle(b"trainer", p.UpdateWeights(session, req, version, "distributed", "", address, port, "gloo"), now)
     for begin in sends(eff, p.WeightsBegin):
         rec = core.membership.agents[begin.to]
