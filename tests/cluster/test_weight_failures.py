@@ -330,3 +330,29 @@ def test_a_trainer_killed_inside_a_broadcast_frees_the_lock_at_its_session_ttl(m
         result = second.update_weights(tensors, 2, backend="gloo", timeout=60)
         print(f"the next broadcast took {time.monotonic() - started:.2f}s")
         assert set(result["engines"].values()) == {2}
+
+
+def test_an_engine_sigkilled_right_before_a_broadcast_leaves_the_update_succeeding(make_cluster):
+    """One sim engine SIGKILLed just before ``update_weights``: the agents confirm their engines before the
+    group forms (the dead one is left out, or the update is retried once without it), and the
+    trainer's call succeeds with every surviving engine on the new version.
+
+    Turns red if a dead engine is put in the group (the broadcast fails with gloo's "Connection
+    closed by peer", or the rendezvous waits for a rank that never comes).
+    """
+    torch = pytest.importorskip("torch")
+    cluster = make_cluster()
+    cluster.start_coordinator()
+    cluster.start_agent("a1", engines=2, sim_args="--token-latency-ms 1")
+    tensors = {f"layer{i}.weight": torch.full((4096,), 1.0 + i) for i in range(5)}
+    with cluster.client(timeout=60) as client:
+        client.generate(0)
+        assert set(client.update_weights(tensors, 1, backend="gloo", timeout=60)["engines"].values()) == {1}
+        victim = cluster.engine_pids_of("a1")[0]
+        os.kill(victim, signal.SIGKILL)
+        started = time.monotonic()
+        result = client.update_weights(tensors, 2, backend="gloo", bucket_bytes=1 << 14, timeout=60)
+        print(f"update after the engine kill took {time.monotonic() - started:.2f}s: {result['engines']}")
+        assert 2 in set(result["engines"].values())
+        assert cluster.status()["weights"]["version"] == 2
+        assert len(client.generate(1).groups) == 8
