@@ -18,10 +18,11 @@ import msgpack
 
 from common.errors import MessageTooLarge, ProtocolError, VersionMismatch
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """2: one message type per trainer request (was ``trainer_control``); ``BatchRefs`` refs in
 ``GroupRef`` order. 3: weight updates (``UpdateWeights`` ... ``WeightsReport``). 4: over-sampling
-(``Stop``, coordinator -> agent) and ``Generate.deadline`` (partial batches)."""
+(``Stop``, coordinator -> agent) and ``Generate.deadline`` (partial batches). 5: ``Register.req``
+(a resent Register gets the same session)."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """Application limit. Larger messages get a clear error reply. The ZeroMQ
