@@ -324,9 +324,14 @@ class AgentSession(LeaseFlow):
         self.ttl = msg.ttl
         self.last_heard = now
         self.next_beat = now
+        refused = [key for key, accepted in msg.acks if not accepted]
         for key, accepted in msg.acks:
             out.append(AckReceipt(key, accepted))
             self.outbox.answer(key)
+        if refused:
+            out.append(
+                Log(logging.INFO, f"coordinator refused {len(refused)} recovered groups {refused}; deleting them")
+            )
         # Receipts committed while we registered (or sent under the old session)
         # were not answered by this Welcome: send every one again.
         for receipt in self.outbox.send_all(now):

@@ -17,6 +17,7 @@ status lists it alive under a session it did not have before.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -371,8 +372,9 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError:
-            return False
+        except OSError as exc:
+            # The address itself is gone (a harness link removed): nothing can hold the port on it.
+            return exc.errno == errno.EADDRNOTAVAIL
         return True
 
 
