@@ -26,6 +26,10 @@ Invariants:
 - Commit, then receipt: a Receipt is sent only for ``LeaseCommitted`` (the
   store commit returned). It stays in the outbox until a ReceiptAck or the
   Welcome answers it, and is sent again every TTL while unanswered (a lost ack).
+- One registration per attempt: every resend of a Register (unanswered,
+  however long the partition) is the same message with the same ``req``, which
+  the coordinator answers with the one session it made for it; a new attempt
+  (a new ``Connected``) gets a new ``req``.
 - Session-bound messages (Receipt, Filtered, Release, Capacity, Heartbeat)
   leave only under a current session. Without one they are not sent: the
   next Register (unacknowledged receipts, leases in flight), the Welcome's
@@ -150,6 +154,7 @@ class AgentSession(LeaseFlow):
         self.weights = WeightState()
         self.welcomes = 0  # sessions begun so far
         self._register: p.Register | None = None
+        self._register_req = 0  # one per registration attempt: every resend of it carries the same
         self._register_wait = FIRST_REGISTER_WAIT
         self._register_deadline = math.inf
         self._events = {
@@ -238,6 +243,7 @@ class AgentSession(LeaseFlow):
                 out.append(Log(logging.WARNING, f"agent {self.agent_id}: malformed receipt in the outbox: {raw!r}"))
                 continue
             self.outbox.recover(receipt)
+        self._register_req += 1
         self._register = p.Register(
             agent_id=self.agent_id,
             incarnation=self.incarnation,
@@ -249,6 +255,7 @@ class AgentSession(LeaseFlow):
             dataset_fingerprint=self.dataset_fingerprint,
             dataset_size=self.dataset_size,
             stored=list(ev.stored),
+            req=self._register_req,
         )
         self._register_wait = FIRST_REGISTER_WAIT
         self._register_deadline = now + self._register_wait
@@ -317,9 +324,14 @@ class AgentSession(LeaseFlow):
         self.ttl = msg.ttl
         self.last_heard = now
         self.next_beat = now
+        refused = [key for key, accepted in msg.acks if not accepted]
         for key, accepted in msg.acks:
             out.append(AckReceipt(key, accepted))
             self.outbox.answer(key)
+        if refused:
+            out.append(
+                Log(logging.INFO, f"coordinator refused {len(refused)} recovered groups {refused}; deleting them")
+            )
         # Receipts committed while we registered (or sent under the old session)
         # were not answered by this Welcome: send every one again.
         for receipt in self.outbox.send_all(now):

@@ -17,7 +17,8 @@ Correlation: requests carry ``req`` (an int unique per sender process);
 replies echo it. Every trainer request is idempotent by what it asks
 (``generate`` by rollout id, ``pause``/``resume``/``consumed`` by the state
 they set), so a resent request is harmless; a resent ``attach`` is recognised
-by ``(client_id, req)`` and gets the same session.
+by ``(client_id, req)`` and gets the same session, and a resent ``register`` by
+``(agent_id, incarnation, req)`` gets the same session too (one registration per outage).
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ class Register(Message):
     coordinator divides by samples per prompt). ``unacked`` are receipts of
     groups committed to the agent's store whose acknowledgement never
     arrived; ``in_flight`` are ``[lease, data_epoch, index]`` it still works on.
+    ``req`` is the same for every resend of one registration attempt: the
+    coordinator answers a resend with the session it already made for it.
     """
 
     TYPE = "register"
@@ -100,6 +103,8 @@ class Register(Message):
     dataset_size: int = -1
     stored: list[str] = field(default_factory=list)
     """Keys of every group in the agent's store: those no longer needed are trimmed."""
+    req: int = 0
+    """Registration attempt, unique per agent process; 0: none (every Register is a new attempt)."""
 
 
 @message

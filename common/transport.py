@@ -10,7 +10,17 @@ Why each option (see the facts in the design notes):
 - ``MAXMSGSIZE`` above the application limit: oversized messages reach the
   decoder and get a clear error reply instead of a silent disconnect.
 - ZMTP heartbeats clean up dead TCP peers; membership uses app heartbeats.
-- ``RECONNECT_IVL_MAX``: exponential reconnect backoff for 1000s of peers.
+- Connecting sockets (agents, trainers) come back within about a second of a
+  silent partition healing, however long it lasted: a connection that heard
+  nothing for ``DEALER_HEARTBEAT_TIMEOUT_MS`` after a ZMTP PING is dropped and
+  redialled (TCP's retransmit backoff would otherwise stretch an outage of N
+  seconds into up to N more of silence after the heal), and each dial gives up
+  after ``CONNECT_TIMEOUT_MS`` (a SYN dropped without a word would otherwise be
+  retried by the kernel at 1, 2, 4 ... 32 s) and is retried after at most
+  ``RECONNECT_IVL_MAX_MS``. A handshake cut off half-way (CurveZMQ's too) is
+  given up after ``HANDSHAKE_IVL_MS``. Messages sent meanwhile wait in the
+  socket's queue and leave on the new connection; the protocol deduplicates
+  resends (a resent Register gets the same session).
 - ``curve``: a ROUTER given a key pair is a CURVE server (its ZAP handler is
   common/zap.py), a DEALER given client keys a CURVE client (common/curve.py);
   the options are set before bind/connect, the others stay the same.
@@ -29,6 +39,19 @@ import zmq.asyncio
 from common.curve import ClientKeys, KeyPair, make_client, make_server
 from common.errors import ConfigError
 from common.protocol import DEFAULT_MAX_MESSAGE_BYTES
+
+CONNECT_TIMEOUT_MS = 500
+"""A TCP connect not answered in this long is abandoned and dialled again (one SYN per attempt)."""
+RECONNECT_IVL_MS = 100
+RECONNECT_IVL_MAX_MS = 500
+"""Redial backoff: 100 ms doubling to 500 ms (plus libzmq's jitter of up to RECONNECT_IVL_MS), so a
+healed link is dialled within CONNECT_TIMEOUT_MS + RECONNECT_IVL_MAX_MS + 100 ms (1.1 s); a fleet of
+1000 agents redialling a coordinator that is down costs ~2000 SYNs/s, nothing to a kernel."""
+DEALER_HEARTBEAT_IVL_MS = 500
+DEALER_HEARTBEAT_TIMEOUT_MS = 2000
+"""A connecting socket that hears nothing (no PONG, no data) for 2 s after a PING redials."""
+HANDSHAKE_IVL_MS = 3000
+"""A ZMTP/CurveZMQ handshake not done in this long drops the connection (libzmq's default is 30 s)."""
 
 
 def _common(sock: zmq.Socket) -> None:
@@ -98,6 +121,8 @@ def dealer(
 ) -> zmq.asyncio.Socket:
     """Connect a DEALER; with ``curve``, as a CURVE client of ``server_public`` (default: the coordinator's key).
 
+    Redials a silent or dead connection within about a second of the network healing (module docstring).
+
     ``before_connect(sock)`` runs before the connect: a socket monitor attached there sees the
     first handshake's events too (one attached after may miss a refusal that came at once).
     """
@@ -107,8 +132,12 @@ def dealer(
         make_client(sock, curve, server_public)
     if identity:
         sock.setsockopt(zmq.ROUTING_ID, identity)
-    sock.setsockopt(zmq.RECONNECT_IVL, 100)
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+    sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, DEALER_HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, DEALER_HEARTBEAT_TIMEOUT_MS)
     if before_connect is not None:
         before_connect(sock)
     sock.connect(connect)

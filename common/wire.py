@@ -23,7 +23,8 @@ PROTOCOL_VERSION = 5
 ``GroupRef`` order. 3: weight updates (``UpdateWeights`` ... ``WeightsReport``). 4: over-sampling
 (``Stop``, coordinator -> agent) and ``Generate.deadline`` (partial batches). 5: weight-update
 failures (``AbortWeights`` and ``WeightsAlive``, trainer -> coordinator; ``WeightsReport.members``,
-the engines an agent confirmed for a broadcast group)."""
+the engines an agent confirmed for a broadcast group) and ``Register.req`` (a resent Register gets
+the same session)."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """Application limit. Larger messages get a clear error reply. The ZeroMQ

@@ -11,6 +11,9 @@ Invariants kept here:
   key) is acknowledged again.
 - Commit before acknowledgement: ``ReceiptAck`` and ``Welcome`` (with its
   acks) travel in ``Persist.then``, after the ledger commit.
+- One registration per attempt: a resent Register (same agent id,
+  incarnation and ``req``) whose session is still current gets that session's
+  Welcome again, not a new session (coordinator/membership.py).
 - Fencing: every agent message carries its session; a superseded or unknown
   session gets ``Fence`` and changes nothing. A lease is ended only by the
   agent that holds it.
@@ -29,6 +32,7 @@ Invariants kept here:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from common import protocol as p
@@ -162,6 +166,8 @@ class Admission:
             )
             return [Send(peer, p.Error("too_small", why))]
         old = core.membership.agents.get(msg.agent_id)
+        if old is not None and old.same_registration(msg.incarnation, msg.req):
+            return self._welcome_again(peer, old, now)
         reported: dict[int, Prompt] = {}
         stale = []  # leases for prompts of closed (or never opened) epochs: drop them
         for item in msg.in_flight:
@@ -212,6 +218,8 @@ class Admission:
             paused=core.trainer.paused,
             trainer_keys=core.trainer_keys,
         )
+        rec.register_req, rec.welcome = msg.req, welcome
+        core.counters.registrations += 1
         then: list = [Send(msg.agent_id, welcome), *core.weights.on_register(msg.agent_id, now)]
         # Storage reconciliation: whatever the agent stores that no batch, ready group
         # or pending receipt refers to was consumed behind a checkpoint, refused, or
@@ -225,6 +233,15 @@ class Admission:
         pumped = core.pump(now)
         then += [e for e in pumped if isinstance(e, Send)]
         return [core.persist(ops, then)] + [e for e in pumped if not isinstance(e, Send)]
+
+    def _welcome_again(self, peer: bytes, rec: AgentRecord, now: float) -> list:
+        """A resent Register: the same session, the same acks and cancellations (they were recorded
+        with the first answer; this Send waits behind its ledger write), today's pause and weights."""
+        rec.last_seen, rec.peer = now, peer
+        self.core.counters.registers_resent += 1
+        config = {**rec.welcome.config, "weights": self.core.weights.log.entry()}
+        welcome = dataclasses.replace(rec.welcome, config=config, paused=self.core.trainer.paused)
+        return [Send(rec.agent_id, welcome)]
 
     def _agent(self, peer: bytes, session: int, now: float) -> AgentRecord | None:
         rec = self.core.membership.by_session(session)

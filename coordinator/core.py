@@ -269,8 +269,16 @@ class CoordinatorCore:
 
     def statistics(self, now: float | None = None) -> CoordinatorStats:
         batches, trainer = self.batches, self.trainer
+        at = self.now if now is None else now
         agents = {
-            r.agent_id: AgentStats(r.status, r.capacity, len(r.leases), tuple(dict(e) for e in r.engines), r.session)
+            r.agent_id: AgentStats(
+                r.status,
+                r.capacity,
+                len(r.leases),
+                tuple(dict(e) for e in r.engines),
+                r.session,
+                round(max(0.0, at - r.last_seen), 3),
+            )
             for r in self.membership.agents.values()
         }
         return CoordinatorStats(

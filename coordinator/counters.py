@@ -65,6 +65,10 @@ class CoreCounters:
         self.receipts_refused = 0
         """Receipts refused: a duplicate of a prompt already accounted for, or of a closed epoch."""
         self.leases_granted = 0
+        self.registrations = 0
+        """Sessions made by a Register (first joins and re-registrations)."""
+        self.registers_resent = 0
+        """Resent Registers answered with the session already made for them (no new session)."""
         self.lease_ends: dict[str, int] = {}
         """Leases ended, by how: receipt, filtered, released, failed, lost (missing from the agent's
         heartbeat), expired (agent silent past the TTL), reregistered (the agent no longer held it),

@@ -6,6 +6,11 @@ unfetched payloads leave the pool for good). A DEAD agent that speaks again
 is fenced: its session is void, it must register again, and what it reports
 then is reconciled against the ledger.
 
+One registration per attempt: a Register resent while unanswered (same agent
+id, incarnation and ``req``) while the session it made is still current is the
+same request and gets the same session (``same_registration``); a partition
+that delays several resends to the heal makes one session, not one per copy.
+
 Sessions are fencing tokens: ``generation << 32 | counter``, where the
 generation is bumped (durably) at every coordinator start, so a session
 issued before a restart can never match one issued after it.
@@ -18,6 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import Any
 
 ALIVE, DEAD, RETIRED = "alive", "dead", "retired"
 
@@ -38,6 +44,20 @@ class AgentRecord:
     """Highest lease id granted to this session (sent back in heartbeats)."""
     local_dataset: bool = False
     """The agent reads prompts from its own replica; grants carry indices only."""
+    register_req: int = 0
+    """``Register.req`` of the registration that made this session (0: none)."""
+    welcome: Any = None
+    """The Welcome that answered it: a resend of that Register (same incarnation and req, the
+    session still current) is answered with it again instead of a new session."""
+
+    def same_registration(self, incarnation: int, req: int) -> bool:
+        """``Register(incarnation, req)`` is a resend of the one that made this (current) session."""
+        return (
+            bool(req)
+            and self.status == ALIVE
+            and self.welcome is not None
+            and (self.incarnation, self.register_req) == (incarnation, req)
+        )
 
     @property
     def free(self) -> int:

@@ -11,6 +11,7 @@ Metric names (all ``rollfleet_``; counters end in ``_total``):
 
     receipts_total{outcome}           accepted | refused
     leases_granted_total
+    registrations_total{outcome}      new (a session made) | resent (a resend answered with its session)
     lease_ends_total{reason}          receipt, filtered, released, failed, lost, expired, reregistered, stopped
     stops_sent_total                  over-sampled leases a Stop was sent for
     leases_in_flight, groups_ready
@@ -74,6 +75,13 @@ class CoordinatorCollector:
             {"accepted": c.receipts_accepted, "refused": c.receipts_refused},
         )
         yield CounterMetricFamily("rollfleet_leases_granted", "Prompt leases granted to agents", value=c.leases_granted)
+        yield _labelled(
+            CounterMetricFamily,
+            "registrations",
+            "Agent Registers, by outcome",
+            "outcome",
+            {"new": c.registrations, "resent": c.registers_resent},
+        )
         yield _labelled(CounterMetricFamily, "lease_ends", "Leases ended, by how", "reason", c.lease_ends)
         yield CounterMetricFamily("rollfleet_stops_sent", "Over-sampled leases a Stop was sent for", value=c.stops_sent)
         yield _gauge("leases_in_flight", "Leases held by agents now", len(admission.leases))
@@ -194,6 +202,7 @@ def status_snapshot(server: CoordinatorServer) -> dict:
             "recent": recent,
         },
         "receipts": {"accepted": c.receipts_accepted, "refused": c.receipts_refused},
+        "registrations": {"new": c.registrations, "resent": c.registers_resent},
         "drops": dict(sorted(c.drops.items())),
         "weights": core.weights.statistics(now),
         "paused": core.trainer.paused,

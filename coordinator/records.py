@@ -379,6 +379,8 @@ class AgentStats:
     """Its engines as it last reported them."""
     session: int
     """Its fencing session: a new value each time it registers (0 when known only from the ledger)."""
+    silent_s: float = 0.0
+    """Seconds since the coordinator last heard from it (any message counts)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ status lists it alive under a session it did not have before.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -33,9 +34,9 @@ from harness.polling import WaitAborted, wait_for
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -86,8 +87,10 @@ class Cluster:
         dataset: Path | None = None,
         curve_agents: tuple[str, ...] = (),
         curve_trainers: tuple[str, ...] = (),
+        host: str = "127.0.0.1",
         **config,
     ):
+        """``host``: the address the coordinator binds (e.g. a ``harness.netfault`` link's; default loopback)."""
         self.tmp = Path(tmp)
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.curve_dir: Path | None = None
@@ -98,8 +101,9 @@ class Cluster:
             write_fleet(self.curve_dir, curve_agents, curve_trainers or ("trainer",))
             self._trainer_key = (curve_trainers or ("trainer",))[0]
         self.dataset = dataset or write_arithmetic_dataset(self.tmp / "data.jsonl", rows)
-        self.port = free_port()
-        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.host = host
+        self.port = free_port(host)
+        self.address = f"tcp://{host}:{self.port}"
         self.config = {"rollout_batch_size": 8, "n_samples_per_prompt": 4, "max_new_tokens": 64, **config}
         self.procs: list[Proc] = []
         self.engine_pids: set[int] = set()
@@ -166,10 +170,12 @@ class Cluster:
         wait: bool = True,
         coordinator: str | None = None,
         engine: str = "sim",
+        wrap=None,
     ) -> Proc:
         """``coordinator``: the address it joins (default the cluster's; e.g. a ``TcpProxy`` in front of it).
 
         ``engine``: the kind ``agent join --engine`` launches (``sim``, or ``hf`` with ``--model-path`` in ``extra``).
+        ``wrap(argv)``: the command that runs it (e.g. ``NetFault.agent_argv``: inside a network namespace).
         """
         argv = [
             sys.executable,
@@ -198,6 +204,8 @@ class Cluster:
             argv += ["--curve-secret", str(self.curve_dir / "secrets" / f"{name}.key_secret")]
             argv += ["--curve-server-key", str(self.curve_dir / "coordinator.key")]
         argv += list(extra)
+        if wrap is not None:
+            argv = wrap(argv)
         if wait:
             self._agent_entry(name)  # learn the session a previous process of this agent holds
         self._stale[name] = set(self._sessions_seen.get(name, ()))
@@ -345,7 +353,7 @@ class Cluster:
         except AssertionError:
             leaks += [f"engine pid {pid} still running after its agent stopped" for pid in alive()]
         try:
-            wait_for(lambda: port_free(self.port), 5, f"port {self.port} to be released")
+            wait_for(lambda: port_free(self.port, self.host), 5, f"port {self.port} to be released")
         except AssertionError:
             leaks.append(f"coordinator port {self.port} still bound")
         return leaks
@@ -359,13 +367,14 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
-def port_free(port: int) -> bool:
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
+            s.bind((host, port))
+        except OSError as exc:
+            # The address itself is gone (a harness link removed): nothing can hold the port on it.
+            return exc.errno == errno.EADDRNOTAVAIL
         return True
 
 

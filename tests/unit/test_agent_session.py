@@ -666,3 +666,14 @@ def test_shutdown_without_a_session_sends_nothing_but_still_cancels():
     recv(s, p.Fence("stale"))
     out = s.handle(ShutdownRequested(), 1.0)
     assert out == [CancelLease(1)] and not s.awaiting_acks(1.0)
+
+
+def test_every_resend_of_a_register_carries_its_req_and_a_new_attempt_a_new_one():
+    s = make_session()
+    first = sent(s.handle(Connected((), ()), 0.0), p.Register)[0]
+    resends = [sent(s.handle(Tick(), s.next_tick_at), p.Register)[0] for _ in range(4)]
+    assert first.req > 0 and {r.req for r in resends} == {first.req}
+    recv(s, welcome(7), 16.0)
+    s.handle(Tick(), 22.0)  # silence past the TTL: the session is over, the next attempt is a new request
+    again = sent(s.handle(Connected((), ()), 22.5), p.Register)[0]
+    assert again.req != first.req and again.incarnation == first.incarnation

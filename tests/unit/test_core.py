@@ -569,3 +569,49 @@ def test_registration_trims_stored_groups_nothing_refers_to():
     )
     trims = [s.msg.keys for s in sends(eff, p.Trim)]
     assert trims == [["consumed-long-ago", "refused-dup"]]
+
+
+def _register_msg(agent="a", incarnation=1, req=1, unacked=(), in_flight=()):
+    return p.Register(agent, incarnation, 4 * N, f"tcp://{agent}:1", [], list(unacked), list(in_flight), req=req)
+
+
+def test_a_resent_register_gets_the_same_session_and_the_same_acks_not_a_new_session():
+    core = make_core(prefetch=2)
+    session = attach(core)
+    w, eff = register(core)
+    g = grants(core.handle(b"trainer", p.Generate(session, 1, 1), 0.0))[0]
+    unacked = [{"lease": g["lease"], "data_epoch": 0, "index": g["index"], "key": "k", "stats": {}}]
+    # The agent lost its link and registers again; three copies of that Register arrive at the heal.
+    copies = [core.handle(b"a2", _register_msg(req=7, unacked=unacked), 1.0 + i * 0.01) for i in range(3)]
+    welcomes = [sends(eff, p.Welcome)[0].msg for eff in copies]
+    assert welcomes[0].session != w.session
+    assert {x.session for x in welcomes} == {welcomes[0].session}, "one session for one registration"
+    assert [x.acks for x in welcomes] == [[["k", True]]] * 3, "the resends answer the same receipts the same way"
+    assert core.counters.registrations == 2 and core.counters.registers_resent == 2
+    assert not grants(copies[1]) and not grants(copies[2]), "a resend grants nothing new"
+    # The session is current: its heartbeat is not fenced.
+    assert not sends(core.handle(b"a2", p.Heartbeat(welcomes[0].session), 1.1), p.Fence)
+
+
+def test_a_register_with_a_new_req_or_incarnation_or_after_the_session_died_makes_a_new_session():
+    core = make_core(prefetch=0, ttl=1.0, retire=10.0)
+    first = sends(core.handle(b"a", _register_msg(req=1), 0.0), p.Welcome)[0].msg.session
+    new_req = sends(core.handle(b"a", _register_msg(req=2), 0.1), p.Welcome)[0].msg.session
+    new_boot = sends(core.handle(b"a", _register_msg(incarnation=2, req=2), 0.2), p.Welcome)[0].msg.session
+    assert len({first, new_req, new_boot}) == 3
+    tick(core, 2.0)  # silent past the TTL: that session is void
+    assert core.statistics().agents["a"].status == "dead"
+    after = sends(core.handle(b"a", _register_msg(incarnation=2, req=2), 2.0), p.Welcome)[0].msg.session
+    assert after != new_boot and core.statistics().agents["a"].status == "alive"
+    # req 0 (an agent that does not number its attempts) is never taken for a resend.
+    zero = [sends(core.handle(b"a", _register_msg(req=0), 2.1 + i), p.Welcome)[0].msg.session for i in range(2)]
+    assert zero[0] != zero[1]
+
+
+def test_a_resent_welcome_carries_todays_pause():
+    core = make_core(prefetch=0)
+    session = attach(core)
+    before = sends(core.handle(b"a", _register_msg(req=3), 0.0), p.Welcome)[0].msg
+    core.handle(b"trainer", p.Pause(session, 2), 0.5)
+    again = sends(core.handle(b"a", _register_msg(req=3), 1.0), p.Welcome)[0].msg
+    assert again.session == before.session and not before.paused and again.paused
