@@ -271,13 +271,6 @@ class EngineSupervisor:
             return {}
         return {e.name: e.url for e in self._engines.values() if e.state in states and e.url}
 
-    def alive(self, name: str) -> bool:
-        """Whether the engine's process is running (a ``url`` engine: whether it is not known down)."""
-        eng = self._engines[name]
-        if eng.spec.kind == "url":
-            return eng.state in ("healthy", "stale")
-        return eng.proc is not None and not eng.proc.exited
-
     def tp(self, name: str) -> int:
         """The engine's tensor-parallel size (its GPUs; 1 for sim and url engines)."""
         return max(1, len(self._engines[name].spec.gpu_ids))

@@ -21,10 +21,8 @@ from common.errors import MessageTooLarge, ProtocolError, VersionMismatch
 PROTOCOL_VERSION = 5
 """2: one message type per trainer request (was ``trainer_control``); ``BatchRefs`` refs in
 ``GroupRef`` order. 3: weight updates (``UpdateWeights`` ... ``WeightsReport``). 4: over-sampling
-(``Stop``, coordinator -> agent) and ``Generate.deadline`` (partial batches). 5: weight-update
-failures (``AbortWeights`` and ``WeightsAlive``, trainer -> coordinator; ``WeightsReport.members``,
-the engines an agent confirmed for a broadcast group) and ``Register.req`` (a resent Register gets
-the same session)."""
+(``Stop``, coordinator -> agent) and ``Generate.deadline`` (partial batches). 5: ``Register.req``
+(a resent Register gets the same session)."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """Application limit. Larger messages get a clear error reply. The ZeroMQ
