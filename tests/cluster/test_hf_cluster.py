@@ -8,6 +8,15 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 
+def recompute_gap(model, sample) -> float:
+    """The largest difference between a sample's response logprobs and the model's recompute of them."""
+    ids = list(sample.prompt_tokens) + list(sample.response_tokens)
+    logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    n = len(sample.prompt_tokens)
+    ref = torch.log_softmax(logits[n - 1 : -1], -1).gather(1, torch.tensor(sample.response_tokens)[:, None])[:, 0]
+    return float((ref - torch.tensor(sample.response_logprobs)).abs().max())
+
+
 def test_agent_join_with_hf_engines_delivers_samples_whose_logprobs_match_a_recompute(make_cluster, hf_model_dir):
     from agent.hf.model import load_model
 
@@ -23,11 +32,7 @@ def test_agent_join_with_hf_engines_delivers_samples_whose_logprobs_match_a_reco
     with torch.no_grad():
         for s in samples:
             assert s.weight_version == "default" and 0 < len(s.response_tokens) == len(s.response_logprobs)
-            ids = list(s.prompt_tokens) + list(s.response_tokens)
-            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-            n = len(s.prompt_tokens)
-            ref = torch.log_softmax(logits[n - 1 : -1], -1).gather(1, torch.tensor(s.response_tokens)[:, None])[:, 0]
-            worst = max(worst, float((ref - torch.tensor(s.response_logprobs)).abs().max()))
+            worst = max(worst, recompute_gap(model, s))
     assert worst < 1e-3
 
 
@@ -64,9 +69,5 @@ def test_chat_rows_through_the_models_chat_template_reach_the_trainer_with_the_t
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             assert text.endswith("<|assistant|>\n")
             assert list(s.prompt_tokens) == tokenizer.encode(text, add_special_tokens=False)
-            ids = list(s.prompt_tokens) + list(s.response_tokens)
-            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-            n = len(s.prompt_tokens)
-            ref = torch.log_softmax(logits[n - 1 : -1], -1).gather(1, torch.tensor(s.response_tokens)[:, None])[:, 0]
-            worst = max(worst, float((ref - torch.tensor(s.response_logprobs)).abs().max()))
+            worst = max(worst, recompute_gap(model, s))
     assert worst < 1e-3
