@@ -54,7 +54,7 @@ def message_shape(messages: list) -> tuple:
 
 def template_digest(tokenizer: Any) -> str:
     """sha256 of the tokenizer's name and chat template: the cache key's part that a new template changes."""
-    template = getattr(getattr(tokenizer, "_tok", None), "chat_template", None) or ""
+    template = getattr(tokenizer, "chat_template", None) or ""
     return hashlib.sha256(f"{tokenizer.name}\0{template}".encode()).hexdigest()
 
 

@@ -76,8 +76,9 @@ class HFTokenizer:
         self.name = path
 
     @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self._tok, "chat_template", None))
+    def chat_template(self) -> str | None:
+        """The template chat messages are rendered with (None: the tokenizer has none)."""
+        return getattr(self._tok, "chat_template", None) or None
 
     def render_chat(self, messages: list) -> str:
         """``messages`` through the chat template, with the generation prompt: the text a model is asked to continue.
@@ -87,7 +88,7 @@ class HFTokenizer:
         ``BatchEncoding`` since): the text is the one stable contract. ``ValueError`` names what the
         template refused (a role it does not know, a missing ``content``), or that there is no template.
         """
-        if not self.has_chat_template:
+        if self.chat_template is None:
             raise ValueError(f"tokenizer {self.name!r} has no chat template, so chat messages cannot be rendered")
         try:
             text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
