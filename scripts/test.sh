@@ -6,12 +6,13 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv || exit 1
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' || exit 1
-# torch is optional (only RolloutBatch.to_tensors needs it); take the CPU build when it can be had.
+# torch first, the CPU build: the test extra's TRL needs torch (through accelerate), and left to the
+# resolver that would pull the newest CUDA build (gigabytes of nvidia wheels) instead.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 \
-    || echo "note: torch not installed; the to_tensors test will be skipped"
+    || echo "note: torch 2.13.0 (CPU) not installed; pip may pull another build for the test extra"
 fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' || exit 1
 # House style first: a lint or format error fails the run before any test starts.
 .venv/bin/python -m ruff check . || exit 1
 .venv/bin/python -m ruff format --check . || { echo "run: .venv/bin/ruff format ." >&2; exit 1; }
