@@ -190,9 +190,12 @@ class EngineClient:
         return await self._weights_call(url, "/update_weight_version", body)
 
     async def _weights_call(self, url: str, path: str, body: dict) -> dict:
-        """One weight-update endpoint: ``{"success", "message"}``; EngineError with SGLang's message otherwise."""
+        """One weight-update endpoint: ``{"success", "message"}``; EngineError with SGLang's message otherwise
+        (``EngineRejected`` for a 4xx answer: the engine refused, e.g. a group that does not exist)."""
         try:
             out = await self._post(url, path, body, timeout=3600)
+        except EngineRejected as exc:
+            raise EngineRejected(f"{url}{path} failed: {_message(str(exc))}", status=exc.status) from None
         except EngineError as exc:
             raise EngineError(f"{url}{path} failed: {_message(str(exc))}") from None
         if not isinstance(out, dict) or not out.get("success", False):

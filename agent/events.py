@@ -214,6 +214,8 @@ class WeightsStepDone:
     error: str = ""
     record: WeightsRecord | None = None
     report: bool = True
+    members: list = field(default_factory=list)
+    """``begin``: the engines confirmed for the broadcast group."""
     """False for a step the agent ran on its own (no coordinator waits for it)."""
 
 

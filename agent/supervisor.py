@@ -271,6 +271,21 @@ class EngineSupervisor:
             return {}
         return {e.name: e.url for e in self._engines.values() if e.state in states and e.url}
 
+    def alive(self, name: str) -> bool:
+        """Whether the engine's process is running (a ``url`` engine: whether it is not known down)."""
+        eng = self._engines[name]
+        if eng.spec.kind == "url":
+            return eng.state in ("healthy", "stale")
+        return eng.proc is not None and not eng.proc.exited
+
+    async def died(self, name: str, within: float = 1.0) -> bool:
+        """Whether the engine's process has exited, waiting up to ``within`` seconds for the exit to be
+        reported (an HTTP call to a killed engine can fail before the child watcher reaps it)."""
+        eng = self._engines[name]
+        if eng.spec.kind == "url" or eng.proc is None:
+            return not self.alive(name)
+        return await eng.proc.wait_exited(within)
+
     def tp(self, name: str) -> int:
         """The engine's tensor-parallel size (its GPUs; 1 for sim and url engines)."""
         return max(1, len(self._engines[name].spec.gpu_ids))

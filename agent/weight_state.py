@@ -83,7 +83,11 @@ class WeightState:
         """
         self.running = max(0, self.running - 1)
         if ev.report:
-            send(p.WeightsReport(session, ev.update_id, ev.step, ev.ok, ev.seq, dict(ev.engines), ev.error))
+            send(
+                p.WeightsReport(
+                    session, ev.update_id, ev.step, ev.ok, ev.seq, dict(ev.engines), ev.error, list(ev.members)
+                )
+            )
         if ev.record is not None and ev.record != self.current:
             self.current = ev.record
         if not ev.ok:

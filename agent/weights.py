@@ -10,8 +10,12 @@ A ``WeightsAbort`` cancels the step of its update still running and drops those 
 
 Per step (engines are those ``healthy`` or ``stale``; an error names the engine):
 
-- ``begin``: health checks paused; every engine paused (mode ``abort``: in-flight samples
-  come back partial).
+- ``begin``: health checks paused; every engine is confirmed for the group: its process is
+  alive, an earlier group it still holds is destroyed, and it is paused (mode ``abort``:
+  in-flight samples come back partial), each within ``confirm_deadline``. The report's
+  ``members`` are the engines confirmed; one that fails is left out (a dead one goes ``down``
+  at once, one still blocked in a failed update's broadcast stays ``stale``) and the update
+  goes on without it.
 - ``disk``: health checks paused; per engine pause, ``/update_weights_from_disk`` (label
   ``str(version)``, cache flushed), continue, and ``/model_info`` must say ``str(version)``;
   then health checks resume with one forced check.
@@ -21,8 +25,11 @@ Per step (engines are those ``healthy`` or ``stale``; an error names the engine)
 - ``finish``: each engine of the group gets the label, a cache flush, continue, and the check;
   engines left out of the update are behind.
 - ``abort``: engines that received part of the update re-load the last disk checkpoint (the
-  abort's ``path``) or stay out of the pool; the group is destroyed; every paused engine
-  continues; health checks resume with one forced check.
+  abort's ``path``) or stay out of the pool; the group is destroyed and every paused engine
+  continues, each within ``confirm_deadline``: an engine that does not answer (blocked in the
+  failed broadcast until its own timeout) is remembered as holding the group and is confirmed
+  for no update until a later ``begin`` destroys it; health checks resume with one forced check.
+  An abort never waits for an engine stuck in the failed update.
 
 Invariant: after every step that ends an update (and after ``SetWeights``) each engine is
 either ``healthy`` holding ``current.version`` or ``stale`` (out of the pool): an engine behind
@@ -41,12 +48,15 @@ from agent.engine_client import EngineClient, parse_version
 from agent.events import EngineVersion, RunWeightsStep, WeightsRecord, WeightsStepDone
 from agent.supervisor import EngineSupervisor
 from common import protocol as p
-from common.errors import EngineError
+from common.errors import EngineError, EngineRejected
 
 log = logging.getLogger("rollfleet.agent.weights")
 
 STEP_DEADLINE = 600.0
 """Seconds one engine may take for one step (an init waits for the trainer to join)."""
+
+CONFIRM_DEADLINE = 2.0
+"""Seconds one engine may take to be confirmed for a group, or to leave a failed one."""
 
 STEPS = {
     p.WeightsBegin: "begin",
@@ -68,11 +78,13 @@ class WeightsExecutor:
         agent_id: str = "",
         step_deadline: float = STEP_DEADLINE,
         flush_deadline: float = 60.0,
+        confirm_deadline: float = CONFIRM_DEADLINE,
     ):
         self.supervisor = supervisor
         self.client = client
         self.agent_id = agent_id
         self.step_deadline = step_deadline
+        self.confirm_deadline = confirm_deadline
         self.flush_deadline = flush_deadline
         self._dispatch = dispatch
         self.current = WeightsRecord()
@@ -82,6 +94,8 @@ class WeightsExecutor:
         self.group_name = ""
         self._paused: dict[str, str] = {}  # engines the open update paused
         self._touched: set[str] = set()  # engines the open update sent weights to
+        self.held: dict[str, str] = {}  # engines that did not leave a failed group: name -> group name
+        self._members: list[str] = []  # engines the last ``begin`` confirmed
         self._queue: asyncio.Queue[RunWeightsStep | WeightsRecord] = asyncio.Queue()
         self._step: tuple[RunWeightsStep, asyncio.Task] | None = None
         self._steps = {
@@ -145,6 +159,7 @@ class WeightsExecutor:
     async def prepare(self, name: str, url: str) -> str:
         """The supervisor's hook for an engine that (re)started: ``healthy`` once it holds ``current``."""
         self.group.pop(name, None)
+        self.held.pop(name, None)  # a new process holds no group
         self.stale.discard(name)
         try:
             self.versions[name] = await self.client.weight_version(url)
@@ -170,37 +185,67 @@ class WeightsExecutor:
     def _done(self, ins: RunWeightsStep, ok: bool, error: str, record: WeightsRecord | None = None) -> None:
         msg = ins.msg
         serving = {name: self.versions.get(name) for name in self.supervisor.urls("healthy")}
+        step = STEPS[type(msg)]
+        members = list(self._members) if step == "begin" and ok else []
         self._dispatch(
             WeightsStepDone(
-                msg.update_id, STEPS[type(msg)], ok, getattr(msg, "seq", 0), serving, error, record, ins.report
+                msg.update_id, step, ok, getattr(msg, "seq", 0), serving, error, record, ins.report, members
             )
         )
 
     async def _begin(self, msg: p.WeightsBegin) -> tuple[dict, None]:
+        """Confirm every engine for the group; the ones that fail are left out, not an error."""
         self.supervisor.pause_health_checks()
         engines = self.supervisor.urls()
-        self._paused.update(engines)
         self._touched.clear()
-        return await self._each(engines, lambda name, url: self.client.pause_generation(url, "abort")), None
+        self._members = []
+
+        async def confirm(name: str, url: str) -> None:
+            if not self.supervisor.alive(name):
+                raise EngineError(f"{url}: its process exited")
+            held = self.held.get(name)
+            if held:
+                try:
+                    await self.client.destroy_weights_update_group(url, held)
+                except EngineRejected:
+                    pass  # 400: the group is gone already (its broadcast failed and cleaned up)
+                self.held.pop(name, None)
+            await self.client.pause_generation(url, "abort")
+
+        failed = await self._each(engines, confirm, deadline=self.confirm_deadline)
+        for name, why in failed.items():
+            log.warning("engine %s left out of weight update %#x: %s", name, msg.update_id, why)
+            if name in self.held:
+                self._set_serving(name, False)  # still in the failed broadcast: out of the pool
+            else:
+                self.supervisor.report_failure(name, f"not confirmed for a weight update: {why}")
+        confirmed = {name: url for name, url in engines.items() if name not in failed}
+        self._paused.update(confirmed)
+        self._members = list(confirmed)
+        return {}, None
 
     async def _disk(self, msg: p.WeightsFromDisk) -> tuple[dict, WeightsRecord | None]:
         self.supervisor.pause_health_checks()
-        engines = self.supervisor.urls()
+        engines = {name: url for name, url in self.supervisor.urls().items() if self.supervisor.alive(name)}
         self._paused.update(engines)
-        self._touched.update(engines)
 
         async def load(name: str, url: str) -> None:
             await self.client.pause_generation(url, "abort")
+            self._touched.add(name)  # loading: it may hold part of the checkpoint until the load ends
             try:
                 await self.client.update_weights_from_disk(url, msg.path, str(msg.version), flush_cache=True)
             finally:
                 await self.client.continue_generation(url)
             await self._verify(name, url, msg.version)
+            self._touched.discard(name)  # a load that completed is whole: the engine holds the version
 
         errors = await self._each(engines, load)
+        # One that died during its load is left out, not a failure of the update: it restarts and
+        # loads the recorded checkpoint on the way up (``prepare``), like any restarted engine.
+        dead = await self._drop_dead(errors, msg.update_id, "loading from disk")
         for name in engines:
             self._paused.pop(name, None)
-            self._set_serving(name, name not in errors)
+            self._set_serving(name, name not in errors and name not in dead)
         record = None
         if not errors:
             record = self.current = WeightsRecord(msg.version, "disk", msg.path)
@@ -257,10 +302,13 @@ class WeightsExecutor:
             await self._verify(name, url, msg.version)
 
         errors = await self._each(updated, label)
+        dead = await self._drop_dead(errors, msg.update_id, "finishing")
         for name in updated:
             self._paused.pop(name, None)
-            self._set_serving(name, name not in errors)
-        errors.update(await self._continue_paused())
+            self._set_serving(name, name not in errors and name not in dead)
+        continued = await self._continue_paused()
+        await self._drop_dead(continued, msg.update_id, "continuing")
+        errors.update(continued)
         record = None
         if not errors:
             record = self.current = WeightsRecord(msg.version, "distributed", "")
@@ -278,27 +326,41 @@ class WeightsExecutor:
             self.stale.add(name)  # partial weights: out of the pool until re-loaded or updated
         self._touched.clear()
         group, self.group = self.group, {}
-        destroy = await self._each(
-            group, lambda name, url: self.client.destroy_weights_update_group(url, self.group_name)
-        )
-        for name, why in destroy.items():
-            log.info("engine %s: destroying the update group: %s", name, why)  # 400 when it never formed
-        errors = await self._continue_paused()
+        group_name = self.group_name
+
+        async def leave(name: str, url: str) -> None:
+            try:
+                await self.client.destroy_weights_update_group(url, group_name)
+            except EngineRejected as exc:
+                log.info("engine %s: destroying the update group: %s", name, exc)  # 400 when it never formed
+
+        for name, why in (await self._each(group, leave, deadline=self.confirm_deadline)).items():
+            # Still blocked in the failed broadcast (until its own timeout): no update may count on it.
+            log.warning("engine %s still holds weight-update group %s: %s", name, group_name, why)
+            self.held[name] = group_name
+            self.stale.add(name)
+        errors = await self._continue_paused(deadline=self.confirm_deadline)
+        for name in errors:
+            self.stale.add(name)  # paused and not answering: it must not serve
         await self._sweep()
         self.supervisor.resume_health_checks(force=True)
         return errors, self.current
 
     # ------------------------------------------------------------------ helpers
 
-    async def _each(self, engines: dict[str, str], fn: Callable[[str, str], Awaitable]) -> dict[str, str]:
-        """Run ``fn(name, url)`` on every engine at once, each within the step deadline; ``{name: error}``."""
+    async def _each(
+        self, engines: dict[str, str], fn: Callable[[str, str], Awaitable], *, deadline: float | None = None
+    ) -> dict[str, str]:
+        """Run ``fn(name, url)`` on every engine at once, each within ``deadline`` (default: the step
+        deadline); ``{name: error}``."""
+        deadline = self.step_deadline if deadline is None else deadline
 
         async def one(name: str, url: str) -> tuple[str, str | None]:
             try:
-                async with asyncio.timeout(self.step_deadline):
+                async with asyncio.timeout(deadline):
                     await fn(name, url)
             except TimeoutError:
-                return name, f"no answer from {url} within {self.step_deadline:g}s"
+                return name, f"no answer from {url} within {deadline:g}s"
             except EngineError as exc:
                 return name, str(exc)
             return name, None
@@ -306,9 +368,9 @@ class WeightsExecutor:
         results = await asyncio.gather(*(one(name, url) for name, url in engines.items()))
         return {name: why for name, why in results if why is not None}
 
-    async def _continue_paused(self) -> dict[str, str]:
+    async def _continue_paused(self, *, deadline: float | None = None) -> dict[str, str]:
         paused, self._paused = self._paused, {}
-        return await self._each(paused, lambda name, url: self.client.continue_generation(url))
+        return await self._each(paused, lambda name, url: self.client.continue_generation(url), deadline=deadline)
 
     async def _verify(self, name: str, url: str, version: int) -> None:
         """``/model_info`` must say ``str(version)``; EngineError naming the engine otherwise."""
@@ -322,6 +384,20 @@ class WeightsExecutor:
             self.versions[name] = version
             self._dispatch(EngineVersion(name, version, self.supervisor.tp(name)))
 
+    async def _drop_dead(self, errors: dict[str, str], update_id: int, doing: str) -> set[str]:
+        """Take the engines whose process exited out of ``errors``: a death leaves an engine out of an
+        update, it does not fail it (the restart brings it to the recorded version)."""
+        names = list(errors)
+        dead = await asyncio.gather(*(self.supervisor.died(n) for n in names))
+        gone = {n for n, d in zip(names, dead, strict=True) if d}
+        for name in gone:
+            why = errors.pop(name)
+            log.warning("engine %s died %s for weight update %#x: left out: %s", name, doing, update_id, why)
+            self._touched.discard(name)
+            self.group.pop(name, None)
+            self.stale.add(name)
+        return gone
+
     def _set_serving(self, name: str, serving: bool) -> None:
         (self.stale.discard if serving else self.stale.add)(name)
         self.supervisor.mark(name, "healthy" if serving else "stale")
@@ -331,8 +407,11 @@ class WeightsExecutor:
         behind = [
             (name, url)
             for name, url in self.supervisor.urls().items()
-            if name in self.stale or self.versions.get(name) != self.current.version
+            if (name in self.stale or self.versions.get(name) != self.current.version) and name not in self.held
         ]
+        for name in self.held:
+            if name in self.supervisor.urls():
+                self._set_serving(name, False)
         await asyncio.gather(*(self._bring_up(name, url, mark=True) for name, url in behind))
 
     async def _bring_up(self, name: str, url: str, *, mark: bool) -> bool:

@@ -26,10 +26,12 @@ from __future__ import annotations
 from dataclasses import field
 
 from common.weight_messages import (  # noqa: F401  (re-exported: part of the protocol)
+    AbortWeights,
     FinishWeights,
     UpdateWeights,
     WeightBucket,
     WeightsAbort,
+    WeightsAlive,
     WeightsBegin,
     WeightsBucket,
     WeightsFinish,

@@ -59,8 +59,32 @@ class FinishWeights(Message):
 
 
 @message
+class AbortWeights(Message):
+    """trainer -> coordinator: the trainer's own side of update ``update_id`` failed (its broadcast
+    raised, or the call was cancelled): abort it now instead of at its deadline. Answered ``Ok``."""
+
+    TYPE = "abort_weights"
+    session: int
+    req: int
+    update_id: int
+    why: str = ""
+
+
+@message
+class WeightsAlive(Message):
+    """trainer -> coordinator: the trainer holding the weight lock is alive (sent every heartbeat
+    interval while a broadcast call runs). A lock whose trainer is silent past the TTL is aborted."""
+
+    TYPE = "weights_alive"
+    session: int
+    req: int
+
+
+@message
 class WeightsBegin(Message):
-    """coordinator -> agent: a distributed update starts: pause engines (mode abort), pause health checks."""
+    """coordinator -> agent: a distributed update starts: pause health checks, confirm each engine
+    (process alive, free of any earlier group, one bounded pause in mode ``abort``); the ``begin``
+    report's ``members`` lists the confirmed engines, and the group is formed of those only."""
 
     TYPE = "weights_begin"
     update_id: int
@@ -129,7 +153,8 @@ class WeightsReport(Message):
     """agent -> coordinator: one step of an update is done on every engine of the agent, or failed.
 
     ``step`` is ``begin``, ``disk``, ``init``, ``bucket`` (with ``seq``), ``finish`` or ``abort``;
-    ``engines`` maps engine name to the version it now reports; ``error`` names the engine.
+    ``engines`` maps engine name to the version it now reports; ``error`` names the engine;
+    ``members`` (``begin`` only) names the engines confirmed for the broadcast group.
     """
 
     TYPE = "weights_report"
@@ -140,3 +165,4 @@ class WeightsReport(Message):
     seq: int = 0
     engines: dict = field(default_factory=dict)
     error: str = ""
+    members: list[str] = field(default_factory=list)

@@ -22,7 +22,9 @@ PROTOCOL_VERSION = 5
 """2: one message type per trainer request (was ``trainer_control``); ``BatchRefs`` refs in
 ``GroupRef`` order. 3: weight updates (``UpdateWeights`` ... ``WeightsReport``). 4: over-sampling
 (``Stop``, coordinator -> agent) and ``Generate.deadline`` (partial batches). 5: ``Register.req``
-(a resent Register gets the same session)."""
+(a resent Register gets the same session) and weight-update failures (``AbortWeights`` and
+``WeightsAlive``, trainer -> coordinator; ``WeightsReport.members``, the engines an agent confirmed
+for a broadcast group)."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """Application limit. Larger messages get a clear error reply. The ZeroMQ

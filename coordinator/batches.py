@@ -54,6 +54,10 @@ ALL_STALE = (
     "every engine is behind the fleet's weights (stale after a restart): push a weight update "
     "(update_weights or update_weights_from_disk) to bring them back"
 )
+ALL_PARTIAL = (
+    "every engine is out of the pool holding part of a failed weight update ({why}): push a weight update "
+    "(update_weights or update_weights_from_disk) to bring them back"
+)
 
 
 @dataclass(slots=True)
@@ -375,7 +379,8 @@ class Batches:
         if self.core.membership.all_gone():
             return "no agent with a live engine is left to generate on (all retired)"
         if self._all_stale():
-            return ALL_STALE
+            partial = self.core.weights.partial
+            return ALL_PARTIAL.format(why=partial) if partial else ALL_STALE
         return None
 
     def _hopeless(self) -> tuple[str, str] | None:

@@ -97,6 +97,8 @@ class AsyncRolloutClient:
         self.session = 0
         self.config: dict = {}
         self.consumed = -1
+        self.heartbeat_interval = 1.0
+        """Seconds between ``WeightsAlive`` beats while a broadcast runs (the coordinator's, from attach)."""
         self._ctx: zmq.asyncio.Context | None = None
         self._coord: _Endpoint | None = None
         self._agents: dict[str, _Endpoint] = {}
@@ -141,6 +143,7 @@ class AsyncRolloutClient:
             _raise_remote(msg)
         self.session = msg.result["session"]
         self.config = msg.result["config"]
+        self.heartbeat_interval = float(msg.result.get("heartbeat_interval", 1.0))
         log.info("attached to %s as %s (session %x)", self.address, self.client_id, self.session)
 
     async def _call(self, make, what: str):

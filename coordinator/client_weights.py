@@ -12,6 +12,18 @@
    wait for its ``Ok``, then ``broadcast(src=0)`` each tensor in order;
 4. ``FinishWeights``, answered once every engine serves the version.
 
+While the call runs it sends ``WeightsAlive`` every heartbeat interval: a trainer silent past the
+coordinator's TTL (SIGKILLed inside a broadcast) has its update aborted and the lock released.
+
+Failures: when this side fails (``torch.distributed`` raises, e.g. gloo's "Connection closed by
+peer" once an engine died, or the call is cancelled) the client sends ``AbortWeights`` at once,
+so the coordinator releases the lock and admission resumes now, not at the deadline. Whatever
+failed, the caller gets ``WeightUpdateError`` (never a raw torch error). An update that failed
+with code ``weights`` (an engine lost, a broken link) is retried once, transparently, as a new
+update on a new group of the engines confirmed then; the tensors are held by reference for the
+call's duration, so a generator of them works too. ``weights_busy``, ``weights_version`` and
+``fenced`` are not retried.
+
 Every blocking torch call runs in a worker thread, so the client's event loop keeps serving
 (heartbeats, resends). torch is imported only by these calls. Any failure destroys the local
 group (its other ends are destroyed by the abort): the next update forms a new one. The group
@@ -30,7 +42,7 @@ from urllib.parse import urlsplit
 
 from common import protocol as p
 from common import weight_group
-from common.errors import WeightUpdateError
+from common.errors import RemoteError, RolloutError, StateError, WeightUpdateError
 
 if TYPE_CHECKING:
     from coordinator.client import AsyncRolloutClient
@@ -39,6 +51,8 @@ log = logging.getLogger("rollfleet.client.weights")
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 DEFAULT_TIMEOUT = 300.0
+ABORT_DEADLINE = 5.0
+"""Seconds the client spends telling the coordinator its side of an update failed."""
 
 
 def coordinator_host(address: str) -> str:
@@ -100,18 +114,46 @@ class WeightSender:
         return result
 
     async def broadcast(self, named_tensors, version: int, backend: str, bucket_bytes: int, timeout: float) -> dict:
+        # References to the tensors, not copies, kept for the call's duration: a retry sends them
+        # again, also when they came from a generator such as ``model.named_parameters()``.
         items = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
         if not items:
             raise ValueError("update_weights needs at least one named tensor")
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        what = f"update_weights({version})"
+        beat = asyncio.ensure_future(self._keep_alive(what))
+        beat.set_name(f"weights-alive-{version}")
+        try:
+            try:
+                return await self._attempt(items, int(version), backend, bucket_bytes, float(timeout), what)
+            except WeightUpdateError as exc:
+                if exc.code != "weights":
+                    raise
+                # An engine lost in the update (or a broken link) failed it: the coordinator aborted it
+                # and released the lock. Once more, on a new group of the engines confirmed now.
+                log.warning("%s failed, retrying once on a new group: %s", what, exc)
+            return await self._attempt(items, int(version), backend, bucket_bytes, float(timeout), what)
+        finally:
+            beat.cancel()
+            await asyncio.gather(beat, return_exceptions=True)
+
+    async def _keep_alive(self, what: str) -> None:
+        """``WeightsAlive`` every heartbeat interval while the call runs: the coordinator aborts the update
+        of a trainer silent past its TTL (a trainer SIGKILLed mid-broadcast frees the lock that way)."""
+        while True:
+            await asyncio.sleep(self.client.heartbeat_interval)
+            try:
+                await self.client._request(lambda s, req: p.WeightsAlive(s, req), f"{what} heartbeat")
+            except RolloutError as exc:
+                log.debug("%s heartbeat: %s", what, exc)  # the call itself meets the same error
+
+    async def _attempt(self, items, version: int, backend: str, bucket_bytes: int, timeout: float, what: str) -> dict:
+        """One update: a new ``UpdateWeights``, the group, the buckets, ``FinishWeights``."""
         address = master_address(self.client.address)
         port = free_port(address)
-        what = f"update_weights({version})"
         begun = await self.client._request(
-            lambda s, req: p.UpdateWeights(
-                s, req, int(version), "distributed", "", address, port, backend, float(timeout)
-            ),
+            lambda s, req: p.UpdateWeights(s, req, version, "distributed", "", address, port, backend, timeout),
             what,
         )
         update_id = begun["update_id"]
@@ -137,8 +179,7 @@ class WeightSender:
                 self.group_name = begun["group_name"]
             elif self.group is None or self.group_name != begun["group_name"]:
                 raise WeightUpdateError(
-                    f"{what}: the coordinator kept group {begun['group_name']!r}, which this "
-                    "trainer no longer holds; the update ends at its deadline",
+                    f"{what}: the coordinator kept group {begun['group_name']!r}, which this trainer no longer holds",
                     code="weights",
                 )
             for seq, bucket in enumerate(buckets(items, bucket_bytes)):
@@ -157,11 +198,31 @@ class WeightSender:
                 )
                 await asyncio.to_thread(weight_group.broadcast, self.group, tensors)
             result = await self.client._request(lambda s, req: p.FinishWeights(s, req, update_id), what)
-        except BaseException:
-            await asyncio.shield(self._destroy())  # broken or aborted: the next update forms a new group
+        except (RemoteError, StateError):
+            # The coordinator answered with an error: it has ended the update already.
+            await asyncio.shield(self._destroy())  # the next update forms a new group
+            raise
+        except BaseException as exc:
+            # This side failed (torch.distributed raised, a link timed out, the call was cancelled):
+            # say so at once, so the lock is released now and not at the update's deadline.
+            why = f"{type(exc).__name__}: {exc}" if not isinstance(exc, asyncio.CancelledError) else "call cancelled"
+            await asyncio.shield(self._give_up(update_id, why, what))
+            if isinstance(exc, Exception):
+                raise WeightUpdateError(f"{what}: the trainer's side failed: {why}", code="weights") from exc
             raise
         self.version = result["version"]
         return result
+
+    async def _give_up(self, update_id: int, why: str, what: str) -> None:
+        """Tell the coordinator this trainer's side of ``update_id`` failed, then drop the local group."""
+        try:
+            async with asyncio.timeout(ABORT_DEADLINE):
+                await self.client._request(
+                    lambda s, req: p.AbortWeights(s, req, update_id, why[:2000]), f"{what} abort"
+                )
+        except (RolloutError, TimeoutError) as exc:
+            log.warning("%s: could not report the failure (the update ends at its deadline or TTL): %s", what, exc)
+        await self._destroy()
 
     async def _destroy(self) -> None:
         group, self.group, self.group_name = self.group, None, ""

@@ -156,6 +156,8 @@ class CoordinatorCore:
             p.UpdateWeights: w.on_update,
             p.WeightBucket: w.on_bucket,
             p.FinishWeights: w.on_finish,
+            p.AbortWeights: w.on_abort_request,
+            p.WeightsAlive: w.on_alive,
             p.WeightsReport: w.on_report,
             **{cls: t.on_request for cls in p.TRAINER_REQUESTS},
         }

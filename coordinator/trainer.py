@@ -95,6 +95,8 @@ class TrainerSessions:
             "dataset_fingerprint": core.dataset_fingerprint,
             "last_rollout_id": core.batches.last_rollout_id,
             "trimmed_upto": core.batches.trimmed_upto,
+            "heartbeat_interval": core.liveness.heartbeat_interval,
+            "ttl": core.liveness.ttl,
         }
 
     def session_error(self, peer: bytes, session: int, req: int) -> list | None:

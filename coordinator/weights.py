@@ -6,12 +6,14 @@ prompt is leased (``core.pump``). Then:
 
 - ``disk``: every alive agent gets ``WeightsFromDisk``; once each of them (and any agent that
   registers meanwhile) reported ``disk`` ok, the log is recorded and the trainer answered.
-- ``distributed``: every alive agent gets ``WeightsBegin``; the group is every engine that is up
-  (``healthy`` or ``stale``: a stale engine is one a broadcast must reach) of every alive agent,
-  ordered by ``(agent_id, engine name)``: engine ``i`` has rank offset ``1 + sum(tp before it)``,
-  ``world_size = 1 + sum(tp)``. ``WeightsInitGroup`` goes to the member agents only when the
-  group differs from the last one formed (members, their tp, the trainer session, its address
-  or backend); the answer says ``init``. Each ``WeightBucket`` is forwarded once (a resent one,
+- ``distributed``: every alive agent gets ``WeightsBegin`` and confirms its engines (process
+  alive, free of any earlier group, one bounded probe); once every one of them reported (or was
+  lost), the group is the confirmed engines (``healthy`` or ``stale``: a stale engine is one a
+  broadcast must reach), ordered by ``(agent_id, engine name)``: engine ``i`` has rank offset
+  ``1 + sum(tp before it)``, ``world_size = 1 + sum(tp)``. Only then is the ``UpdateWeights``
+  answered. ``WeightsInitGroup`` goes to the member agents only when the group differs from the
+  last one formed (members, their tp, the trainer session, its address or backend) and the last
+  update did not fail; the answer says ``init``. Each ``WeightBucket`` is forwarded once (a resent one,
   same ``(update_id, seq)``, is only answered again); ``FinishWeights`` waits for every init and
   bucket report, then every alive agent gets ``WeightsFinish`` (agents outside the group mark
   their engines behind), and once they reported, the log is recorded and the trainer answered.
@@ -21,10 +23,13 @@ Invariants:
   takes the highest of the log and what engines report at their first registration.
 - Persist, then answer: the trainer's ``Ok`` travels behind the ``SetWeights`` commit.
 - Every failure ends the update the same way: an error report (naming agent and engine), a
-  missed deadline, a group member lost, or its trainer fenced or detached (distributed only: a
-  disk update does not need its trainer) sends ``WeightsAbort`` (with the last recorded disk
-  checkpoint, if any) to every alive agent, answers the waiting call with ``Error("weights")``
-  naming what failed, forgets the group and releases the lock.
+  missed deadline, a group member lost, its trainer reporting its own broadcast failed
+  (``AbortWeights``), silent past the TTL (``WeightsAlive`` is its heartbeat while a broadcast
+  runs) or fenced or detached (distributed only: a disk update does not need its trainer) sends
+  ``WeightsAbort`` (with the last recorded disk checkpoint, if any) to every alive agent, answers
+  the waiting call with ``Error("weights")`` naming what failed, forgets the group (the next
+  update forms a new one, under a new name) and releases the lock; admission resumes in the same
+  turn.
 - A trainer that begins a new update while its own is in flight gave the old one up: it is
   aborted first. A resent ``UpdateWeights``/``FinishWeights`` (same request id) gets the same answer.
 """
@@ -77,6 +82,14 @@ class Update:
     """Agent -> ``{engine: version}`` from its last report."""
     group_name: str = ""
     world_size: int = 0
+    seen: float = 0.0
+    """When its trainer was last heard of (any message of its session about the update)."""
+    confirmed: dict[str, list[str]] = field(default_factory=dict)
+    """Distributed: agent -> the engines it confirmed for the group (its ``begin`` report)."""
+    formed: bool = False
+    """Distributed: the group is chosen and the ``UpdateWeights`` answered."""
+    request: p.UpdateWeights | None = None
+    """Distributed: the request that began it (its address, port and backend form the group)."""
 
 
 class WeightUpdates:
@@ -90,6 +103,9 @@ class WeightUpdates:
         self._replies: dict[tuple[int, int], p.Message] = {}  # (session, req) -> answer, for resends
         self._failed: dict[int, str] = {}  # update id -> why it was aborted
         self._started_any = False
+        self.partial = ""
+        """Why engines may hold part of an update: the last update failed after weights were sent
+        (a bucket forwarded, or a disk load begun); "" once an update completes."""
 
     # ------------------------------------------------------------------ views
 
@@ -121,14 +137,16 @@ class WeightUpdates:
             "engines": engines,
         }
 
-    def group(self) -> tuple[dict[str, dict[str, int]], int, tuple]:
-        """``(agent -> {"agent/engine": rank offset}, world_size, identity)`` of the engines up now."""
+    def group(self, confirmed: dict[str, list[str]]) -> tuple[dict[str, dict[str, int]], int, tuple]:
+        """``(agent -> {"agent/engine": rank offset}, world_size, identity)`` of the ``confirmed`` engines."""
         members: dict[str, dict[str, int]] = {}
         identity = []
         offset = 1
         for rec in sorted(self.core.membership.alive(), key=lambda r: r.agent_id):
+            names = set(confirmed.get(rec.agent_id, ()))
+            known = {str(e["name"]): e for e in rec.engines if "name" in e}
             for e in sorted(
-                (e for e in rec.engines if e.get("state") in MEMBER_STATES and "name" in e),
+                (known.get(n, {"name": n}) for n in names),
                 key=lambda e: str(e["name"]),
             ):
                 tp = e.get("tp") or 1
@@ -157,9 +175,10 @@ class WeightUpdates:
         lock = self.lock
         if key in self._replies:
             return [Send(peer, self._replies[key])]  # a resent request: the same answer
-        if lock is not None and lock.session == msg.session and lock.kind == "disk" and lock.waiter is not None:
-            if lock.waiter[1] == msg.req:
-                lock.waiter = (peer, msg.req)  # a resend while it runs: answered when it ends
+        if lock is not None and lock.session == msg.session and lock.waiter is not None:
+            if lock.waiter[1] == msg.req and not lock.finishing:
+                lock.waiter = (peer, msg.req)  # a resend while it runs: answered when it ends (or its group forms)
+                lock.seen = now
                 return []
 
         def bad(code: str, why: str) -> list:
@@ -205,6 +224,7 @@ class WeightUpdates:
             msg.timeout,
             now + msg.timeout,
             msg.kind,
+            seen=now,
         )
         self.lock = update
         if msg.kind == "disk":
@@ -216,18 +236,33 @@ class WeightUpdates:
         return out + self._begin_distributed(peer, msg, update, now)
 
     def _begin_distributed(self, peer: bytes, msg: p.UpdateWeights, update: Update, now: float) -> list:
-        members, world_size, identity = self.group()
+        """Every alive agent confirms its engines; the group is formed once they all answered."""
+        update.request = msg
+        update.waiter = (peer, msg.req)
+        update.step = "begin"
+        out: list = []
+        for rec in self.core.membership.alive():
+            out.append(self._to(rec.agent_id, p.WeightsBegin(update.update_id, msg.version)))
+            update.waiting.add(rec.agent_id)
+        return out + self._advance(now)
+
+    def _form_group(self, now: float) -> list:
+        """Every agent confirmed its engines: the group is those engines; answer the ``UpdateWeights``."""
+        update = self.lock
+        msg = update.request
+        peer, req = update.waiter
+        members, world_size, identity = self.group(update.confirmed)
         if not members:
-            self.lock = None
-            why = "no engine is up to receive a distributed weight update (no alive agent with a healthy engine)"
-            return [Send(peer, p.Error("weights", why, msg.req))]
-        out: list = [
-            self._to(rec.agent_id, p.WeightsBegin(update.update_id, msg.version))
-            for rec in self.core.membership.alive()
-        ]
+            return self.abort(
+                f"weight update {update.update_id:#x} to version {update.version}: no engine is up to receive it "
+                "(no alive agent confirmed an engine: every one is dead, restarting, or still held by a failed update)",
+                now,
+            )
+        update.waiter, update.formed = None, True
         identity = (identity, msg.session, msg.master_address, msg.backend)
+        out: list = []
         init = identity != self._last_group
-        update.members, update.world_size, update.step = members, world_size, "begin"
+        update.members, update.world_size, update.step = members, world_size, "group"
         update.group_name = f"rollfleet-{update.update_id:x}" if init else self._group_name
         if init:
             self._last_group, self._group_name = identity, update.group_name
@@ -255,8 +290,8 @@ class WeightUpdates:
             "init": init,
             "rank_offsets": {k: v for offsets in members.values() for k, v in offsets.items()},
         }
-        reply = p.Ok(msg.req, result)
-        self._remember((msg.session, msg.req), reply)
+        reply = p.Ok(req, result)
+        self._remember((msg.session, req), reply)
         return out + [Send(peer, reply)]
 
     def _current(self, peer: bytes, msg: p.Message) -> tuple[Update | None, list]:
@@ -274,9 +309,9 @@ class WeightUpdates:
         lock, err = self._current(peer, msg)
         if lock is None:
             return err
-        if lock.kind != "distributed" or lock.finishing:
+        if lock.kind != "distributed" or lock.finishing or not lock.formed:
             return [Send(peer, p.Error("bad_request", f"update {lock.update_id:#x} takes no more buckets", msg.req))]
-        lock.deadline = now + lock.timeout
+        lock.deadline, lock.seen = now + lock.timeout, now
         if msg.seq in lock.buckets:
             return [Send(peer, p.Ok(msg.req, {"seq": msg.seq}))]  # resent: forwarded already
         lock.step = "bucket"
@@ -309,10 +344,36 @@ class WeightUpdates:
             return err
         if lock.kind != "distributed":
             return [Send(peer, p.Error("bad_request", f"update {lock.update_id:#x} is a disk update", msg.req))]
+        if not lock.formed:
+            return [Send(peer, p.Error("bad_request", f"update {lock.update_id:#x} has no group yet", msg.req))]
         lock.waiter = (peer, msg.req)
         lock.finishing = True
-        lock.deadline = now + lock.timeout
+        lock.deadline, lock.seen = now + lock.timeout, now
         return self._advance(now)
+
+    def on_abort_request(self, peer: bytes, msg: p.AbortWeights, now: float) -> list:
+        """The trainer's own side of its update failed: end it now, not at its deadline."""
+        refused = self._refuse(peer, msg)
+        if refused:
+            return refused
+        lock = self.lock
+        out: list = []
+        if lock is not None and lock.update_id == msg.update_id and lock.session == msg.session:
+            why = msg.why or "no detail"
+            out = self.abort(
+                f"weight update {lock.update_id:#x} to version {lock.version} failed in its trainer: {why}", now
+            )
+        return out + [Send(peer, p.Ok(msg.req, {"update_id": msg.update_id}))]
+
+    def on_alive(self, peer: bytes, msg: p.WeightsAlive, now: float) -> list:
+        """The trainer of a broadcast in flight is alive (its heartbeat while the call runs)."""
+        refused = self._refuse(peer, msg)
+        if refused:
+            return refused
+        lock = self.lock
+        if lock is not None and lock.session == msg.session:
+            lock.seen = now
+        return [Send(peer, p.Ok(msg.req, {"update_id": lock.update_id if lock is not None else 0}))]
 
     def trainer_gone(self, session: int, why: str, now: float) -> list:
         """The trainer of ``session`` was fenced or detached: its distributed update cannot finish."""
@@ -346,7 +407,10 @@ class WeightUpdates:
             return self.abort(
                 f"weight update {lock.update_id:#x} to version {lock.version} failed at step {msg.step}: {error}", now
             )
-        if msg.step in ("disk", "finish"):
+        if msg.step == "begin" and not lock.formed:
+            lock.confirmed[agent] = [str(n) for n in msg.members]
+            lock.waiting.discard(agent)
+        elif msg.step in ("disk", "finish"):
             lock.waiting.discard(agent)
         elif msg.step == "init":
             lock.init_pending.discard(agent)
@@ -393,7 +457,7 @@ class WeightUpdates:
         if lock is None:
             return []
         for agent in self._lost():
-            if lock.kind == "distributed" and agent in lock.members and lock.step != "finish":
+            if lock.kind == "distributed" and agent in lock.members and lock.formed and lock.step != "finish":
                 return self.abort(
                     f"weight update {lock.update_id:#x} aborted: agent {agent}, in the group, was lost", now
                 )
@@ -403,6 +467,8 @@ class WeightUpdates:
             lock.init_pending.discard(agent)
             for waiting in lock.buckets.values():
                 waiting.discard(agent)
+        if lock.kind == "distributed" and not lock.formed:
+            return [] if lock.waiting else self._form_group(now)
         if lock.kind == "distributed" and lock.step != "finish":
             if not (lock.finishing and not lock.init_pending and not any(lock.buckets.values())):
                 return []
@@ -421,6 +487,7 @@ class WeightUpdates:
 
     def _complete(self, now: float) -> list:
         lock, self.lock = self.lock, None
+        self.partial = ""
         log = self.log
         self.log = WeightLog(
             lock.version,
@@ -443,6 +510,8 @@ class WeightUpdates:
         if lock is None:
             return []
         self._last_group = None
+        if lock.kind == "disk" or lock.buckets:
+            self.partial = why
         self._failed[lock.update_id] = why
         while len(self._failed) > REPLIES_KEPT:
             del self._failed[next(iter(self._failed))]
@@ -466,6 +535,13 @@ class WeightUpdates:
             return self.abort(
                 f"weight update {lock.update_id:#x} to version {lock.version} missed its deadline "
                 f"({lock.timeout:g}s) at step {lock.step}: waiting for {self._pending(lock)}",
+                now,
+            )
+        ttl = self.core.liveness.ttl
+        if lock.kind == "distributed" and now - lock.seen > ttl:
+            return self.abort(
+                f"weight update {lock.update_id:#x} to version {lock.version} aborted at step {lock.step}: its "
+                f"trainer {lock.holder} was silent for {now - lock.seen:.1f}s (session TTL {ttl:g}s), presumed dead",
                 now,
             )
         return self._advance(now)

@@ -177,6 +177,15 @@ MUTATIONS = [
     ),
     Mutation(
         "8",
+        "generate-fn-first-span-version",
+        "a sample from a generate function reports its first span's weight version, not its last",
+        "agent/custom_rollout.py",
+        '        weight_version=str(spans[-1][0]) if spans else "",\n',
+        '        weight_version=str(spans[0][0]) if spans else "",\n',
+        "tests/unit/test_custom_rollout_versions.py",
+    ),
+    Mutation(
+        "8",
         "version-mismatch-unchecked",
         "an engine that does not report the new version passes",
         "agent/weights.py",

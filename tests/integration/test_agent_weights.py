@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -247,6 +249,19 @@ async def test_an_abort_after_a_disk_update_reloads_the_last_checkpoint(tmp_path
         assert report.ok, report.error
         assert await versions(n) == {"sim-0": "2", "sim-1": "2"}
         assert sorted(n.supervisor.urls("healthy")) == ["sim-0", "sim-1"]
+
+
+async def test_an_engine_sigkilled_as_a_disk_update_starts_is_left_out_and_catches_up(tmp_path):
+    async with node(tmp_path) as n:
+        os.kill(n.supervisor.pids()["sim-1"], signal.SIGKILL)
+        n.handle(MessageReceived(p.WeightsFromDisk(1, 3, str(tmp_path))))
+        report = await n.wait_report("disk")
+        # A disk load is whole per engine: the death fails nothing, the survivor holds the version.
+        assert report.ok, report.error
+        assert report.engines == {"sim-0": 3}
+        assert n.weights.current.version == 3
+        await wait_for_async(lambda: n.supervisor.state("sim-1") == "healthy", 30, "the restart")
+        assert await versions(n) == {"sim-0": "3", "sim-1": "3"}, "the restart loaded the recorded checkpoint"
 
 
 # ---------------------------------------------------------------------------- version mismatch

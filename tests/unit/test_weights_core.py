@@ -166,10 +166,16 @@ def test_an_agent_registering_during_a_disk_update_joins_it_and_a_lost_one_is_le
 # ---------------------------------------------------------------------- broadcasts
 
 
-def broadcast(core, session, version, req=20, address="127.0.0.1", port=29500):
-    return core.handle(
-        b"trainer", p.UpdateWeights(session, req, version, "distributed", "", address, port, "gloo"), 0.0
-    )
+def broadcast(core, session, version, req=20, address="127.0.0.1", port=29500, confirmed=None, now=0.0):
+    """Begin a broadcast; each agent sent ``WeightsBegin`` confirms its engines up (or ``confirmed[agent]``)."""
+    eff = core.handle(b"trainer", p.UpdateWeights(session, req, version, "distributed", "", address, port, "gloo"), now)
+    for begin in sends(eff, p.WeightsBegin):
+        rec = core.membership.agents[begin.to]
+        up = [e["name"] for e in rec.engines if e.get("state") in ("healthy", "stale")]
+        members = (confirmed or {}).get(begin.to, up)
+        msg = p.WeightsReport(rec.session, begin.msg.update_id, "begin", True, 0, {}, "", members)
+        eff += core.handle(begin.to.encode(), msg, now)
+    return eff
 
 
 def finish_broadcast(core, session, uid, agents, buckets=1, req=30, init=True):
@@ -408,3 +414,103 @@ def test_unbounded_staleness_keeps_acceptance_order_and_admission():
     _, eff = register(core, "a")
     assert len(granted(eff)) == 8
     assert core.staleness.budget(100, 100, 0) is None
+
+
+# ---------------------------------------------------------------------- failures give the fleet back
+
+
+def test_the_group_is_formed_of_confirmed_engines_once_every_agent_answered():
+    """``UpdateWeights`` is answered only when every agent confirmed its engines; an engine its agent
+    did not confirm (dead, or still in a failed broadcast) holds no rank, whatever the status said."""
+    core = make_core()
+    register(core, "a", engines("e0", "e1"))
+    register(core, "b", engines("e0"))
+    session, _ = attach(core)
+    eff = core.handle(b"trainer", p.UpdateWeights(session, 20, 1, "distributed", "", "127.0.0.1", 29500, "gloo"), 0.0)
+    assert sorted(s.to for s in sends(eff, p.WeightsBegin)) == ["a", "b"]
+    assert not sends(eff, to=b"trainer") and not sends(eff, p.WeightsInitGroup)
+    uid = sends(eff, p.WeightsBegin)[0].msg.update_id
+    assert core.statistics().weights["lock"]["step"] == "begin"
+    a = p.WeightsReport(core.membership.agents["a"].session, uid, "begin", True, 0, {}, "", ["e1"])
+    assert not sends(core.handle(b"a", a, 0.0), to=b"trainer")
+    b = p.WeightsReport(core.membership.agents["b"].session, uid, "begin", True, 0, {}, "", ["e0"])
+    eff = core.handle(b"b", b, 0.0)
+    result = reply(eff).result
+    assert result["rank_offsets"] == {"a/e1": 1, "b/e0": 2} and result["world_size"] == 3 and result["init"]
+    assert {s.to: s.msg.rank_offsets for s in sends(eff, p.WeightsInitGroup)} == {"a": {"a/e1": 1}, "b": {"b/e0": 2}}
+
+
+def test_no_engine_confirmed_fails_the_update_at_once_and_gives_the_fleet_back():
+    core = make_core(prefetch=0)
+    register(core, "a")
+    session, _ = attach(core)
+    eff = broadcast(core, session, 1, confirmed={"a": []})
+    assert reply(eff).code == "weights" and "no engine" in reply(eff).message
+    assert core.weights.lock is None and sends(eff, p.WeightsAbort, to="a")
+    assert grants(core.handle(b"trainer", p.Generate(session, 11, 0), 0.0)), "admission goes on"
+
+
+def test_the_trainers_own_failure_releases_the_lock_at_once_and_the_next_update_forms_a_new_group():
+    """``AbortWeights`` (the trainer's broadcast raised): the lock is released in the same turn, admission
+    resumes, every agent gives the update up, and the next update forms a new group under a new name."""
+    core = make_core(prefetch=0)
+    register(core, "a")
+    session, _ = attach(core)
+    first = reply(broadcast(core, session, 1)).result
+    finish_broadcast(core, session, first["update_id"], ["a"])
+    begun = reply(broadcast(core, session, 2, req=40)).result
+    assert not begun["init"]  # the same fleet and trainer: the group is kept
+    uid = begun["update_id"]
+    core.handle(b"trainer", p.WeightBucket(session, 41, uid, 0, ["w"], ["float32"], [[2]]), 0.0)
+    core.handle(b"trainer", p.Generate(session, 42, 0), 0.0)
+    why = "RuntimeError: [gloo/transport/tcp/pair.cc:561] Connection closed by peer"
+    eff = core.handle(b"trainer", p.AbortWeights(session, 43, uid, why), 0.0)
+    assert isinstance(reply(eff), p.Ok) and core.weights.lock is None
+    assert [s.msg.update_id for s in sends(eff, p.WeightsAbort)] == [uid]
+    assert grants(eff), "admission resumes in the same turn"
+    assert "Connection closed by peer" in core.weights.partial
+    late = core.handle(b"trainer", p.FinishWeights(session, 44, uid), 0.0)
+    assert reply(late).code == "weights" and "failed in its trainer" in reply(late).message
+    again = reply(broadcast(core, session, 2, req=50, port=29511)).result
+    assert again["init"] and again["group_name"] not in (first["group_name"], begun["group_name"])
+    # An abort for an update already over changes nothing and is answered.
+    assert isinstance(reply(core.handle(b"trainer", p.AbortWeights(session, 51, uid, "late"), 0.0)), p.Ok)
+    assert core.weights.lock is not None
+
+
+def test_a_broadcast_whose_trainer_falls_silent_is_aborted_at_the_ttl_not_the_deadline():
+    """The session's liveness: ``WeightsAlive`` (or any message of the update) keeps the lock; silence past
+    the TTL (3 s here) aborts the update though its deadline (300 s) is far."""
+    core = make_core(prefetch=0)
+    register(core, "a")
+    session, _ = attach(core)
+    uid = reply(broadcast(core, session, 1)).result["update_id"]
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):
+        core.handle(b"a", p.Heartbeat(core.membership.agents["a"].session), t)
+        core.handle(b"trainer", p.WeightsAlive(session, int(t * 10)), t)
+        assert not sends(tick(core, t), p.WeightsAbort), t
+    assert core.weights.lock is not None
+    core.handle(b"trainer", p.Generate(session, 90, 0), 5.0)
+    eff = []
+    for t in (6.0, 7.0, 8.0, 8.5):
+        core.handle(b"a", p.Heartbeat(core.membership.agents["a"].session), t)
+        eff += tick(core, t)
+    assert core.weights.lock is None and [s.msg.update_id for s in sends(eff, p.WeightsAbort)] == [uid]
+    assert grants(eff)
+    late = core.handle(b"trainer", p.FinishWeights(session, 91, uid), 9.0)
+    assert "silent" in reply(late).message and "presumed dead" in reply(late).message
+
+
+def test_no_capacity_names_a_partial_update_not_a_restart():
+    core = make_core(prefetch=0)
+    register(core, "a")
+    session, _ = attach(core)
+    uid = reply(broadcast(core, session, 1)).result["update_id"]
+    core.handle(b"trainer", p.WeightBucket(session, 21, uid, 0, ["w"], ["float32"], [[2]]), 0.0)
+    core.handle(b"trainer", p.AbortWeights(session, 22, uid, "RuntimeError: boom"), 0.0)
+    rec = core.membership.agents["a"]
+    hb = p.Heartbeat(rec.session)
+    core.handle(b"a", hb, 0.1)
+    rec.engines = engines("e0", state="stale")  # what the agent reports after the abort
+    why = core.batches.no_capacity()
+    assert why is not None and "part of a failed weight update" in why and "boom" in why and "restart" not in why
