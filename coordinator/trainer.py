@@ -55,6 +55,9 @@ class TrainerSessions:
         self._last_attach: tuple[str, int] = ("", 0)
         self.paused = restored.paused
         self.drain_waiters: list[tuple[bytes, int]] = []
+        self.state_waiters: list[tuple[bytes, p.StateDict]] = []
+        """``state_dict`` calls made while paused with a lease in flight again (one an agent re-registering
+        after a restart or an outage declared): answered once it ends, like a drain."""
         self.prefetch = core.config.effective_prefetch
         self._requests = {
             p.Pause: self.on_pause,
@@ -167,7 +170,9 @@ class TrainerSessions:
         then: list = [Send(r.agent_id, p.Control("resume")) for r in self.core.membership.alive()]
         why = "generation was resumed before the drain completed"
         then += [Send(peer, p.Error("resumed", why, req)) for peer, req in self.drain_waiters]
+        then += [Send(peer, p.Error("resumed", why, msg.req)) for peer, msg in self.state_waiters]
         self.drain_waiters.clear()
+        self.state_waiters.clear()
         return [self.core.persist([SetPaused(False)], then)]
 
     def on_resume(self, peer: bytes, msg: p.Resume, now: float) -> list:
@@ -177,10 +182,13 @@ class TrainerSessions:
 
     def answer_drained(self) -> list:
         """Answer the pauses waiting for their drain once no lease is in flight."""
-        if not self.drain_waiters or self.core.admission.leases:
+        if not (self.drain_waiters or self.state_waiters) or self.core.admission.leases:
             return []
         out = [Send(peer, p.Ok(req, {"leased": 0})) for peer, req in self.drain_waiters]
         self.drain_waiters.clear()
+        waiting, self.state_waiters = self.state_waiters, []
+        for peer, msg in waiting:
+            out += self.on_state_dict(peer, msg, self.core.now)
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -188,7 +196,13 @@ class TrainerSessions:
     def on_state_dict(self, peer: bytes, msg: p.StateDict, now: float) -> list:
         core, batches = self.core, self.core.batches
         leased = len(core.admission.leases)
-        if not self.paused or leased:
+        if self.paused and leased:
+            # Drained once, but a lease is in flight again (an agent re-registered and declared it):
+            # answered when it ends, as the drain was.
+            self.state_waiters = [(w, m) for w, m in self.state_waiters if m.req != msg.req or w != peer]
+            self.state_waiters.append((peer, msg))
+            return []
+        if not self.paused:
             why = (
                 f"state_dict needs a paused and drained rollout (paused={self.paused}, leases in flight={leased}); "
                 "call pause(drain=True) first"

@@ -615,3 +615,22 @@ def test_a_resent_welcome_carries_todays_pause():
     core.handle(b"trainer", p.Pause(session, 2), 0.5)
     again = sends(core.handle(b"a", _register_msg(req=3), 1.0), p.Welcome)[0].msg
     assert again.session == before.session and not before.paused and again.paused
+
+
+def test_a_state_dict_while_paused_waits_for_a_lease_an_agent_declared_after_the_drain():
+    core = make_core(batch=1, prefetch=0, ttl=2.0)
+    register(core)
+    session = attach(core)
+    g = grants(core.handle(b"trainer", p.Generate(session, 0, 0), 0.0))[0]
+    ctl = lambda msg, now: core.handle(b"trainer", msg, now)
+    assert sends(ctl(p.Pause(session, 7, drain=True), 0.0), p.Ok) == []  # the lease is in flight
+    # The agent goes silent past its TTL: its lease ends, and the drain is answered.
+    assert sends(tick(core, 5.0), p.Ok)[0].msg.req == 7 and not core.admission.leases
+    # It comes back declaring the group it still works on: the lease is in flight again.
+    welcome, _ = register(core, now=5.0, in_flight=[[g["lease"], g["data_epoch"], g["index"]]])
+    assert list(core.admission.leases) == [g["lease"]]
+    eff = ctl(p.StateDict(session, 8, 0), 5.0)
+    assert sends(eff, p.Error) == [] and sends(eff, p.Ok) == [], "neither refused nor answered while it runs"
+    eff, _ = receipt(core, welcome.session, g, now=5.5)
+    [ok] = [s.msg for s in sends(eff, p.Ok) if s.msg.req == 8]
+    assert ok.result["rollout_id"] == 0
