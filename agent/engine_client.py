@@ -189,6 +189,14 @@ class EngineClient:
         body = {"new_version": new_version, "abort_all_requests": False}
         return await self._weights_call(url, "/update_weight_version", body)
 
+    async def get_weights_by_name(self, url: str, name: str, truncate_size: int) -> list | float:
+        """SGLang's ``/get_weights_by_name``: the first ``truncate_size`` rows of parameter ``name``."""
+        try:
+            body = {"name": name, "truncate_size": truncate_size}
+            return await self._post(url, "/get_weights_by_name", body, timeout=60)
+        except EngineError as exc:
+            raise type(exc)(f"{url}/get_weights_by_name {name!r} failed: {_message(str(exc))}") from None
+
     async def _weights_call(self, url: str, path: str, body: dict) -> dict:
         """One weight-update endpoint: ``{"success", "message"}``; EngineError with SGLang's message otherwise
         (``EngineRejected`` for a 4xx answer: the engine refused, e.g. a group that does not exist)."""

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Callable
 
 from agent.engine_client import EngineClient, parse_version
@@ -298,6 +299,8 @@ class WeightsExecutor:
         async def label(name: str, url: str) -> None:
             await self.client.update_weight_version(url, str(msg.version))
             await self.client.flush_cache(url, deadline=self.flush_deadline)
+            if msg.verify:
+                await self._check_values(name, url, msg.verify)
             await self.client.continue_generation(url)
             await self._verify(name, url, msg.version)
 
@@ -371,6 +374,18 @@ class WeightsExecutor:
     async def _continue_paused(self, *, deadline: float | None = None) -> dict[str, str]:
         paused, self._paused = self._paused, {}
         return await self._each(paused, lambda name, url: self.client.continue_generation(url), deadline=deadline)
+
+    async def _check_values(self, name: str, url: str, verify: dict) -> None:
+        """A verified update: the engine holds exactly the rows the trainer sent of each sampled tensor
+        (``/get_weights_by_name``); EngineError naming the first tensor that differs."""
+        rows = int(verify.get("rows", 1))
+        for tensor, expected in dict(verify.get("values", {})).items():
+            got = await self.client.get_weights_by_name(url, tensor, rows)
+            if not _same(got, expected):
+                raise EngineError(
+                    f"{url} holds weights that differ from what the trainer sent: {tensor!r} (first {rows} rows: "
+                    f"{_brief(got)} on the engine, {_brief(expected)} sent)"
+                )
 
     async def _verify(self, name: str, url: str, version: int) -> None:
         """``/model_info`` must say ``str(version)``; EngineError naming the engine otherwise."""
@@ -453,3 +468,33 @@ class WeightsExecutor:
         if mark:
             self._set_serving(name, True)
         return True
+
+
+def _same(got, expected, rtol: float = 1e-5) -> bool:
+    """Whether two nested lists of numbers match in shape and value (NaN matches NaN; an engine that
+    rounds through another dtype on the way out, within ``rtol``)."""
+    if isinstance(expected, list):
+        return (
+            isinstance(got, list)
+            and len(got) == len(expected)
+            and all(_same(g, e, rtol) for g, e in zip(got, expected, strict=True))
+        )
+    if not isinstance(got, (int, float)) or isinstance(got, bool):
+        return False
+    if math.isnan(expected) or math.isnan(got):
+        return math.isnan(expected) and math.isnan(got)
+    return got == expected or abs(got - expected) <= rtol * max(abs(expected), abs(got))
+
+
+def _brief(values, limit: int = 6) -> str:
+    """The first few numbers of a nested list, for an error message."""
+    flat: list = []
+    stack = [values]
+    while stack and len(flat) <= limit:
+        item = stack.pop(0)
+        if isinstance(item, list):
+            stack[:0] = item
+        else:
+            flat.append(item)
+    more = ", ..." if len(flat) > limit else ""
+    return "[" + ", ".join(f"{v:.6g}" if isinstance(v, float) else repr(v) for v in flat[:limit]) + more + "]"

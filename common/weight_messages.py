@@ -56,6 +56,9 @@ class FinishWeights(Message):
     session: int
     req: int
     update_id: int
+    verify: dict = field(default_factory=dict)
+    """A verified update: ``{"rows": k, "values": {name: the first k rows as floats}}`` of a few of
+    the tensors sent; every engine must hold exactly those (``/get_weights_by_name``)."""
 
 
 @message
@@ -135,6 +138,8 @@ class WeightsFinish(Message):
     TYPE = "weights_finish"
     update_id: int
     version: int
+    verify: dict = field(default_factory=dict)
+    """``FinishWeights.verify``: checked on every engine of the group before it serves the version."""
 
 
 @message

@@ -358,14 +358,18 @@ class AsyncRolloutClient:
         backend: str = "nccl",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: float = DEFAULT_TIMEOUT,
+        verify: bool | None = None,
     ) -> dict:
         """Broadcast ``named_tensors`` (a mapping or ``(name, tensor)`` pairs) to every engine as rank 0,
         in buckets of up to ``bucket_bytes``; returns as ``update_weights_from_disk`` does.
 
         ``backend="gloo"`` works on CPU tensors. ``timeout`` is the update's deadline (restarted by each
-        bucket) and the process group's. Errors as ``update_weights_from_disk``.
+        bucket) and the process group's. ``verify``: every engine's copy of the first, middle and last
+        tensor is compared with what was sent (``/get_weights_by_name``, their first rows) before it
+        serves; a mismatch fails the update naming the engine. ``None`` (default): the first update
+        of a group and every tenth after. Errors as ``update_weights_from_disk``.
         """
-        return await self._weights.broadcast(named_tensors, version, backend, bucket_bytes, timeout)
+        return await self._weights.broadcast(named_tensors, version, backend, bucket_bytes, timeout, verify)
 
     async def weight_version(self) -> int:
         """The fleet's current weight version (the last update recorded)."""
@@ -453,10 +457,11 @@ class RolloutClient:
         backend: str = "nccl",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: float = DEFAULT_TIMEOUT,
+        verify: bool | None = None,
     ) -> dict:
         return self._run(
             self._async.update_weights(
-                named_tensors, version, backend=backend, bucket_bytes=bucket_bytes, timeout=timeout
+                named_tensors, version, backend=backend, bucket_bytes=bucket_bytes, timeout=timeout, verify=verify
             )
         )
 

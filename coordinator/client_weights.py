@@ -51,6 +51,10 @@ log = logging.getLogger("rollfleet.client.weights")
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 DEFAULT_TIMEOUT = 300.0
+VERIFY_EVERY = 10
+"""With ``verify=None`` (the default) the first update of a group is verified, then every tenth."""
+VERIFY_ROWS = 4
+"""Rows of each sampled tensor a verified update compares on every engine."""
 ABORT_DEADLINE = 5.0
 """Seconds the client spends telling the coordinator its side of an update failed."""
 
@@ -98,12 +102,25 @@ def buckets(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int) -> list
     return out
 
 
+def verify_values(items: list[tuple[str, Any]], rows: int = VERIFY_ROWS) -> dict:
+    """``FinishWeights.verify`` for ``items``: the first ``rows`` rows (as floats) of the first, middle and
+    last tensor sent, which every engine must then hold (``/get_weights_by_name``)."""
+    picks = sorted({0, len(items) // 2, len(items) - 1})
+    values = {}
+    for i in picks:
+        name, tensor = items[i]
+        t = tensor.detach().to("cpu")
+        values[name] = float(t.float()) if t.dim() == 0 else t[:rows].float().tolist()
+    return {"rows": rows, "values": values}
+
+
 class WeightSender:
     def __init__(self, client: AsyncRolloutClient):
         self.client = client
         self.group: Any = None
         self.group_name = ""
         self.version: int | None = None
+        self.updates = 0  # broadcasts attempted: every VERIFY_EVERY-th is verified by default
 
     async def from_disk(self, path: str, version: int, timeout: float) -> dict:
         result = await self.client._request(
@@ -113,7 +130,9 @@ class WeightSender:
         self.version = result["version"]
         return result
 
-    async def broadcast(self, named_tensors, version: int, backend: str, bucket_bytes: int, timeout: float) -> dict:
+    async def broadcast(
+        self, named_tensors, version: int, backend: str, bucket_bytes: int, timeout: float, verify: bool | None = None
+    ) -> dict:
         # References to the tensors, not copies, kept for the call's duration: a retry sends them
         # again, also when they came from a generator such as ``model.named_parameters()``.
         items = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
@@ -126,14 +145,14 @@ class WeightSender:
         beat.set_name(f"weights-alive-{version}")
         try:
             try:
-                return await self._attempt(items, int(version), backend, bucket_bytes, float(timeout), what)
+                return await self._attempt(items, int(version), backend, bucket_bytes, float(timeout), what, verify)
             except WeightUpdateError as exc:
                 if exc.code != "weights":
                     raise
                 # An engine lost in the update (or a broken link) failed it: the coordinator aborted it
                 # and released the lock. Once more, on a new group of the engines confirmed now.
                 log.warning("%s failed, retrying once on a new group: %s", what, exc)
-            return await self._attempt(items, int(version), backend, bucket_bytes, float(timeout), what)
+            return await self._attempt(items, int(version), backend, bucket_bytes, float(timeout), what, verify)
         finally:
             beat.cancel()
             await asyncio.gather(beat, return_exceptions=True)
@@ -148,7 +167,9 @@ class WeightSender:
             except RolloutError as exc:
                 log.debug("%s heartbeat: %s", what, exc)  # the call itself meets the same error
 
-    async def _attempt(self, items, version: int, backend: str, bucket_bytes: int, timeout: float, what: str) -> dict:
+    async def _attempt(
+        self, items, version: int, backend: str, bucket_bytes: int, timeout: float, what: str, verify: bool | None
+    ) -> dict:
         """One update: a new ``UpdateWeights``, the group, the buckets, ``FinishWeights``."""
         address = master_address(self.client.address)
         port = free_port(address)
@@ -197,7 +218,10 @@ class WeightSender:
                     f"{what} bucket {seq}",
                 )
                 await asyncio.to_thread(weight_group.broadcast, self.group, tensors)
-            result = await self.client._request(lambda s, req: p.FinishWeights(s, req, update_id), what)
+            self.updates += 1
+            checked = verify if verify is not None else (begun["init"] or self.updates % VERIFY_EVERY == 0)
+            values = verify_values(items) if checked else {}
+            result = await self.client._request(lambda s, req: p.FinishWeights(s, req, update_id, values), what)
         except (RemoteError, StateError):
             # The coordinator answered with an error: it has ended the update already.
             await asyncio.shield(self._destroy())  # the next update forms a new group

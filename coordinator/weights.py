@@ -90,6 +90,8 @@ class Update:
     """Distributed: the group is chosen and the ``UpdateWeights`` answered."""
     request: p.UpdateWeights | None = None
     """Distributed: the request that began it (its address, port and backend form the group)."""
+    verify: dict = field(default_factory=dict)
+    """Distributed: ``FinishWeights.verify``, passed on to every agent's finish step."""
 
 
 class WeightUpdates:
@@ -347,6 +349,7 @@ class WeightUpdates:
         if not lock.formed:
             return [Send(peer, p.Error("bad_request", f"update {lock.update_id:#x} has no group yet", msg.req))]
         lock.waiter = (peer, msg.req)
+        lock.verify = dict(msg.verify)
         lock.finishing = True
         lock.deadline, lock.seen = now + lock.timeout, now
         return self._advance(now)
@@ -475,7 +478,7 @@ class WeightUpdates:
             lock.step = "finish"
             out = []
             for rec in self.core.membership.alive():
-                out.append(self._to(rec.agent_id, p.WeightsFinish(lock.update_id, lock.version)))
+                out.append(self._to(rec.agent_id, p.WeightsFinish(lock.update_id, lock.version, lock.verify)))
                 lock.waiting.add(rec.agent_id)
             return out + self._advance(now)
         if lock.waiting:

@@ -47,6 +47,7 @@ Checks, each reported as a problem naming the prompt, group or agent:
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -121,7 +122,8 @@ class Findings:
     evaluations: int = 0
     """Evaluation passes that returned, each counting every evaluation prompt once (harness/chaos_eval.py)."""
     weight_updates: dict = field(default_factory=dict)
-    """Update attempts by outcome: ``{"disk": ok, "distributed": ok, "failed": n}``."""
+    """Update attempts by outcome: ``{"disk": ok, "distributed": ok, "failed": n}``, and with failures
+    ``failure_causes``: how many failed of each cause (the error with its numbers and ids taken out)."""
     problems: list[str] = field(default_factory=list)
 
 
@@ -359,9 +361,11 @@ def _check_weights(ev: RunEvidence, out: Findings) -> None:
             out.problems.append(f"weights: serving engine {key} reports version {label!r}, the fleet is on {current}")
     counts = Counter(dict.fromkeys(("disk", "distributed", "failed"), 0))
     last = None
+    causes: Counter = Counter()
     for rec in ev.weight_updates:
         if not rec["ok"]:
             counts["failed"] += 1
+            causes[failure_cause(rec.get("error", ""))] += 1
             continue
         counts[rec["kind"]] += 1
         version = rec["version"]
@@ -372,6 +376,8 @@ def _check_weights(ev: RunEvidence, out: Findings) -> None:
         if off:
             out.problems.append(f"weights: update to {version} answered ok with engines {off} off it")
     out.weight_updates = dict(counts)
+    if causes:
+        out.weight_updates["failure_causes"] = dict(causes.most_common())
     if last is not None and current < last:
         out.problems.append(f"weights: the coordinator is on version {current}, below {last}, recorded as pushed")
     pushed = counts["disk"] + counts["distributed"]
@@ -380,3 +386,10 @@ def _check_weights(ev: RunEvidence, out: Findings) -> None:
     for kind in ev.weight_kinds:
         if counts[kind] < 1:
             out.problems.append(f"weights: no {kind} update succeeded ({counts['failed']} failed)")
+
+
+def failure_cause(error: str) -> str:
+    """A failed weight update's error with its numbers, ids, addresses and paths taken out, so that
+    failures of one cause count together in the summary."""
+    text = re.sub(r"0x[0-9a-f]+|\[[^\]]*\]|/\S+|\d+(\.\d+)?", "#", error)
+    return re.sub(r"\s+", " ", text).strip()[:160]

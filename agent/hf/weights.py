@@ -40,6 +40,10 @@ class ModelWeights:
             self._digest = weights_digest((n, p.detach()) for n, p in self.model.named_parameters())
         return self._digest
 
+    def get(self, name: str) -> torch.Tensor | None:
+        """The model's parameter or buffer ``name`` (``/get_weights_by_name``); None if it has none."""
+        return self.state.get(name)
+
     def check(self, named: dict[str, Any]) -> list[tuple[torch.Tensor, Any]]:
         """``(target, source)`` pairs for ``named``; WeightError naming the first bad name or shape."""
         unknown = [name for name in named if name not in self.state]

@@ -98,6 +98,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help=f"exit with code {CRASH_EXIT_CODE} after answering N /generate calls (0 = never)",
     )
+    g.add_argument(
+        "--corrupt-broadcasts",
+        action="store_true",
+        help="a testing aid: every tensor received by /update_weights_from_distributed is stored with its "
+        "first element changed (a receive that goes wrong silently), which a verified update must catch",
+    )
     c = parser.add_argument_group(
         "sglang.launch_server compatibility",
         "accepted so the sim runs from an SGLang command line; tp/dp sizes are only reported in /server_info",

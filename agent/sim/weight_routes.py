@@ -100,12 +100,28 @@ class WeightHandlers:
         async def receive() -> web.Response:
             try:
                 named = await groups.receive(data)
+                if getattr(self.engine, "corrupt_broadcasts", False):
+                    named = {name: _corrupted(t) for name, t in named.items()}
                 self.engine.apply_weights(named, replace=False)
             except WeightError as exc:
                 return weights_reply(False, str(exc))
             return self._finish_update(data, "Succeeded to update parameter online.")
 
         return await self.scheduler.update_weights(receive)
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """SGLang's ``/get_weights_by_name {name, truncate_size}``: the parameter's first
+        ``truncate_size`` rows (first dimension) as nested lists of floats; 400 for a name it lacks."""
+        data = await read_json_body(request) if request.method == "POST" else dict(request.query)
+        name = data.get("name")
+        try:
+            size = int(data.get("truncate_size", 100))
+        except (TypeError, ValueError):
+            return json_response({"error": "truncate_size must be an integer"}, status=400)
+        tensor = self.engine.weights.get(name) if isinstance(name, str) else None
+        if tensor is None:
+            return json_response({"error": f"Get parameter by name failed: no parameter {name!r}"}, status=400)
+        return json_response(truncated_values(tensor, size))
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         data = await read_json_body(request)
@@ -135,3 +151,23 @@ def add_weight_routes(router: web.UrlDispatcher, engine: SimEngine) -> None:
     router.add_post("/update_weights_from_distributed", h.update_weights_from_distributed)
     router.add_post("/destroy_weights_update_group", h.destroy_weights_update_group)
     router.add_post("/update_weight_version", h.update_weight_version)
+    router.add_get("/get_weights_by_name", h.get_weights_by_name)
+    router.add_post("/get_weights_by_name", h.get_weights_by_name)
+
+
+def truncated_values(tensor, size: int) -> list | float:
+    """What ``/get_weights_by_name`` answers for ``tensor``: its first ``size`` rows as floats (a scalar
+    as one float). The trainer's side of a verified update computes the same from what it sent."""
+    t = tensor.detach().to("cpu")
+    if t.dim() == 0:
+        return float(t.float())
+    return t[: max(0, size)].float().tolist()
+
+
+def _corrupted(tensor):
+    """``tensor`` with its first element changed (``--corrupt-broadcasts``)."""
+    out = tensor.clone()
+    flat = out.view(-1)
+    if flat.numel():
+        flat[0] = flat[0] + 1
+    return out

@@ -84,6 +84,10 @@ class WeightStore:
             self._digest = weights_digest(self.tensors.items())
         return self._digest
 
+    def get(self, name: str) -> Any | None:
+        """The tensor held under ``name`` (``/get_weights_by_name``); None if none."""
+        return self.tensors.get(name)
+
     def apply(self, named: dict[str, Any], *, replace: bool) -> None:
         """Add (or with ``replace``, substitute) tensors; nothing changes if ``sim.accuracy`` is invalid."""
         accuracy = accuracy_of(named[ACCURACY_KEY]) if ACCURACY_KEY in named else None

@@ -20,6 +20,7 @@ import urllib.request
 
 import pytest
 
+from common.errors import WeightUpdateError
 from common.weights_digest import weights_digest
 from harness.polling import WaitAborted, wait_for
 
@@ -358,3 +359,29 @@ def test_an_engine_sigkilled_right_before_a_broadcast_leaves_the_update_succeedi
         assert 2 in set(result["engines"].values())
         assert cluster.status()["weights"]["version"] == 2
         assert len(client.generate(1).groups) == 8
+
+
+def test_a_verified_broadcast_fails_naming_the_engine_that_holds_other_weights(make_cluster):
+    """``update_weights(verify=True)``: every engine's copy of the sampled tensors is read back
+    (``/get_weights_by_name``) and compared with what was sent. An engine whose receive went wrong
+    silently (the sim's ``--corrupt-broadcasts``) fails the update, named, and serves nothing from it;
+    a fleet of sound engines passes the same check.
+
+    Turns red if the check is skipped, compares nothing, or names no engine.
+    """
+    torch = pytest.importorskip("torch")
+    cluster = make_cluster()
+    cluster.start_coordinator()
+    cluster.start_agent("good", engines=1, sim_args="--token-latency-ms 1")
+    tensors = {f"layer{i}.weight": torch.arange(64, dtype=torch.float32).reshape(8, 8) + i for i in range(4)}
+    with cluster.client(timeout=60) as client:
+        result = client.update_weights(tensors, 1, backend="gloo", timeout=60, verify=True)
+        assert set(result["engines"].values()) == {1}
+        cluster.start_agent("bad", engines=1, sim_args="--token-latency-ms 1 --corrupt-broadcasts")
+        wait_for(lambda: len(cluster.status()["weights"]["engines"]) == 2, 30, "the second agent's engine")
+        with pytest.raises(WeightUpdateError) as err:
+            client.update_weights(tensors, 2, backend="gloo", timeout=60, verify=True)
+        text = str(err.value)
+        assert "of agent bad" in text and "differ from what the trainer sent" in text, text
+        assert "of agent good" not in text
+        assert cluster.status()["weights"]["version"] == 1, "a failed verification records nothing"

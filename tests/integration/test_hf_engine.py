@@ -147,6 +147,11 @@ async def test_weight_updates_by_broadcast_and_from_disk_change_the_model_and_ke
         assert info["weight_version"] == "v1"
         assert info["weight_digest"] == weights_digest(named.items()) != digest0
         assert (await gen(s, greedy))["output_ids"] != before
+        # What a verified update reads back: a parameter's first rows, exactly as sent.
+        async with s.post("/get_weights_by_name", json={"name": names[-1], "truncate_size": 2}) as r:
+            assert await r.json() == named[names[-1]][:2].float().tolist()
+        async with s.post("/get_weights_by_name", json={"name": "no.such.weight"}) as r:
+            assert r.status == 400
         pairs = await sample_concurrently(s, engine, seed=1)
         assert max_logprob_diff(reference, pairs) < 1e-3
 

@@ -79,7 +79,12 @@ def test_a_consistent_run_passes():
     found = check(_evidence())
     assert found.problems == []
     assert (found.batches, found.duplicated, found.lost, found.unaccounted_prompts) == (2, 0, 0, 0)
-    assert found.weight_updates == {"disk": 1, "distributed": 1, "failed": 1}
+    assert found.weight_updates == {
+        "disk": 1,
+        "distributed": 1,
+        "failed": 1,
+        "failure_causes": {"WeightUpdateError: b# was lost": 1},
+    }
 
 
 def test_a_forgotten_prompt_is_reported():
