@@ -239,7 +239,9 @@ class EngineClient:
 
     async def model_info(self, url: str) -> dict:
         try:
-            async with self._session.get(url + "/model_info", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            # ``digest=0``: the sim and hf engines skip their weight digest (a hash of every tensor), which
+            # the agent never reads; SGLang ignores the parameter.
+            async with self._session.get(url + "/model_info?digest=0", timeout=aiohttp.ClientTimeout(total=30)) as resp:
                 if resp.status == 404:
                     async with self._session.get(url + "/get_model_info") as old:
                         return orjson.loads(await old.read())

@@ -203,21 +203,39 @@ class WeightSender:
                     f"{what}: the coordinator kept group {begun['group_name']!r}, which this trainer no longer holds",
                     code="weights",
                 )
-            for seq, bucket in enumerate(buckets(items, bucket_bytes)):
-                tensors = [_sendable(t, backend) for _, t in bucket]
-                await self.client._request(
-                    lambda s, req, seq=seq, bucket=bucket, tensors=tensors: p.WeightBucket(
-                        s,
-                        req,
-                        update_id,
-                        seq,
-                        [name for name, _ in bucket],
-                        [str(t.dtype).removeprefix("torch.") for t in tensors],
-                        [list(t.shape) for t in tensors],
-                    ),
-                    f"{what} bucket {seq}",
+            # Pipelined: bucket k+1 is announced (coordinator -> agents -> engines, which queue it) while
+            # bucket k is on the wire, so no round trip sits between two broadcasts.
+            planned = [
+                (seq, bucket, [_sendable(t, backend) for _, t in bucket])
+                for seq, bucket in enumerate(buckets(items, bucket_bytes))
+            ]
+
+            def announce(seq: int, bucket: list, tensors: list) -> asyncio.Task:
+                return asyncio.ensure_future(
+                    self.client._request(
+                        lambda s, req: p.WeightBucket(
+                            s,
+                            req,
+                            update_id,
+                            seq,
+                            [name for name, _ in bucket],
+                            [str(t.dtype).removeprefix("torch.") for t in tensors],
+                            [list(t.shape) for t in tensors],
+                        ),
+                        f"{what} bucket {seq}",
+                    )
                 )
-                await asyncio.to_thread(weight_group.broadcast, self.group, tensors)
+
+            pending = announce(*planned[0])
+            try:
+                for i, (_, _, tensors) in enumerate(planned):
+                    await pending
+                    pending = announce(*planned[i + 1]) if i + 1 < len(planned) else None
+                    await asyncio.to_thread(weight_group.broadcast, self.group, tensors)
+            finally:
+                if pending is not None and not pending.done():
+                    pending.cancel()
+                    await asyncio.gather(pending, return_exceptions=True)
             self.updates += 1
             checked = verify if verify is not None else (begun["init"] or self.updates % VERIFY_EVERY == 0)
             values = verify_values(items) if checked else {}

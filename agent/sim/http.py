@@ -209,7 +209,7 @@ class _Handlers:
         return web.Response(status=200 if self.engine.is_ready() and not self.scheduler.paused else 503)
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return json_response(info.model_info(self.engine))
+        return json_response(info.model_info(self.engine, digest=request.query.get("digest") != "0"))
 
     async def server_info(self, request: web.Request) -> web.Response:
         return json_response(info.server_info(self.engine))

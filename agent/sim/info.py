@@ -70,19 +70,24 @@ def loads_response(engine: SimEngine) -> dict:
     return {"timestamp": datetime.now(UTC).isoformat(), "version": version, "loads": [loads(engine)]}
 
 
-def model_info(engine: SimEngine) -> dict:
-    return {
+def model_info(engine: SimEngine, *, digest: bool = True) -> dict:
+    """``/model_info``; ``digest=False`` (``?digest=0``) leaves ``weight_digest`` out, which costs a hash of
+    every tensor held after each update: the agent, which reads only the label, asks that way."""
+    out = {
         "model_path": engine.model_path,
         "tokenizer_path": getattr(engine, "tokenizer_path", BYTE_TOKENIZER_NAME),
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": engine.weight_version,
-        "weight_digest": engine.weights.digest,
+        "weight_digest": engine.weights.digest if digest else None,
         "has_image_understanding": False,
         "has_audio_understanding": False,
         "model_type": getattr(engine, "model_type", "rollfleet-sim"),
         "architectures": getattr(engine, "architectures", ["RollfleetSim"]),
     }
+    if not digest:
+        del out["weight_digest"]
+    return out
 
 
 def server_info(engine: SimEngine) -> dict:
