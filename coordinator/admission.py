@@ -19,6 +19,18 @@ Invariants kept here:
   agent that holds it.
 - A lease lost in transit (a dropped Grant, Filtered or Release) is released
   by heartbeat reconciliation, never leaked.
+- A silent agent's work is held, not handed on (``held``): when an agent is
+  presumed dead (silent past the TTL) its training leases stay its own, their
+  prompts LEASED, so when a partition heals the groups it made meanwhile are
+  accepted, not refused as duplicates of a second agent's copies. Held leases
+  are out of the in-flight bound (the agent's capacity has left the pool, so
+  live agents get the work the waiting batches need: no trainer waits on a
+  silent agent while there is other work). A held prompt goes to another
+  agent only when nothing else of the open epochs is pending (``grant``,
+  before a new epoch is opened); it is pending again
+  when its agent is retired or re-registers without it. Under
+  ``--max-staleness`` they are released at once, as evaluation leases are:
+  a lease the staleness rules cannot see could land too old for its batch.
 - A lease given back after a ``Stop`` (over-sampling: a ``Release`` with
   reason ``protocol.STOPPED``) is pending again, first in line, and counted
   for the next batch (``coordinator/oversampling.py``); it is not a failure.
@@ -57,6 +69,8 @@ class Admission:
         self.core = core
         self.leases: dict[int, Lease] = {}
         self.leased_by: dict[Prompt, int] = {}  # training prompts only
+        self.held: dict[int, Lease] = {}
+        """Training leases of agents presumed dead, kept for them (oldest first); not in ``leases``."""
         self.eval_leases = 0  # leases in ``leases`` of evaluation prompts (coordinator/evaluation.py)
         self._lease_counter = 0
         self.failures: dict[Prompt, int] = {}  # prompts whose generation failed, by count
@@ -115,6 +129,39 @@ class Admission:
             if lease is not None:
                 self.give_back(lease)
 
+    def hold_for_silent(self, rec: AgentRecord) -> int:
+        """``rec`` was presumed dead: keep its training leases for it (``held``), release the rest.
+        Returns the number released."""
+        keep = not self.core.staleness.bounded
+        released = 0
+        for lease_id in sorted(rec.leases):
+            lease = self.end_lease(lease_id)
+            if lease is None:
+                continue
+            if keep and not lease.eval:
+                self.held[lease_id] = lease
+            else:
+                self.give_back(lease)
+                released += 1
+        return released
+
+    def release_held(self, agent_id: str) -> int:
+        """The leases held for ``agent_id`` go back to pending, first in line."""
+        gone = [lease_id for lease_id, lease in self.held.items() if lease.agent_id == agent_id]
+        for lease_id in gone:
+            self.give_back(self.held.pop(lease_id))
+        self.core.counters.lease_ended("held_released", len(gone))
+        return len(gone)
+
+    def _take_held(self) -> tuple[int, int] | None:
+        """Nothing else of the open epochs is pending: the oldest held prompt goes to a live agent
+        (it stays LEASED; a receipt of the silent agent for it is then refused as a duplicate)."""
+        if not self.held:
+            return None
+        lease = self.held.pop(next(iter(self.held)))
+        self.core.counters.lease_ended("held_reassigned")
+        return lease.prompt
+
     def grant(self, budget: int, rollout_id: int, now: float) -> list[Send]:
         """Lease up to ``budget`` pending prompts to agents with free capacity: one Grant per agent."""
         membership, frontier = self.core.membership, self.core.frontier
@@ -124,7 +171,9 @@ class Admission:
             rec = membership.agents[agent_id]
             leases = []
             for _ in range(n):
-                taken = frontier.take(now)
+                # A prompt held for a silent agent goes to another only once the open epochs have
+                # nothing else pending, before a new epoch opens.
+                taken = frontier.take(now, open_new=not self.held) or self._take_held() or frontier.take(now)
                 if taken is None:
                     break
                 lease = Lease(self.next_lease_id(), agent_id, *taken, rollout_id, self.core.weights.log.updates)
@@ -189,7 +238,10 @@ class Admission:
         cancel = stale
         for lease_id, (epoch, index) in reported.items():
             owner = self.leases.get(lease_id)
-            if owner is not None and owner.agent_id == msg.agent_id:
+            held = self.held.get(lease_id)
+            if held is not None and held.agent_id == msg.agent_id and held.prompt == (epoch, index):
+                self.hold(self.held.pop(lease_id), rec)  # kept for it while it was silent
+            elif owner is not None and owner.agent_id == msg.agent_id:
                 rec.leases.add(lease_id)
             elif owner is None and core.frontier.adopt(epoch, index):
                 start = core.weights.log.start_of(lease_id)
@@ -208,6 +260,8 @@ class Admission:
             accepted, _ = self._accept(rec, lease_id, epoch, index, key, stats, ops)
             self._count_receipt(accepted)
             acks.append([key, accepted])
+        # Held for it, and it holds them no more (lost with a restart, or never received): pending again.
+        self.release_held(msg.agent_id)
         welcome = p.Welcome(
             session=rec.session,
             config={**core.config.to_dict(), "weights": core.weights.log.entry()},
@@ -277,7 +331,11 @@ class Admission:
         """Record an agent's committed group unless the prompt is already accounted for."""
         frontier, batches = self.core.frontier, self.core.batches
         lease = self.leases.get(lease_id)
-        if lease is not None and lease.agent_id == rec.agent_id:
+        held = self.held.get(lease_id)
+        if held is not None and held.agent_id == rec.agent_id and held.prompt == (epoch, index):
+            lease = self.held.pop(lease_id)  # made while it was silent, kept for it: accepted below
+            self.core.counters.lease_ended("receipt")
+        elif lease is not None and lease.agent_id == rec.agent_id:
             self.end_lease(lease_id)
             self.core.counters.lease_ended("receipt")
             if lease.eval:  # a receipt for an evaluation lease (a broken agent): refused below, prompt pending
@@ -443,11 +501,10 @@ class Admission:
         core.membership.refresh_room()
         out: list = []
         for rec in dead:
-            before = len(self.leases)
-            self.release_agent_leases(rec)
-            core.counters.lease_ended("expired", before - len(self.leases))
+            core.counters.lease_ended("expired", self.hold_for_silent(rec))
         ops: list = []
         for rec in retired:
+            self.release_held(rec.agent_id)
             core.batches.retire_agent(rec.agent_id, ops)
         if ops:
             out.append(core.persist(ops, []))

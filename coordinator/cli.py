@@ -97,7 +97,10 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--shuffle-seed", type=int, default=None, help="shuffle prompts per data epoch with this seed")
     sp.add_argument("--heartbeat-interval", type=seconds, default=Liveness.heartbeat_interval, help="seconds")
     sp.add_argument(
-        "--agent-ttl", type=seconds, default=Liveness.ttl, help="silence after which an agent's leases are reissued"
+        "--agent-ttl",
+        type=seconds,
+        default=Liveness.ttl,
+        help="silence after which an agent is presumed dead (its leases held for it, its capacity out of the pool)",
     )
     sp.add_argument(
         "--retire-after", type=seconds, default=Liveness.retire_after, help="silence after which an agent is retired"

@@ -76,13 +76,19 @@ class AsyncRolloutClient:
         timeout: float | None = None,
         retry_interval: float = 2.0,
         fetch_timeout: float = 10.0,
+        fetch_deadline: float = 30.0,
         attach: bool = True,
         expect: dict | None = None,
         curve_secret: str | None = None,
         curve_server_key: str | None = None,
     ):
         """``curve_secret``: this trainer's ``NAME.key_secret`` file; ``curve_server_key``: the coordinator's
-        public key file (``coordinator.key``). Both or neither; a missing or malformed file raises ConfigError."""
+        public key file (``coordinator.key``). Both or neither; a missing or malformed file raises ConfigError.
+
+        ``fetch_timeout``: seconds one payload fetch from an agent may take (resent meanwhile);
+        ``fetch_deadline``: seconds a batch's payloads on an agent that does not answer (down, or
+        partitioned away from this trainer while the coordinator still hears it) are retried before
+        they are reported missing, so the coordinator completes the batch with replacements."""
         self.address = validate_endpoint(address, "coordinator address")
         self.curve = client_keys(
             curve_secret, curve_server_key, secret_flag="curve_secret", server_flag="curve_server_key"
@@ -93,6 +99,9 @@ class AsyncRolloutClient:
         self.timeout = timeout
         self.retry_interval = retry_interval
         self.fetch_timeout = fetch_timeout
+        if not (isinstance(fetch_deadline, (int, float)) and fetch_deadline > 0):
+            raise ValueError(f"fetch_deadline must be a number of seconds > 0, got {fetch_deadline!r}")
+        self.fetch_deadline = fetch_deadline
         self._attach_wanted = attach
         self.session = 0
         self.config: dict = {}
@@ -209,6 +218,7 @@ class AsyncRolloutClient:
             raise ValueError(f"generate({rollout_id}): deadline must be a number of seconds > 0, got {deadline!r}")
         started = time.monotonic()
         wire_prefetch, wire_deadline = -1 if prefetch is None else prefetch, float(deadline or 0.0)
+        unreachable_since: float | None = None
         while True:
             refs = await self._call(
                 lambda s, req: p.Generate(s, req, rollout_id, wire_prefetch, wire_deadline),
@@ -226,6 +236,23 @@ class AsyncRolloutClient:
                     raise RolloutError(f"generate({rollout_id}): {exc}") from None
                 log.warning("generate(%d): %s; asking the coordinator again", rollout_id, exc)
                 missing = exc.missing
+                if exc.unreachable:
+                    # Down or partitioned from us (the coordinator may still hear it, and then never
+                    # retires it): past the deadline its groups count as missing and are replaced.
+                    now = time.monotonic()
+                    unreachable_since = now if unreachable_since is None else unreachable_since
+                    if now - unreachable_since >= self.fetch_deadline:
+                        log.warning(
+                            "generate(%d): %d group(s) unreachable for %.1fs (fetch_deadline); reporting them "
+                            "missing so the batch is completed with replacements",
+                            rollout_id,
+                            len(exc.unreachable),
+                            now - unreachable_since,
+                        )
+                        missing = missing + exc.unreachable
+                        unreachable_since = None
+                else:
+                    unreachable_since = None
                 if missing:
                     # The node is up but lost them (wiped disk): the coordinator replaces them.
                     await self._request(lambda s, req, keys=missing: p.Missing(s, req, rollout_id, keys), "missing")
@@ -255,8 +282,18 @@ class AsyncRolloutClient:
             for i in range(0, len(keys), FETCH_CHUNK):
                 jobs.append(self._fetch_chunk(address, keys[i : i + FETCH_CHUNK]))
         payloads: dict[str, bytes] = {}
-        for part in await asyncio.gather(*jobs):
-            payloads.update(part)
+        failed: list[FetchFailed] = []
+        for part in await asyncio.gather(*jobs, return_exceptions=True):
+            if isinstance(part, FetchFailed):
+                failed.append(part)
+            elif isinstance(part, BaseException):
+                raise part
+            else:
+                payloads.update(part)
+        if failed:  # every node was asked: what one lacks and what another could not answer, together
+            missing = [k for f in failed for k in f.missing]
+            unreachable = [k for f in failed for k in f.unreachable]
+            raise FetchFailed("; ".join(str(f) for f in failed), missing, unreachable)
         return [Group.from_wire(payloads[ref.key]) for ref in refs]
 
     async def _fetch_chunk(self, address: str, keys: list[str]) -> dict[str, bytes]:
@@ -273,7 +310,7 @@ class AsyncRolloutClient:
         except RolloutError as exc:
             await ep.close()
             self._agents.pop(address, None)
-            raise FetchFailed(str(exc)) from None
+            raise FetchFailed(str(exc), unreachable=keys) from None
         if isinstance(msg, p.Error):
             raise RemoteError(f"agent {address}: [{msg.code}] {msg.message}", code=msg.code)
         if msg.missing:

@@ -300,4 +300,6 @@ class CoordinatorCore:
             fenced_messages=dict(self.admission.fenced),
             weights=self.weights.statistics(self.now if now is None else now),
             evaluations=self.evaluations.statistics(),
+            held=len(self.admission.held),
+            receipts={"accepted": self.counters.receipts_accepted, "refused": self.counters.receipts_refused},
         )

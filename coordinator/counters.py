@@ -71,7 +71,10 @@ class CoreCounters:
         """Resent Registers answered with the session already made for them (no new session)."""
         self.lease_ends: dict[str, int] = {}
         """Leases ended, by how: receipt, filtered, released, failed, lost (missing from the agent's
-        heartbeat), expired (agent silent past the TTL), reregistered (the agent no longer held it),
+        heartbeat), expired (agent silent past the TTL: its evaluation leases, and every lease under
+        ``--max-staleness``; its other leases are held for it), held_released (held for a silent
+        agent that was then retired or came back without it), held_reassigned (held, and given to
+        another agent because nothing else was pending), reregistered (the agent no longer held it),
         stopped (over-sampled, given back after a Stop)."""
         self.drops: dict[str, int] = {}
         """Groups filtered (dynamic filter verdicts and prompts given up after repeated failures), by reason."""

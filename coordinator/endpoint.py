@@ -187,6 +187,9 @@ _REQ = itertools.count(random.randrange(1, 1 << 40))
 class FetchFailed(RolloutError):
     """Some payloads of a batch could not be fetched from their node (yet)."""
 
-    def __init__(self, message: str, missing: list[str] = ()):
+    def __init__(self, message: str, missing: list[str] = (), unreachable: list[str] = ()):
         super().__init__(message)
         self.missing = list(missing)
+        """Keys the node answered it no longer holds."""
+        self.unreachable = list(unreachable)
+        """Keys on nodes that did not answer within ``fetch_timeout`` (down, or partitioned away)."""

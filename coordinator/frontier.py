@@ -118,15 +118,16 @@ class Frontier:
     def latest(self) -> int:
         return max(self.epochs)
 
-    def take(self, now: float) -> tuple[int, int] | None:
-        """Lease the next pending prompt: requeued work of older epochs first."""
+    def take(self, now: float, open_new: bool = True) -> tuple[int, int] | None:
+        """Lease the next pending prompt: requeued work of older epochs first; once the open epochs
+        have none, the first of a new epoch (unless not ``open_new``)."""
         for data_epoch in sorted(self.epochs):
             index = self.epochs[data_epoch].take(now)
             if index is not None:
                 self.epochs[data_epoch].move(index, LEASED)
                 return data_epoch, index
         latest = self.epochs[self.latest]
-        if latest.exhausted:
+        if latest.exhausted and open_new:
             nxt = self._open(latest.data_epoch + 1)
             index = nxt.take(now)
             if index is not None:

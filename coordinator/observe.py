@@ -12,9 +12,10 @@ Metric names (all ``rollfleet_``; counters end in ``_total``):
     receipts_total{outcome}           accepted | refused
     leases_granted_total
     registrations_total{outcome}      new (a session made) | resent (a resend answered with its session)
-    lease_ends_total{reason}          receipt, filtered, released, failed, lost, expired, reregistered, stopped
+    lease_ends_total{reason}          receipt, filtered, released, failed, lost, expired, held_released,
+                                      held_reassigned, reregistered, stopped
     stops_sent_total                  over-sampled leases a Stop was sent for
-    leases_in_flight, groups_ready
+    leases_in_flight, leases_held, groups_ready
     groups_dropped_total{reason}      filter verdicts and prompts given up, by reason
     batches_total, batch_latency_seconds (histogram: generate arrival -> batch recorded)
     partial_batches_total             batches made short at a generate deadline
@@ -85,6 +86,7 @@ class CoordinatorCollector:
         yield _labelled(CounterMetricFamily, "lease_ends", "Leases ended, by how", "reason", c.lease_ends)
         yield CounterMetricFamily("rollfleet_stops_sent", "Over-sampled leases a Stop was sent for", value=c.stops_sent)
         yield _gauge("leases_in_flight", "Leases held by agents now", len(admission.leases))
+        yield _gauge("leases_held", "Leases kept for agents presumed dead (not retired)", len(admission.held))
         yield _gauge("groups_ready", "Groups committed on agents, waiting for a batch", len(batches.ready_info))
         yield _labelled(CounterMetricFamily, "groups_dropped", "Groups filtered, by reason", "reason", c.drops)
         yield CounterMetricFamily("rollfleet_batches", "Trainer batches assembled", value=c.batches)
@@ -191,6 +193,7 @@ def status_snapshot(server: CoordinatorServer) -> dict:
             "epochs": epochs,
             "prompts": core.frontier.counts(),
             "leases_in_flight": len(core.admission.leases),
+            "leases_held": len(core.admission.held),
             "groups_ready": len(batches.ready_info),
         },
         "batches": {

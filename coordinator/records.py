@@ -420,3 +420,9 @@ class CoordinatorStats:
     evaluations: dict = field(default_factory=dict)
     """Each evaluation dataset: ``{"running": True, "pass", "prompts", "finished", "leased", "waiting"}`` while a
     pass runs, else ``{"running": False, "prompts", "last": metrics of the last pass}``."""
+    held: int = 0
+    """Leases held for agents presumed dead (silent past the TTL, not retired): not in ``leased``, their
+    prompts leased to no one else (coordinator/admission.py)."""
+    receipts: dict = field(default_factory=dict)
+    """``{"accepted", "refused"}``: receipts of committed groups since the start; ``refused`` counts groups
+    refused as duplicates of a prompt already accounted for (wasted work)."""

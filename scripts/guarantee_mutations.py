@@ -84,11 +84,11 @@ MUTATIONS = [
     Mutation(
         "3",
         "dead-agent-leases-kept",
-        "leases of an agent presumed dead are never reissued",
+        "leases held for an agent presumed dead are never reissued, even once it is retired",
         "coordinator/admission.py",
-        "            before = len(self.leases)\n            self.release_agent_leases(rec)\n",
-        "            before = len(self.leases)\n",
-        "tests/cluster/test_chaos.py::test_exactly_once_under_every_failure_kind",
+        "            self.release_held(rec.agent_id)\n            core.batches.retire_agent(rec.agent_id, ops)\n",
+        "            core.batches.retire_agent(rec.agent_id, ops)\n",
+        "tests/unit/test_core.py::test_held_prompts_are_pending_again_when_their_agent_is_retired_or_returns_without_them",
     ),
     Mutation(
         "3",

@@ -134,27 +134,93 @@ def test_filtered_groups_are_replaced_and_reported_in_the_next_batch():
     assert m["rollout/dynamic_filter/dropped_ratio"] == 0.5
 
 
-def test_silent_agent_loses_its_leases_and_is_fenced_when_it_returns():
+def test_silent_agent_is_fenced_and_its_leases_are_held_for_it_not_leased_again():
     core = make_core(prefetch=2, ttl=3.0)
     w1, eff = register(core, "a", now=0.0)
     leased = grants(eff)
     w2, _ = register(core, "b", now=0.0)
     core.handle(b"b", p.Heartbeat(w2.session), 2.9)
     eff = tick(core, 3.5)  # a is silent past the TTL; b is not
-    reissued = grants(eff)
-    assert sorted(g["index"] for g in reissued) == sorted(g["index"] for g in leased)
-    assert all(s.to == "b" for s in sends(eff, p.Grant))
+    # b gets the work the bound allows, but none of a's prompts: they stay leased, held for a.
+    fresh = grants(eff)
+    assert len(fresh) == 2 and all(s.to == "b" for s in sends(eff, p.Grant))
+    assert not {g["index"] for g in fresh} & {g["index"] for g in leased}
+    assert all(core.frontier.state_of(0, g["index"]) == LEASED for g in leased)
+    stats = core.statistics()
+    assert (stats.held, stats.leased) == (2, 2)
     # a's late receipt is fenced: it must register again.
     late = core.handle(b"a", p.Receipt(w1.session, leased[0]["lease"], 0, leased[0]["index"], "k", N, {}), 4.0)
     assert isinstance(sends(late)[0].msg, p.Fence)
-    # Re-registering with the committed group recovers it (first committer wins).
+    # Back: the group it committed meanwhile is accepted, the one it still generates stays its lease.
     unacked = [{"lease": leased[0]["lease"], "data_epoch": 0, "index": leased[0]["index"], "key": "k", "stats": {}}]
-    w1b, eff = register(core, "a", now=4.0, unacked=unacked)
+    in_flight = [[leased[1]["lease"], 0, leased[1]["index"]]]
+    w1b, eff = register(core, "a", now=4.0, unacked=unacked, in_flight=in_flight)
+    assert w1b.acks == [["k", True]] and w1b.cancel == []
+    assert core.frontier.state_of(0, leased[0]["index"]) == READY
+    assert core.admission.leases[leased[1]["lease"]].agent_id == "a"
+    assert leased[1]["index"] not in {g["index"] for g in grants(eff)}
+    _, ack = receipt(core, w1b.session, leased[1], now=4.5)
+    assert ack.accepted
+    stats = core.statistics()
+    assert stats.held == 0 and stats.receipts == {"accepted": 2, "refused": 0}
+
+
+def test_held_prompts_are_pending_again_when_their_agent_is_retired_or_returns_without_them():
+    core = make_core(prefetch=2, ttl=1.0, retire=5.0)
+    _, eff = register(core, "a", now=0.0)
+    first, second = grants(eff)
+    w2, _ = register(core, "b", now=0.0)
+    for t in (0.5, 1.0, 1.5):
+        core.handle(b"b", p.Heartbeat(w2.session), t)
+    tick(core, 1.5)
+    assert core.statistics().held == 2
+    # a comes back with only the first (say, restarted without the other): the second is pending again.
+    register(core, "a", now=2.0, in_flight=[[first["lease"], 0, first["index"]]])
+    assert core.statistics().held == 0
+    assert core.frontier.state_of(0, second["index"]) == PENDING
+    assert core.admission.leases[first["lease"]].agent_id == "a"
+    # Silent again, then retired: what is held for it is pending again, first in line.
+    for t in [2.5 + 0.5 * i for i in range(11)]:
+        core.handle(b"b", p.Heartbeat(w2.session), t)
+        tick(core, t)
+    assert core.membership.agents["a"].status == "retired"
+    assert core.statistics().held == 0
+    assert core.frontier.state_of(0, first["index"]) == PENDING
+    assert core.frontier.take(8.0) == (0, second["index"])
+
+
+def test_held_prompts_go_to_a_live_agent_before_a_new_epoch_opens():
+    core = make_core(size=4, batch=2, prefetch=4, ttl=1.0, retire=100.0)
+    _, eff = register(core, "a", slots=2 * N, now=0.0)
+    leased = grants(eff)
+    assert len(leased) == 2
+    tick(core, 1.5)  # a is dead, its two prompts held
+    w2, eff = register(core, "b", slots=8 * N, now=1.5)
+    got = grants(eff)
+    # The two fresh prompts of epoch 0 first, then a's two held ones; no epoch 1 while they are held.
+    assert sorted(g["index"] for g in got if g["data_epoch"] == 0) == [0, 1, 2, 3]
+    assert {g["index"] for g in got if g["data_epoch"] == 1} <= set(range(4))
+    assert core.statistics().held == 0
+    # a returns with a group for one of them: first committer wins, b's copy is then refused.
+    unacked = [{"lease": leased[0]["lease"], "data_epoch": 0, "index": leased[0]["index"], "key": "k", "stats": {}}]
+    w1b, _ = register(core, "a", slots=2 * N, now=2.0, unacked=unacked)
     assert w1b.acks == [["k", True]]
-    # b then finishes the same prompt: refused, so it is never delivered twice.
-    mine = [g for g in reissued if g["index"] == leased[0]["index"]][0]
+    mine = [g for g in got if (g["data_epoch"], g["index"]) == (0, leased[0]["index"])][0]
     _, ack = receipt(core, w2.session, mine, key="other", agent=b"b")
     assert not ack.accepted
+
+
+def test_under_max_staleness_a_silent_agents_leases_are_released_at_once():
+    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=N, prefetch=2, max_staleness=1)
+    core = CoordinatorCore(cfg, Liveness(0.25, 1.0, 10.0), dataset_size=20, dataset_fingerprint="fp")
+    _, eff = register(core, "a", now=0.0)
+    leased = grants(eff)
+    w2, _ = register(core, "b", now=0.0)
+    for t in (0.5, 1.0, 1.5):
+        core.handle(b"b", p.Heartbeat(w2.session), t)
+    eff = tick(core, 1.5)
+    assert core.statistics().held == 0
+    assert sorted(g["index"] for g in grants(eff)) == sorted(g["index"] for g in leased)
 
 
 def test_reregistering_agent_keeps_its_in_flight_leases():
