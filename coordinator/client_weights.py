@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 from common import protocol as p
 from common import weight_group
 from common.errors import RemoteError, RolloutError, StateError, WeightUpdateError
+from common.weight_rows import leading_rows
 
 if TYPE_CHECKING:
     from coordinator.client import AsyncRolloutClient
@@ -109,8 +110,7 @@ def verify_values(items: list[tuple[str, Any]], rows: int = VERIFY_ROWS) -> dict
     values = {}
     for i in picks:
         name, tensor = items[i]
-        t = tensor.detach().to("cpu")
-        values[name] = float(t.float()) if t.dim() == 0 else t[:rows].float().tolist()
+        values[name] = leading_rows(tensor, rows)
     return {"rows": rows, "values": values}
 
 

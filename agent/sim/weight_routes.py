@@ -25,6 +25,7 @@ from aiohttp import web
 
 from agent.sim.replies import json_response, read_json_body, weights_reply
 from agent.sim.weights import WeightError, load_checkpoint
+from common.weight_rows import leading_rows
 
 if TYPE_CHECKING:
     from agent.sim.engine import SimEngine
@@ -121,7 +122,7 @@ class WeightHandlers:
         tensor = self.engine.weights.get(name) if isinstance(name, str) else None
         if tensor is None:
             return json_response({"error": f"Get parameter by name failed: no parameter {name!r}"}, status=400)
-        return json_response(truncated_values(tensor, size))
+        return json_response(leading_rows(tensor, size))
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         data = await read_json_body(request)
@@ -153,15 +154,6 @@ def add_weight_routes(router: web.UrlDispatcher, engine: SimEngine) -> None:
     router.add_post("/update_weight_version", h.update_weight_version)
     router.add_get("/get_weights_by_name", h.get_weights_by_name)
     router.add_post("/get_weights_by_name", h.get_weights_by_name)
-
-
-def truncated_values(tensor, size: int) -> list | float:
-    """What ``/get_weights_by_name`` answers for ``tensor``: its first ``size`` rows as floats (a scalar
-    as one float). The trainer's side of a verified update computes the same from what it sent."""
-    t = tensor.detach().to("cpu")
-    if t.dim() == 0:
-        return float(t.float())
-    return t[: max(0, size)].float().tolist()
 
 
 def _corrupted(tensor):
