@@ -8,6 +8,9 @@ weight-update steps. It turns each ``Weights*`` message into a ``RunWeightsStep`
   entry and from the steps it ran), which a restarted engine must be brought to;
 - ``updating``: an update is open (begun and not finished or aborted) or a step still runs. While
   it is true no lease is put on an engine: new ``/generate`` calls wait for the update's end;
+- ``catching_up``: the catch-ups open (``WeightsBegin.catch_up``: the fleet's version again, to
+  engines out of the pool only). Its steps run and are reported like any, but they neither set
+  ``updating`` nor count in ``begun``: leases keep running on the serving engines;
 - ``begun``: updates begun so far. A lease remembers it when it is put on an engine, so an abort
   that comes back after an update began is known to be the update's (``interrupted``), not a
   trainer's pause or the engine's own.
@@ -38,6 +41,7 @@ class WeightState:
         self.open_update: int | None = None
         self.running = 0  # steps handed to the executor and not yet done
         self.begun = 0
+        self.catching_up: set[int] = set()
 
     @property
     def updating(self) -> bool:
@@ -49,6 +53,10 @@ class WeightState:
 
     def on_step(self, msg: p.Message, out: list, *, report: bool = True) -> None:
         """A ``Weights*`` message from the coordinator: run it."""
+        if (isinstance(msg, p.WeightsBegin | p.WeightsAbort) and msg.catch_up) or msg.update_id in self.catching_up:
+            self.catching_up.add(msg.update_id)
+            out.append(RunWeightsStep(msg, report))
+            return
         if not self.updating or self.open_update != msg.update_id:
             self.begun += 1
         self.open_update = msg.update_id
@@ -65,6 +73,8 @@ class WeightState:
                 record = self.current
         else:
             record = self.current
+        for update_id in sorted(self.catching_up):
+            self.on_step(p.WeightsAbort(update_id, record.version, "", True), out, report=False)
         if self.open_update is not None:
             # The session it belonged to is gone: end it here (engines continue, the group is destroyed).
             self.on_step(
@@ -81,7 +91,9 @@ class WeightState:
 
         The executor already holds ``ev.record`` (it produced it); only the core's copy changes here.
         """
-        self.running = max(0, self.running - 1)
+        catch_up = ev.update_id in self.catching_up
+        if not catch_up:
+            self.running = max(0, self.running - 1)
         if ev.report:
             send(
                 p.WeightsReport(
@@ -92,6 +104,10 @@ class WeightState:
             self.current = ev.record
         if not ev.ok:
             out.append(Log(logging.ERROR, f"weight update {ev.update_id} step {ev.step} failed: {ev.error}"))
+        if catch_up:
+            if ev.step in CLOSING_STEPS:
+                self.catching_up.discard(ev.update_id)
+            return False  # engines it brought back are announced as they turn healthy
         if ev.step in CLOSING_STEPS and self.open_update == ev.update_id:
             self.open_update = None
         return not self.updating

@@ -93,6 +93,9 @@ class WeightsExecutor:
         self.stale: set[str] = set()  # up, but not on current's weights (partial, or behind)
         self.group: dict[str, str] = {}  # engines in the trainer's update group: name -> url
         self.group_name = ""
+        self.side: dict[str, str] = {}  # engines in the open catch-up's group (its own, ended with it)
+        self.side_name = ""
+        self._side_update = 0  # the catch-up update the last ``begin`` was for
         self._paused: dict[str, str] = {}  # engines the open update paused
         self._touched: set[str] = set()  # engines the open update sent weights to
         self.held: dict[str, str] = {}  # engines that did not leave a failed group: name -> group name
@@ -160,6 +163,7 @@ class WeightsExecutor:
     async def prepare(self, name: str, url: str) -> str:
         """The supervisor's hook for an engine that (re)started: ``healthy`` once it holds ``current``."""
         self.group.pop(name, None)
+        self.side.pop(name, None)
         self.held.pop(name, None)  # a new process holds no group
         self.stale.discard(name)
         try:
@@ -195,11 +199,21 @@ class WeightsExecutor:
         )
 
     async def _begin(self, msg: p.WeightsBegin) -> tuple[dict, None]:
-        """Confirm every engine for the group; the ones that fail are left out, not an error."""
-        self.supervisor.pause_health_checks()
+        """Confirm every engine for the group (a catch-up: every engine behind ``version``); the ones
+        that fail are left out, not an error."""
         engines = self.supervisor.urls()
         self._touched.clear()
         self._members = []
+        if msg.catch_up:
+            self._side_update = msg.update_id
+            engines = {
+                name: url
+                for name, url in engines.items()
+                if name in self.stale or self.versions.get(name) != msg.version
+            }
+            if not engines:
+                return {}, None  # all current: the serving engines were never paused
+        self.supervisor.pause_health_checks()
 
         async def confirm(name: str, url: str) -> None:
             if not self.supervisor.alive(name):
@@ -223,6 +237,8 @@ class WeightsExecutor:
         confirmed = {name: url for name, url in engines.items() if name not in failed}
         self._paused.update(confirmed)
         self._members = list(confirmed)
+        if msg.catch_up and not confirmed:
+            self.supervisor.resume_health_checks(force=True)
         return {}, None
 
     async def _disk(self, msg: p.WeightsFromDisk) -> tuple[dict, WeightsRecord | None]:
@@ -262,8 +278,14 @@ class WeightsExecutor:
             offset = msg.rank_offsets.get(f"{self.agent_id}/{name}", msg.rank_offsets.get(name))
             if offset is not None:
                 offsets[name] = int(offset)
-        self.group, self.group_name = {}, msg.group_name
         members = {name: engines[name] for name in offsets}
+        if msg.update_id == self._side_update:
+            self.side, self.side_name = {}, msg.group_name
+            group = self.side
+        else:
+            await self._leave(self.group, self.group_name)  # a new group replaces the fleet's old one
+            self.group, self.group_name = {}, msg.group_name
+            group = self.group
 
         async def join(name: str, url: str) -> None:
             await self.client.init_weights_update_group(
@@ -275,7 +297,7 @@ class WeightsExecutor:
                 group_name=msg.group_name,
                 backend=msg.backend,
             )
-            self.group[name] = url
+            group[name] = url
 
         errors = await self._each(members, join)
         if not members:
@@ -283,18 +305,20 @@ class WeightsExecutor:
         return errors, None
 
     async def _bucket(self, msg: p.WeightsBucket) -> tuple[dict, None]:
-        if not self.group:
+        group = self.side if msg.update_id == self._side_update else self.group
+        if not group:
             return {"*": "no update group on this agent (no init step succeeded)"}, None
-        self._touched.update(self.group)
+        self._touched.update(group)
         return await self._each(
-            dict(self.group),
+            dict(group),
             lambda name, url: self.client.update_weights_from_distributed(
                 url, names=msg.names, dtypes=msg.dtypes, shapes=msg.shapes, group_name=msg.group_name
             ),
         ), None
 
     async def _finish(self, msg: p.WeightsFinish) -> tuple[dict, WeightsRecord | None]:
-        updated = dict(self.group)
+        catch_up = msg.update_id == self._side_update
+        updated = dict(self.side if catch_up else self.group)
 
         async def label(name: str, url: str) -> None:
             await self.client.update_weight_version(url, str(msg.version))
@@ -309,6 +333,8 @@ class WeightsExecutor:
         for name in updated:
             self._paused.pop(name, None)
             self._set_serving(name, name not in errors and name not in dead)
+        if catch_up:
+            return await self._end_catch_up(errors), None
         continued = await self._continue_paused()
         await self._drop_dead(continued, msg.update_id, "continuing")
         errors.update(continued)
@@ -320,7 +346,42 @@ class WeightsExecutor:
         self.supervisor.resume_health_checks(force=True)
         return errors, record
 
+    async def _end_catch_up(self, errors: dict[str, str]) -> dict[str, str]:
+        """A catch-up ends: its group goes (the fleet's stays), every engine it paused continues."""
+        side, self.side, self._side_update = self.side, {}, 0
+        for name in await self._leave(side, self.side_name):
+            self.stale.add(name)
+            self._set_serving(name, False)
+        errors.update(await self._continue_paused(deadline=self.confirm_deadline))
+        self.supervisor.resume_health_checks(force=True)
+        return errors
+
+    async def _leave(self, group: dict[str, str], group_name: str) -> dict[str, str]:
+        """Each engine of ``group`` destroys it, within ``confirm_deadline``; those that did not answer
+        (still blocked in a failed broadcast) are remembered as holding it: ``{name: why}``."""
+        if not group:
+            return {}
+
+        async def leave(name: str, url: str) -> None:
+            try:
+                await self.client.destroy_weights_update_group(url, group_name)
+            except EngineRejected as exc:
+                log.info("engine %s: destroying the update group: %s", name, exc)  # 400 when it never formed
+
+        stuck = await self._each(group, leave, deadline=self.confirm_deadline)
+        for name, why in stuck.items():
+            log.warning("engine %s still holds weight-update group %s: %s", name, group_name, why)
+            self.held[name] = group_name
+        return stuck
+
     async def _abort(self, msg: p.WeightsAbort) -> tuple[dict, WeightsRecord]:
+        if msg.catch_up:
+            for name in self._touched:
+                self.stale.add(name)  # partial weights: still out of the pool
+            self._touched.clear()
+            if msg.update_id != self._side_update:
+                return {}, self.current  # aborted before its begin ran here: nothing of it to undo
+            return await self._end_catch_up({}), self.current
         if msg.path:
             self.current = WeightsRecord(msg.version, "disk", msg.path)
         elif self.current.version != msg.version:
@@ -329,19 +390,8 @@ class WeightsExecutor:
             self.stale.add(name)  # partial weights: out of the pool until re-loaded or updated
         self._touched.clear()
         group, self.group = self.group, {}
-        group_name = self.group_name
-
-        async def leave(name: str, url: str) -> None:
-            try:
-                await self.client.destroy_weights_update_group(url, group_name)
-            except EngineRejected as exc:
-                log.info("engine %s: destroying the update group: %s", name, exc)  # 400 when it never formed
-
-        for name, why in (await self._each(group, leave, deadline=self.confirm_deadline)).items():
-            # Still blocked in the failed broadcast (until its own timeout): no update may count on it.
-            log.warning("engine %s still holds weight-update group %s: %s", name, group_name, why)
-            self.held[name] = group_name
-            self.stale.add(name)
+        for name in await self._leave(group, self.group_name):
+            self.stale.add(name)  # still blocked in the failed broadcast: no update may count on it
         errors = await self._continue_paused(deadline=self.confirm_deadline)
         for name in errors:
             self.stale.add(name)  # paused and not answering: it must not serve

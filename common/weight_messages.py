@@ -15,10 +15,12 @@ from common.wire import Message, message
 class UpdateWeights(Message):
     """trainer -> coordinator: begin a weight update to ``version`` (greater than the fleet's).
 
-    ``kind`` is ``disk`` (every engine loads ``path``; answered when all serve ``version``) or
+    ``kind`` is ``disk`` (every engine loads ``path``; answered when all serve ``version``),
     ``distributed`` (answered at once with the group to join: ``{"update_id", "world_size",
-    "group_name", "init"}``; tensors follow as ``WeightBucket``s). ``timeout`` is the lock's
-    deadline in seconds, restarted by every bucket.
+    "group_name", "init"}``; tensors follow as ``WeightBucket``s) or ``catch_up`` (the fleet's
+    current ``version`` again, to the engines behind it only, in a group of their own; answered
+    ``{"world_size": 0}`` at once when no engine is behind). ``timeout`` is the lock's deadline in
+    seconds, restarted by every bucket.
     """
 
     TYPE = "update_weights"
@@ -92,6 +94,8 @@ class WeightsBegin(Message):
     TYPE = "weights_begin"
     update_id: int
     version: int
+    catch_up: bool = False
+    """Only engines behind ``version`` are confirmed (and paused); the others keep serving."""
 
 
 @message
@@ -151,6 +155,8 @@ class WeightsAbort(Message):
     update_id: int
     version: int
     path: str = ""
+    catch_up: bool = False
+    """The update was a catch-up: only its own group goes; the fleet's group and serving engines stay."""
 
 
 @message

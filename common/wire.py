@@ -18,13 +18,14 @@ import msgpack
 
 from common.errors import MessageTooLarge, ProtocolError, VersionMismatch
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """2: one message type per trainer request (was ``trainer_control``); ``BatchRefs`` refs in
 ``GroupRef`` order. 3: weight updates (``UpdateWeights`` ... ``WeightsReport``). 4: over-sampling
 (``Stop``, coordinator -> agent) and ``Generate.deadline`` (partial batches). 5: ``Register.req``
 (a resent Register gets the same session) and weight-update failures (``AbortWeights`` and
 ``WeightsAlive``, trainer -> coordinator; ``WeightsReport.members``, the engines an agent confirmed
-for a broadcast group)."""
+for a broadcast group). 6: catch-up updates (``UpdateWeights.kind`` ``catch_up``,
+``WeightsBegin.catch_up``, ``WeightsAbort.catch_up``)."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """Application limit. Larger messages get a clear error reply. The ZeroMQ

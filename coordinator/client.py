@@ -408,6 +408,27 @@ class AsyncRolloutClient:
         """
         return await self._weights.broadcast(named_tensors, version, backend, bucket_bytes, timeout, verify)
 
+    async def catch_up(
+        self,
+        named_tensors,
+        version: int,
+        *,
+        backend: str = "nccl",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout: float = DEFAULT_TIMEOUT,
+        verify: bool = True,
+    ) -> dict:
+        """Bring the engines behind the fleet's current ``version`` (restarted or joined since the last
+        broadcast: ``stats()["weights"]["behind"]``) up to it, while every other engine keeps serving and
+        admission goes on. ``named_tensors`` are the current version's (e.g. the model before its next
+        optimizer step); they are read only when some engine is behind. Returns ``{"update_id",
+        "version", "engines"}`` with the engines brought back (empty: none was behind, or the fleet's
+        weights came from disk, which agents re-load themselves). Verified by default. Raises
+        ``WeightUpdateError`` as ``update_weights`` does, ``StateError`` when ``version`` is not the
+        fleet's or another update runs.
+        """
+        return await self._weights.catch_up(named_tensors, version, backend, bucket_bytes, timeout, verify)
+
     async def weight_version(self) -> int:
         """The fleet's current weight version (the last update recorded)."""
         return (await self.stats())["weights"]["version"]
@@ -498,6 +519,22 @@ class RolloutClient:
     ) -> dict:
         return self._run(
             self._async.update_weights(
+                named_tensors, version, backend=backend, bucket_bytes=bucket_bytes, timeout=timeout, verify=verify
+            )
+        )
+
+    def catch_up(
+        self,
+        named_tensors,
+        version: int,
+        *,
+        backend: str = "nccl",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout: float = DEFAULT_TIMEOUT,
+        verify: bool = True,
+    ) -> dict:
+        return self._run(
+            self._async.catch_up(
                 named_tensors, version, backend=backend, bucket_bytes=bucket_bytes, timeout=timeout, verify=verify
             )
         )

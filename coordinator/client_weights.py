@@ -203,39 +203,7 @@ class WeightSender:
                     f"{what}: the coordinator kept group {begun['group_name']!r}, which this trainer no longer holds",
                     code="weights",
                 )
-            # Pipelined: bucket k+1 is announced (coordinator -> agents -> engines, which queue it) while
-            # bucket k is on the wire, so no round trip sits between two broadcasts.
-            planned = [
-                (seq, bucket, [_sendable(t, backend) for _, t in bucket])
-                for seq, bucket in enumerate(buckets(items, bucket_bytes))
-            ]
-
-            def announce(seq: int, bucket: list, tensors: list) -> asyncio.Task:
-                return asyncio.ensure_future(
-                    self.client._request(
-                        lambda s, req: p.WeightBucket(
-                            s,
-                            req,
-                            update_id,
-                            seq,
-                            [name for name, _ in bucket],
-                            [str(t.dtype).removeprefix("torch.") for t in tensors],
-                            [list(t.shape) for t in tensors],
-                        ),
-                        f"{what} bucket {seq}",
-                    )
-                )
-
-            pending = announce(*planned[0])
-            try:
-                for i, (_, _, tensors) in enumerate(planned):
-                    await pending
-                    pending = announce(*planned[i + 1]) if i + 1 < len(planned) else None
-                    await asyncio.to_thread(weight_group.broadcast, self.group, tensors)
-            finally:
-                if pending is not None and not pending.done():
-                    pending.cancel()
-                    await asyncio.gather(pending, return_exceptions=True)
+            await self._send(self.group, update_id, items, backend, bucket_bytes, what)
             self.updates += 1
             checked = verify if verify is not None else (begun["init"] or self.updates % VERIFY_EVERY == 0)
             values = verify_values(items) if checked else {}
@@ -255,7 +223,95 @@ class WeightSender:
         self.version = result["version"]
         return result
 
-    async def _give_up(self, update_id: int, why: str, what: str) -> None:
+    async def catch_up(
+        self, named_tensors, version: int, backend: str, bucket_bytes: int, timeout: float, verify: bool
+    ) -> dict:
+        """The fleet's current ``version`` again, to the engines behind it only (restarted or joined after
+        a broadcast), in a group of their own that ends with the call; every other engine keeps serving.
+        Nothing behind: answered at once, ``named_tensors`` unread."""
+        what = f"catch_up({version})"
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        address = master_address(self.client.address)
+        port = free_port(address)
+        begun = await self.client._request(
+            lambda s, req: p.UpdateWeights(s, req, int(version), "catch_up", "", address, port, backend, timeout),
+            what,
+        )
+        if not begun["world_size"]:
+            return {"update_id": begun["update_id"], "version": int(version), "engines": {}}
+        items = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        update_id = begun["update_id"]
+        beat = asyncio.ensure_future(self._keep_alive(what))
+        group = None
+        try:
+            if not items:
+                raise ValueError("catch_up needs the named tensors of the current version")
+            log.info("catching up %d engine rank(s) to version %d", begun["world_size"] - 1, version)
+            group = await asyncio.to_thread(
+                weight_group.join_as_trainer,
+                address,
+                port,
+                begun["world_size"],
+                backend=backend,
+                group_name=begun["group_name"],
+                timeout_s=timeout,
+            )
+            await self._send(group, update_id, items, backend, bucket_bytes, what)
+            values = verify_values(items) if verify else {}
+            return await self.client._request(lambda s, req: p.FinishWeights(s, req, update_id, values), what)
+        except (RemoteError, StateError):
+            raise  # the coordinator ended it already
+        except BaseException as exc:
+            why = f"{type(exc).__name__}: {exc}" if not isinstance(exc, asyncio.CancelledError) else "call cancelled"
+            await asyncio.shield(self._give_up(update_id, why, what, destroy=False))
+            if isinstance(exc, Exception):
+                raise WeightUpdateError(f"{what}: the trainer's side failed: {why}", code="weights") from exc
+            raise
+        finally:
+            beat.cancel()
+            await asyncio.gather(beat, return_exceptions=True)
+            if group is not None:
+                await asyncio.shield(self._drop(group))
+
+    async def _send(self, group, update_id: int, items: list, backend: str, bucket_bytes: int, what: str) -> None:
+        """Every bucket of ``items``: announced (``WeightBucket``), then broadcast from rank 0 of ``group``.
+
+        Pipelined: bucket k+1 is announced (coordinator -> agents -> engines, which queue it) while
+        bucket k is on the wire, so no round trip sits between two broadcasts."""
+        planned = [
+            (seq, bucket, [_sendable(t, backend) for _, t in bucket])
+            for seq, bucket in enumerate(buckets(items, bucket_bytes))
+        ]
+
+        def announce(seq: int, bucket: list, tensors: list) -> asyncio.Task:
+            return asyncio.ensure_future(
+                self.client._request(
+                    lambda s, req: p.WeightBucket(
+                        s,
+                        req,
+                        update_id,
+                        seq,
+                        [name for name, _ in bucket],
+                        [str(t.dtype).removeprefix("torch.") for t in tensors],
+                        [list(t.shape) for t in tensors],
+                    ),
+                    f"{what} bucket {seq}",
+                )
+            )
+
+        pending = announce(*planned[0])
+        try:
+            for i, (_, _, tensors) in enumerate(planned):
+                await pending
+                pending = announce(*planned[i + 1]) if i + 1 < len(planned) else None
+                await asyncio.to_thread(weight_group.broadcast, group, tensors)
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+
+    async def _give_up(self, update_id: int, why: str, what: str, *, destroy: bool = True) -> None:
         """Tell the coordinator this trainer's side of ``update_id`` failed, then drop the local group."""
         try:
             async with asyncio.timeout(ABORT_DEADLINE):
@@ -264,10 +320,15 @@ class WeightSender:
                 )
         except (RolloutError, TimeoutError) as exc:
             log.warning("%s: could not report the failure (the update ends at its deadline or TTL): %s", what, exc)
-        await self._destroy()
+        if destroy:
+            await self._destroy()
 
     async def _destroy(self) -> None:
         group, self.group, self.group_name = self.group, None, ""
+        await self._drop(group)
+
+    @staticmethod
+    async def _drop(group) -> None:
         if group is not None:
             try:
                 await asyncio.to_thread(weight_group.destroy, group)

@@ -227,7 +227,7 @@ class CoordinatorCore:
         out = self.batches.pump()
         if self.trainer.paused:
             return out + self.trainer.answer_drained()
-        if self.weights.locked:
+        if self.weights.stops_admission:
             return out  # a weight update runs: no lease may start on weights about to change
         out += self._pump_evaluations(now)
         if self.admission.starvation.starved:

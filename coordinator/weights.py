@@ -47,7 +47,9 @@ from coordinator.records import LedgerSnapshot, SetWeights, WeightLog
 if TYPE_CHECKING:
     from coordinator.core import CoordinatorCore
 
-KINDS = ("disk", "distributed")
+KINDS = ("disk", "distributed", "catch_up")
+BROADCASTS = ("distributed", "catch_up")
+"""Kinds whose tensors come from the trainer over a process group (the trainer is rank 0)."""
 MEMBER_STATES = ("healthy", "stale")
 """Engine states that join a broadcast group (up; a stale one needs the broadcast to serve again)."""
 REPLIES_KEPT = 64
@@ -115,6 +117,20 @@ class WeightUpdates:
     def locked(self) -> bool:
         return self.lock is not None
 
+    @property
+    def stops_admission(self) -> bool:
+        """No prompt is leased: an update that changes the fleet's weights runs (a catch-up does not)."""
+        return self.lock is not None and self.lock.kind != "catch_up"
+
+    def behind(self) -> dict[str, list[str]]:
+        """Alive agents' engines that are up but out of the pool (``stale``): agent -> engine names."""
+        out: dict[str, list[str]] = {}
+        for rec in self.core.membership.alive():
+            names = [str(e["name"]) for e in rec.engines if e.get("state") == "stale" and "name" in e]
+            if names:
+                out[rec.agent_id] = names
+        return out
+
     def statistics(self, now: float) -> dict:
         lock = self.lock
         engines = {}
@@ -137,6 +153,7 @@ class WeightUpdates:
             "path": self.log.path,
             "lock": held,
             "engines": engines,
+            "behind": sorted(f"{agent}/{name}" for agent, names in self.behind().items() for name in names),
         }
 
     def group(self, confirmed: dict[str, list[str]]) -> tuple[dict[str, dict[str, int]], int, tuple]:
@@ -192,12 +209,14 @@ class WeightUpdates:
             return bad("bad_request", f"weight update timeout must be > 0 seconds, got {msg.timeout!r}")
         if msg.kind == "disk" and not msg.path:
             return bad("bad_request", "a disk weight update needs a checkpoint path")
-        if msg.kind == "distributed" and not (msg.master_address and 0 < msg.master_port < 65536 and msg.backend):
+        if msg.kind in BROADCASTS and not (msg.master_address and 0 < msg.master_port < 65536 and msg.backend):
             why = (
                 "a distributed weight update needs master_address, master_port and backend, got "
                 f"{msg.master_address!r}:{msg.master_port} {msg.backend!r}"
             )
             return bad("bad_request", why)
+        if msg.kind == "catch_up":
+            return self._begin_catch_up(peer, msg, now)
         out: list = []
         if lock is not None:
             if lock.session != msg.session:
@@ -237,16 +256,56 @@ class WeightUpdates:
             return out + self._advance(now)
         return out + self._begin_distributed(peer, msg, update, now)
 
-    def _begin_distributed(self, peer: bytes, msg: p.UpdateWeights, update: Update, now: float) -> list:
-        """Every alive agent confirms its engines; the group is formed once they all answered."""
+    def _begin_distributed(
+        self, peer: bytes, msg: p.UpdateWeights, update: Update, now: float, agents: list[str] | None = None
+    ) -> list:
+        """Every alive agent (or just ``agents``) confirms its engines; the group is formed once they all answered."""
         update.request = msg
         update.waiter = (peer, msg.req)
         update.step = "begin"
         out: list = []
-        for rec in self.core.membership.alive():
-            out.append(self._to(rec.agent_id, p.WeightsBegin(update.update_id, msg.version)))
-            update.waiting.add(rec.agent_id)
+        catch_up = msg.kind == "catch_up"
+        for agent_id in agents if agents is not None else [r.agent_id for r in self.core.membership.alive()]:
+            out.append(self._to(agent_id, p.WeightsBegin(update.update_id, msg.version, catch_up)))
+            update.waiting.add(agent_id)
         return out + self._advance(now)
+
+    def _begin_catch_up(self, peer: bytes, msg: p.UpdateWeights, now: float) -> list:
+        """The fleet's current version again, to the engines behind it only; the others keep serving.
+
+        Answered at once (``world_size`` 0) when no engine is behind, or when the fleet's weights came
+        from disk (agents re-load those themselves). Admission goes on meanwhile (``stops_admission``)."""
+        lock = self.lock
+        if lock is not None:
+            why = (
+                f"weight update {lock.update_id} (version {lock.version}) of {lock.holder} is in flight "
+                f"(step {lock.step}); one update at a time"
+            )
+            return [Send(peer, p.Error("weights_busy", why, msg.req))]
+        if msg.version != self.log.version:
+            why = (
+                f"a catch-up sends the fleet's current version {self.log.version}, got version {msg.version} "
+                "(push a new version with update_weights)"
+            )
+            return [Send(peer, p.Error("weights_version", why, msg.req))]
+        behind = self.behind() if self.log.kind == "distributed" else {}
+        if not behind:
+            return [Send(peer, p.Ok(msg.req, {"update_id": 0, "world_size": 0, "engines": {}}))]
+        self._counter += 1
+        update = Update(
+            (self.core.membership.generation << 32) | self._counter,
+            msg.kind,
+            msg.version,
+            "",
+            msg.session,
+            self.core.trainer.client,
+            msg.timeout,
+            now + msg.timeout,
+            msg.kind,
+            seen=now,
+        )
+        self.lock = update
+        return self._begin_distributed(peer, msg, update, now, sorted(behind))
 
     def _form_group(self, now: float) -> list:
         """Every agent confirmed its engines: the group is those engines; answer the ``UpdateWeights``."""
@@ -254,6 +313,13 @@ class WeightUpdates:
         msg = update.request
         peer, req = update.waiter
         members, world_size, identity = self.group(update.confirmed)
+        if not members and update.kind == "catch_up":
+            # Every engine behind came back another way meanwhile (a restart that loaded the version,
+            # an engine that died): nothing to send. The agents asked confirmed none and resumed.
+            self.lock = None
+            reply = p.Ok(req, {"update_id": update.update_id, "world_size": 0, "engines": {}})
+            self._remember((msg.session, req), reply)
+            return [Send(peer, reply)] + self.core.pump(now)
         if not members:
             return self.abort(
                 f"weight update {update.update_id:#x} to version {update.version}: no engine is up to receive it "
@@ -263,11 +329,13 @@ class WeightUpdates:
         update.waiter, update.formed = None, True
         identity = (identity, msg.session, msg.master_address, msg.backend)
         out: list = []
-        init = identity != self._last_group
+        catch_up = update.kind == "catch_up"
+        init = catch_up or identity != self._last_group  # a catch-up's group is its own, and ends with it
         update.members, update.world_size, update.step = members, world_size, "group"
         update.group_name = f"rollfleet-{update.update_id:x}" if init else self._group_name
         if init:
-            self._last_group, self._group_name = identity, update.group_name
+            if not catch_up:
+                self._last_group, self._group_name = identity, update.group_name
             update.step = "init"
             for agent_id, offsets in members.items():
                 out.append(
@@ -311,7 +379,7 @@ class WeightUpdates:
         lock, err = self._current(peer, msg)
         if lock is None:
             return err
-        if lock.kind != "distributed" or lock.finishing or not lock.formed:
+        if lock.kind not in BROADCASTS or lock.finishing or not lock.formed:
             return [Send(peer, p.Error("bad_request", f"update {lock.update_id:#x} takes no more buckets", msg.req))]
         lock.deadline, lock.seen = now + lock.timeout, now
         if msg.seq in lock.buckets:
@@ -344,7 +412,7 @@ class WeightUpdates:
         lock, err = self._current(peer, msg)
         if lock is None:
             return err
-        if lock.kind != "distributed":
+        if lock.kind not in BROADCASTS:
             return [Send(peer, p.Error("bad_request", f"update {lock.update_id:#x} is a disk update", msg.req))]
         if not lock.formed:
             return [Send(peer, p.Error("bad_request", f"update {lock.update_id:#x} has no group yet", msg.req))]
@@ -381,7 +449,7 @@ class WeightUpdates:
     def trainer_gone(self, session: int, why: str, now: float) -> list:
         """The trainer of ``session`` was fenced or detached: its distributed update cannot finish."""
         lock = self.lock
-        if lock is None or lock.session != session or lock.kind != "distributed":
+        if lock is None or lock.session != session or lock.kind not in BROADCASTS:
             return []
         return self.abort(f"weight update {lock.update_id:#x} aborted: {why}", now)
 
@@ -460,7 +528,7 @@ class WeightUpdates:
         if lock is None:
             return []
         for agent in self._lost():
-            if lock.kind == "distributed" and agent in lock.members and lock.formed and lock.step != "finish":
+            if lock.kind in BROADCASTS and agent in lock.members and lock.formed and lock.step != "finish":
                 return self.abort(
                     f"weight update {lock.update_id:#x} aborted: agent {agent}, in the group, was lost", now
                 )
@@ -470,16 +538,19 @@ class WeightUpdates:
             lock.init_pending.discard(agent)
             for waiting in lock.buckets.values():
                 waiting.discard(agent)
-        if lock.kind == "distributed" and not lock.formed:
+        if lock.kind in BROADCASTS and not lock.formed:
             return [] if lock.waiting else self._form_group(now)
-        if lock.kind == "distributed" and lock.step != "finish":
+        if lock.kind in BROADCASTS and lock.step != "finish":
             if not (lock.finishing and not lock.init_pending and not any(lock.buckets.values())):
                 return []
             lock.step = "finish"
+            # A catch-up finishes on its members only; a version update everywhere (engines outside
+            # the group are behind it now).
+            alive = [r.agent_id for r in self.core.membership.alive()]
             out = []
-            for rec in self.core.membership.alive():
-                out.append(self._to(rec.agent_id, p.WeightsFinish(lock.update_id, lock.version, lock.verify)))
-                lock.waiting.add(rec.agent_id)
+            for agent_id in alive if lock.kind == "distributed" else [a for a in alive if a in lock.members]:
+                out.append(self._to(agent_id, p.WeightsFinish(lock.update_id, lock.version, lock.verify)))
+                lock.waiting.add(agent_id)
             return out + self._advance(now)
         if lock.waiting:
             return []
@@ -490,6 +561,13 @@ class WeightUpdates:
 
     def _complete(self, now: float) -> list:
         lock, self.lock = self.lock, None
+        engines = {f"{a}/{name}": v for a, engs in sorted(lock.engines.items()) for name, v in sorted(engs.items())}
+        if lock.kind == "catch_up":  # the version is the log's already: nothing to record
+            caught = {key for offsets in lock.members.values() for key in offsets}
+            engines = {key: v for key, v in engines.items() if key in caught}
+            reply = p.Ok(lock.waiter[1], {"update_id": lock.update_id, "version": lock.version, "engines": engines})
+            self._remember((lock.session, lock.waiter[1]), reply)
+            return [Send(lock.waiter[0], reply)] + self.core.pump(now)
         self.partial = ""
         log = self.log
         self.log = WeightLog(
@@ -499,7 +577,6 @@ class WeightUpdates:
             lock.path if lock.kind == "disk" else "",
             log.boundaries + (self._lease_hwm(),),
         )
-        engines = {f"{a}/{name}": v for a, engs in sorted(lock.engines.items()) for name, v in sorted(engs.items())}
         then = []
         if lock.waiter is not None:
             reply = p.Ok(lock.waiter[1], {"update_id": lock.update_id, "version": lock.version, "engines": engines})
@@ -512,16 +589,19 @@ class WeightUpdates:
         lock, self.lock = self.lock, None
         if lock is None:
             return []
-        self._last_group = None
-        if lock.kind == "disk" or lock.buckets:
+        catch_up = lock.kind == "catch_up"
+        if not catch_up:
+            self._last_group = None  # a catch-up's group was its own: the fleet's stays
+        if (lock.kind == "disk" or lock.buckets) and not catch_up:
             self.partial = why
         self._failed[lock.update_id] = why
         while len(self._failed) > REPLIES_KEPT:
             del self._failed[next(iter(self._failed))]
         path = self.log.path if self.log.kind == "disk" else ""
         out: list = [
-            Send(r.agent_id, p.WeightsAbort(lock.update_id, self.log.version, path))
+            Send(r.agent_id, p.WeightsAbort(lock.update_id, self.log.version, path, catch_up))
             for r in self.core.membership.alive()
+            if not catch_up or r.agent_id in lock.sessions
         ]
         if lock.waiter is not None:
             error = p.Error("weights", why, lock.waiter[1])
@@ -541,7 +621,7 @@ class WeightUpdates:
                 now,
             )
         ttl = self.core.liveness.ttl
-        if lock.kind == "distributed" and now - lock.seen > ttl:
+        if lock.kind in BROADCASTS and now - lock.seen > ttl:
             return self.abort(
                 f"weight update {lock.update_id:#x} to version {lock.version} aborted at step {lock.step}: its "
                 f"trainer {lock.holder} was silent for {now - lock.seen:.1f}s (session TTL {ttl:g}s), presumed dead",
@@ -553,4 +633,4 @@ class WeightUpdates:
         agents = set(lock.waiting) | set(lock.init_pending) | {a for w in lock.buckets.values() for a in w}
         if agents:
             return "agents " + ", ".join(sorted(agents))
-        return f"the trainer {lock.holder}" if lock.kind == "distributed" else "nothing"
+        return f"the trainer {lock.holder}" if lock.kind in BROADCASTS else "nothing"

@@ -154,5 +154,6 @@ def _sim_section(engine: SimEngine) -> dict:
             "num_weights": len(engine.weights.tensors),
             "weight_groups": engine.weight_groups.names,
             "weight_sync_timeout_s": engine.weight_groups.timeout_s,
+            "pauses": scheduler.pauses,
         },
     }

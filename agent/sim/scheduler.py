@@ -103,6 +103,7 @@ class Scheduler:
         self._free_slots = slots
         self.num_running = 0
         self._paused = False
+        self.pauses = 0  # /pause_generation calls served (observability)
         self._pause_mode = ""
         self._frozen = False
         self._unpaused = asyncio.Event()
@@ -357,6 +358,7 @@ class Scheduler:
     # ------------------------------------------------------------ control
 
     async def pause(self, mode: str) -> None:
+        self.pauses += 1
         self._paused = True
         self._pause_mode = mode
         self._unpaused.clear()
