@@ -98,9 +98,7 @@ def test_a_restarted_engine_catches_up_while_the_others_keep_serving(make_cluste
             info = get(u, "/server_info")["sim"]
             assert info["pauses"] == pauses[k], f"{k} was paused by the catch-up"
             assert info["weight_groups"] == groups[k], f"{k} lost the fleet's group"
-        assert wait_for(
-            lambda: engines(cluster.status())["a1/sim-0"]["state"] == "healthy", 10, "a1/sim-0 to serve"
-        )
+        assert wait_for(lambda: engines(cluster.status())["a1/sim-0"]["state"] == "healthy", 10, "a1/sim-0 to serve")
 
         batch = client.generate(1)
         assert {s.weight_version for s in batch.samples} == {"1"}
