@@ -4,9 +4,12 @@ SGLang forms its side with ``init_custom_process_group``: a TCP rendezvous on
 ``tcp://master_address:master_port``, then a process group whose store keys are prefixed with
 the group's name. A trainer that called plain ``torch.distributed.init_process_group`` would put
 its keys under the default group's prefix and never meet the engines (the call times out), so
-rank 0 forms the group the same way (as slime does): ``rendezvous`` for the store, then
-``_new_process_group_helper`` with ``PrefixStore(group_name, store)``. The sim engine mirrors
-SGLang's layout, so what works against it works against SGLang.
+rank 0 forms the group the same way (as slime does): a TCP store for the rendezvous, then
+``_new_process_group_helper`` with ``PrefixStore(group_name, store)``. Rank 0 serves the store
+(``host``) apart from its own client connection (``join``), so the caller can close it while ranks
+wait on it: a group that can no longer form (an engine died in the rendezvous, the coordinator
+aborted the update) then fails at once on every rank, instead of each one waiting out its timeout.
+The sim engine mirrors SGLang's layout, so what works against it works against SGLang.
 
 torch is imported only when a group is formed: everything else in rollfleet runs without it.
 Every call here blocks; run them off the event loop.
@@ -21,6 +24,44 @@ from typing import Any
 DEFAULT_GROUP_NAME = "weight_update_group"
 
 
+def host(master_address: str, master_port: int, timeout_s: float = 300.0) -> Any:
+    """The group's rendezvous store, served by this process at ``tcp://master_address:master_port``;
+    returns at once. Every rank, this process's own ``join`` included, meets on it as a client. Drop
+    the last reference to close it: every rank still waiting on it (an engine in
+    ``/init_weights_update_group``, a ``join`` in another thread) fails at once instead of at its
+    timeout. Keep it for as long as the group lives."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(master_address, master_port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def join(
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    *,
+    backend: str = "nccl",
+    group_name: str = DEFAULT_GROUP_NAME,
+    timeout_s: float = 300.0,
+) -> Any:
+    """Join the group as rank 0 through a store that ``host`` serves; the process group once every
+    engine rank joined."""
+    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
+
+    timeout = timedelta(seconds=timeout_s)
+    store = TCPStore(master_address, master_port, world_size, False, timeout)
+    group, _ = _new_process_group_helper(
+        world_size, 0, [], backend, PrefixStore(group_name, store), group_name=group_name, timeout=timeout
+    )
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+_hosted: dict[int, Any] = {}
+"""Stores ``join_as_trainer`` hosted, by the id of their group, kept until ``destroy``."""
+
+
 def join_as_trainer(
     master_address: str,
     master_port: int,
@@ -30,17 +71,11 @@ def join_as_trainer(
     group_name: str = DEFAULT_GROUP_NAME,
     timeout_s: float = 300.0,
 ) -> Any:
-    """Host the rendezvous as rank 0 and return the process group once every engine rank joined."""
-    from torch.distributed import PrefixStore, rendezvous
-    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
-
-    timeout = timedelta(seconds=timeout_s)
-    store, _, _ = next(rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    group, _ = _new_process_group_helper(
-        world_size, 0, [], backend, PrefixStore(group_name, store), group_name=group_name, timeout=timeout
-    )
-    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    """``host`` and ``join`` in one call, the store kept with the group (for a caller that never needs to
+    close the rendezvous early)."""
+    store = host(master_address, master_port, timeout_s)
+    group = join(master_address, master_port, world_size, backend=backend, group_name=group_name, timeout_s=timeout_s)
+    _hosted[id(group)] = store
     return group
 
 
@@ -57,3 +92,4 @@ def destroy(group: Any) -> None:
     import torch.distributed as dist
 
     dist.destroy_process_group(group)
+    _hosted.pop(id(group), None)

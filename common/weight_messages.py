@@ -78,11 +78,15 @@ class AbortWeights(Message):
 @message
 class WeightsAlive(Message):
     """trainer -> coordinator: the trainer holding the weight lock is alive (sent every heartbeat
-    interval while a broadcast call runs). A lock whose trainer is silent past the TTL is aborted."""
+    interval, at most 0.25 s apart, while a broadcast call runs). A lock whose trainer is silent past
+    the TTL is aborted. Answered ``{"update_id": the lock's or 0, "failed": why or None}``, ``failed``
+    saying that ``update_id`` (the update the trainer works on) was aborted: the trainer then closes
+    its rendezvous, so nothing waits on a group that will never form."""
 
     TYPE = "weights_alive"
     session: int
     req: int
+    update_id: int = 0
 
 
 @message

@@ -405,6 +405,9 @@ class AsyncRolloutClient:
         tensor is compared with what was sent (``/get_weights_by_name``, their first rows) before it
         serves; a mismatch fails the update naming the engine. ``None`` (default): the first update
         of a group and every tenth after. Errors as ``update_weights_from_disk``.
+
+        An update that fails because an engine was lost in it (code ``weights``) is retried once,
+        transparently, on a new group; the result then also holds ``"retried"``: the first attempt's error.
         """
         return await self._weights.broadcast(named_tensors, version, backend, bucket_bytes, timeout, verify)
 

@@ -12,8 +12,12 @@
    wait for its ``Ok``, then ``broadcast(src=0)`` each tensor in order;
 4. ``FinishWeights``, answered once every engine serves the version.
 
-While the call runs it sends ``WeightsAlive`` every heartbeat interval: a trainer silent past the
-coordinator's TTL (SIGKILLed inside a broadcast) has its update aborted and the lock released.
+While the call runs it sends ``WeightsAlive`` every heartbeat interval (at most 0.25 s apart): a
+trainer silent past the coordinator's TTL (SIGKILLed inside a broadcast) has its update aborted and
+the lock released. The answer says when the coordinator aborted the update this call works on (an
+agent reported an engine dead in the rendezvous, a member was lost): the client then closes the
+rendezvous store it hosts, so its own join and every engine still waiting in
+``/init_weights_update_group`` fail at once, and the one retry starts without waiting out a timeout.
 
 Failures: when this side fails (``torch.distributed`` raises, e.g. gloo's "Connection closed by
 peer" once an engine died, or the call is cancelled) the client sends ``AbortWeights`` at once,
@@ -119,6 +123,11 @@ class WeightSender:
         self.client = client
         self.group: Any = None
         self.group_name = ""
+        self._store: Any = None  # the rendezvous store of ``group``, hosted by this process for its lifetime
+        self._side_store: Any = None  # the rendezvous store of a catch-up's group, for the call
+        self._hosting: Any = None  # the store of a group being formed; dropped to abandon the rendezvous
+        self._update_id = 0  # the update this call works on: its keep-alive asks whether it was aborted
+        self._aborted: dict[int, str] = {}  # update id -> why the coordinator aborted it
         self.version: int | None = None
         self.updates = 0  # broadcasts attempted: every VERIFY_EVERY-th is verified by default
 
@@ -152,20 +161,63 @@ class WeightSender:
                 # An engine lost in the update (or a broken link) failed it: the coordinator aborted it
                 # and released the lock. Once more, on a new group of the engines confirmed now.
                 log.warning("%s failed, retrying once on a new group: %s", what, exc)
-            return await self._attempt(items, int(version), backend, bucket_bytes, float(timeout), what, verify)
+                first = str(exc)
+            result = await self._attempt(items, int(version), backend, bucket_bytes, float(timeout), what, verify)
+            return {**result, "retried": first}
         finally:
             beat.cancel()
             await asyncio.gather(beat, return_exceptions=True)
 
     async def _keep_alive(self, what: str) -> None:
-        """``WeightsAlive`` every heartbeat interval while the call runs: the coordinator aborts the update
-        of a trainer silent past its TTL (a trainer SIGKILLed mid-broadcast frees the lock that way)."""
+        """``WeightsAlive`` every heartbeat interval (at most 0.25 s) while the call runs: the coordinator
+        aborts the update of a trainer silent past its TTL (a trainer SIGKILLed mid-broadcast frees the
+        lock that way), and answers whether the update this call works on was aborted (then the
+        rendezvous is abandoned at once)."""
+        interval = min(self.client.heartbeat_interval, 0.25)
         while True:
-            await asyncio.sleep(self.client.heartbeat_interval)
+            await asyncio.sleep(interval)
+            update_id = self._update_id
             try:
-                await self.client._request(lambda s, req: p.WeightsAlive(s, req), f"{what} heartbeat")
+                answer = await self.client._request(
+                    lambda s, req, update_id=update_id: p.WeightsAlive(s, req, update_id), f"{what} heartbeat"
+                )
             except RolloutError as exc:
                 log.debug("%s heartbeat: %s", what, exc)  # the call itself meets the same error
+                continue
+            if update_id and update_id == self._update_id and answer.get("failed"):
+                self._abandon(update_id, str(answer["failed"]))
+
+    def _abandon(self, update_id: int, why: str) -> None:
+        """The coordinator aborted ``update_id``: close a rendezvous still forming its group."""
+        if update_id in self._aborted:
+            return
+        self._aborted[update_id] = why
+        if self._hosting is not None:
+            log.info("weight update %#x was aborted while its group formed; closing the rendezvous: %s", update_id, why)
+            self._hosting = None  # the last reference: the store closes, every rank waiting on it fails now
+
+    async def _form(self, address: str, port: int, begun: dict, backend: str, timeout: float) -> tuple[Any, Any]:
+        """Host the rendezvous and join it as rank 0: ``(group, store)``. Abandoned (``_abandon``) when the
+        coordinator aborts the update meanwhile: every rank then fails at once."""
+        self._hosting = weight_group.host(address, port, timeout)  # held by this object only (see ``_abandon``)
+        try:
+            group = await asyncio.to_thread(
+                weight_group.join,
+                address,
+                port,
+                begun["world_size"],
+                backend=backend,
+                group_name=begun["group_name"],
+                timeout_s=timeout,
+            )
+        except BaseException:
+            self._hosting = None
+            raise
+        store, self._hosting = self._hosting, None
+        if store is None:  # aborted as the group formed: it cannot be used
+            await self._drop(group)
+            raise WeightUpdateError(self._aborted.get(begun["update_id"], "aborted"), code="weights")
+        return group, store
 
     async def _attempt(
         self, items, version: int, backend: str, bucket_bytes: int, timeout: float, what: str, verify: bool | None
@@ -177,7 +229,7 @@ class WeightSender:
             lambda s, req: p.UpdateWeights(s, req, version, "distributed", "", address, port, backend, timeout),
             what,
         )
-        update_id = begun["update_id"]
+        update_id = self._update_id = begun["update_id"]
         try:
             if begun["init"]:
                 await self._destroy()
@@ -188,15 +240,7 @@ class WeightSender:
                     address,
                     port,
                 )
-                self.group = await asyncio.to_thread(
-                    weight_group.join_as_trainer,
-                    address,
-                    port,
-                    begun["world_size"],
-                    backend=backend,
-                    group_name=begun["group_name"],
-                    timeout_s=timeout,
-                )
+                self.group, self._store = await self._form(address, port, begun, backend, timeout)
                 self.group_name = begun["group_name"]
             elif self.group is None or self.group_name != begun["group_name"]:
                 raise WeightUpdateError(
@@ -214,14 +258,29 @@ class WeightSender:
             raise
         except BaseException as exc:
             # This side failed (torch.distributed raised, a link timed out, the call was cancelled):
-            # say so at once, so the lock is released now and not at the update's deadline.
-            why = f"{type(exc).__name__}: {exc}" if not isinstance(exc, asyncio.CancelledError) else "call cancelled"
-            await asyncio.shield(self._give_up(update_id, why, what))
-            if isinstance(exc, Exception):
-                raise WeightUpdateError(f"{what}: the trainer's side failed: {why}", code="weights") from exc
-            raise
+            # say so at once, so the lock is released now and not at the update's deadline. When the
+            # coordinator aborted it first (the rendezvous was closed for that), its reason is the error.
+            raise await self._failed(exc, update_id, what, destroy=True) from exc
+        finally:
+            self._update_id = 0
+            self._aborted.pop(update_id, None)
         self.version = result["version"]
         return result
+
+    async def _failed(self, exc: BaseException, update_id: int, what: str, *, destroy: bool) -> BaseException:
+        """This side of ``update_id`` failed with ``exc``: the coordinator told (unless it aborted the update
+        first), the local group dropped when ``destroy``; the exception to raise."""
+        why = f"{type(exc).__name__}: {exc}" if not isinstance(exc, asyncio.CancelledError) else "call cancelled"
+        aborted = self._aborted.get(update_id)
+        if aborted is None:
+            await asyncio.shield(self._give_up(update_id, why, what, destroy=destroy))
+        elif destroy:
+            await asyncio.shield(self._destroy())
+        if not isinstance(exc, Exception):
+            return exc  # cancellation and the like go on as they are
+        if aborted is not None:
+            return WeightUpdateError(f"{what}: {aborted}", code="weights")
+        return WeightUpdateError(f"{what}: the trainer's side failed: {why}", code="weights")
 
     async def catch_up(
         self, named_tensors, version: int, backend: str, bucket_bytes: int, timeout: float, verify: bool
@@ -241,38 +300,30 @@ class WeightSender:
         if not begun["world_size"]:
             return {"update_id": begun["update_id"], "version": int(version), "engines": {}}
         items = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
-        update_id = begun["update_id"]
+        update_id = self._update_id = begun["update_id"]
         beat = asyncio.ensure_future(self._keep_alive(what))
+        beat.set_name(f"weights-alive-catch-up-{version}")
         group = None
         try:
             if not items:
                 raise ValueError("catch_up needs the named tensors of the current version")
             log.info("catching up %d engine rank(s) to version %d", begun["world_size"] - 1, version)
-            group = await asyncio.to_thread(
-                weight_group.join_as_trainer,
-                address,
-                port,
-                begun["world_size"],
-                backend=backend,
-                group_name=begun["group_name"],
-                timeout_s=timeout,
-            )
+            group, self._side_store = await self._form(address, port, begun, backend, timeout)
             await self._send(group, update_id, items, backend, bucket_bytes, what)
             values = verify_values(items) if verify else {}
             return await self.client._request(lambda s, req: p.FinishWeights(s, req, update_id, values), what)
         except (RemoteError, StateError):
             raise  # the coordinator ended it already
         except BaseException as exc:
-            why = f"{type(exc).__name__}: {exc}" if not isinstance(exc, asyncio.CancelledError) else "call cancelled"
-            await asyncio.shield(self._give_up(update_id, why, what, destroy=False))
-            if isinstance(exc, Exception):
-                raise WeightUpdateError(f"{what}: the trainer's side failed: {why}", code="weights") from exc
-            raise
+            raise await self._failed(exc, update_id, what, destroy=False) from exc
         finally:
+            self._update_id = 0
+            self._aborted.pop(update_id, None)
             beat.cancel()
             await asyncio.gather(beat, return_exceptions=True)
             if group is not None:
                 await asyncio.shield(self._drop(group))
+            self._side_store = None  # its group is gone: the rendezvous closes
 
     async def _send(self, group, update_id: int, items: list, backend: str, bucket_bytes: int, what: str) -> None:
         """Every bucket of ``items``: announced (``WeightBucket``), then broadcast from rank 0 of ``group``.
@@ -326,6 +377,7 @@ class WeightSender:
     async def _destroy(self) -> None:
         group, self.group, self.group_name = self.group, None, ""
         await self._drop(group)
+        self._store = None  # after its group: the rendezvous closes
 
     @staticmethod
     async def _drop(group) -> None:

@@ -142,6 +142,7 @@ class WeightUpdates:
         if lock is not None:
             held = {
                 "holder": lock.holder,
+                "kind": lock.kind,
                 "update_id": lock.update_id,
                 "step": lock.step,
                 "deadline_in_s": round(lock.deadline - now, 3),
@@ -444,7 +445,8 @@ class WeightUpdates:
         lock = self.lock
         if lock is not None and lock.session == msg.session:
             lock.seen = now
-        return [Send(peer, p.Ok(msg.req, {"update_id": lock.update_id if lock is not None else 0}))]
+        failed = self._failed.get(msg.update_id) if msg.update_id else None
+        return [Send(peer, p.Ok(msg.req, {"update_id": lock.update_id if lock is not None else 0, "failed": failed}))]
 
     def trainer_gone(self, session: int, why: str, now: float) -> list:
         """The trainer of ``session`` was fenced or detached: its distributed update cannot finish."""
@@ -471,6 +473,10 @@ class WeightUpdates:
         agent = rec.agent_id
         if msg.engines:
             lock.engines[agent] = dict(msg.engines)
+            if msg.ok:  # the status shows an engine's new version now, not at the agent's next heartbeat
+                for e in rec.engines:
+                    if e.get("name") in msg.engines:
+                        e["version"] = msg.engines[e["name"]]
         if not msg.ok:
             error = msg.error or "no detail"
             if agent not in error:

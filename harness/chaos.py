@@ -15,10 +15,20 @@ and early (a shuffled plan), then at random:
     node_lost    SIGKILL an agent and never restart it: the coordinator retires
                  it (short ``--retire-after``) and its unfetched groups are
                  generated again elsewhere
+    node_join    start one more agent mid-run: after a broadcast its engines come
+                 up behind the fleet's version and the trainer catches them up
+
+and, with weight updates, faults timed to one in flight (the coordinator's weight
+lock held, read from its status every 10 ms):
+
+    engine_in_update   SIGKILL an engine while an update runs (inside a
+                       broadcast's begin, group, buckets or finish, a disk load)
+    trainer_in_update  SIGKILL the trainer inside its own broadcast; it resumes
 
 Meanwhile the trainer pushes a weight update every few batches (``--weights-every``),
-alternating disk updates and gloo broadcasts; one that fails under chaos is allowed
-and retried later, never hung on.
+alternating disk updates and gloo broadcasts, and catches up engines behind a
+broadcast; one that fails under chaos is allowed and retried later, never hung on,
+and the summary gives each failure's cause and the faults that fell inside it.
 
 A failure counts only when it happened: a live pid was signalled, a partition
 was seen by the coordinator. After the trainer's last batch the fleet is
@@ -50,7 +60,7 @@ import lmdb
 
 from common.errors import NoCapacity
 from coordinator.ledger import read_ledger
-from harness.chaos_check import KINDS, Findings, RunEvidence, batch_record, check
+from harness.chaos_check import KINDS, WEIGHT_FAULTS, Findings, RunEvidence, batch_record, check
 from harness.chaos_eval import eval_flag
 from harness.chaos_evidence import (
     pending_behind_cursor,
@@ -76,6 +86,10 @@ TTL = 1.5  # the cluster's --agent-ttl
 RETIRE_AFTER = 8.0
 """Long enough for a killed agent to restart and a partition to heal, short enough to retire a lost node."""
 RANDOM_KINDS = ("agent", "agent", "engine", "engine", "coordinator", "partition", "trainer")
+RANDOM_WEIGHT_FAULTS = ("engine_in_update", "engine_in_update", "trainer_in_update")
+"""Added to ``RANDOM_KINDS`` when the run pushes weights."""
+LOCK_WAIT = 20.0
+"""How long a fault timed to an update waits for one to be in flight before it gives up (not counted)."""
 
 
 @dataclass
@@ -84,6 +98,8 @@ class ChaosReport(Findings):
     """``(seconds since start, kind, target, batches consumed)`` per failure caused."""
     kills: Counter = field(default_factory=Counter)
     """Failures caused, by kind."""
+    kinds: tuple[str, ...] = ()
+    """The failure kinds this run had to cause, each at least once."""
     extra_batches: int = 0
     """Batches pulled at quiesce, after the trainer's, to settle prompts back to pending behind the cursor."""
 
@@ -125,15 +141,21 @@ class ChaosRun:
         torch = importlib.util.find_spec("torch") is not None  # the trainer broadcasts only with it
         self.with_torch = torch
         self.weight_kinds = () if not weights_every else ("disk", "distributed") if torch else ("disk",)
+        weight_faults = () if not weights_every else WEIGHT_FAULTS if torch else WEIGHT_FAULTS[:1]
+        self.kinds = KINDS + weight_faults
+        self.random_kinds = RANDOM_KINDS + tuple(k for k in RANDOM_WEIGHT_FAULTS if k in weight_faults)
+        self.joined: list[str] = []
         self.engine_versions: dict[str, str | None] = {}
         self.trainer: subprocess.Popen | None = None
         self.trainer_runs = 0
         self.trainer_killed_at = -(10**9)
-        self.report = ChaosReport()
+        self.report = ChaosReport(kinds=self.kinds)
         self.extra_batches = 0  # pulled at quiesce to settle every prompt behind the cursor
         self.never_reissued: set[tuple[int, int]] = set()
         self.stuck: list[str] = []  # seen while the schedule ran: a dead agent still holding leases
         self.started = time.monotonic()
+        self.started_wall = time.time()  # the trainer logs its updates in wall-clock time
+        self.hit_at = self.started
 
     # ------------------------------------------------------------ processes
 
@@ -237,6 +259,12 @@ class ChaosRun:
         if kind == "node_lost":  # a node holding groups no trainer fetched yet: they must be made again
             held = self.unfetched()
             return not self.lost and any(held[n] for n in self.live_agents() if n != self.proxied)
+        if kind == "node_join":
+            return not self.joined and n >= 2
+        if kind == "engine_in_update":
+            return self.trainer.poll() is None and self.feasible("engine", planned)
+        if kind == "trainer_in_update":
+            return self.feasible("trainer", planned)
         raise ValueError(kind)
 
     def next_kind(self, plan: list[str]) -> tuple[str | None, bool]:
@@ -246,7 +274,7 @@ class ChaosRun:
                 return kind, True
         if plan:
             return None, True  # wait until a planned failure can happen
-        kind = self.rng.choice(RANDOM_KINDS)
+        kind = self.rng.choice(self.random_kinds)
         return (kind, False) if self.feasible(kind, planned=False) else (None, False)
 
     def cause(self, kind: str) -> str | None:
@@ -260,6 +288,7 @@ class ChaosRun:
         name = self.rng.choice(live)
         if not _kill(self.cluster.agents[name].popen):
             return None
+        self.hit_at = time.monotonic()
         time.sleep(self.rng.uniform(0.2, 1.5))  # down for a while, then back on the same data dir
         self.start_agent(name, wait=False)
         return name
@@ -276,12 +305,14 @@ class ChaosRun:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             return None
+        self.hit_at = time.monotonic()
         return f"{name} engine pid {pid}"
 
     def _coordinator(self) -> str | None:
         proc = self.cluster.coordinator
         if not _kill(proc.popen):
             return None
+        self.hit_at = time.monotonic()
         time.sleep(self.rng.uniform(0.1, 1.0))
         self.start_coordinator()
         return "coordinator"
@@ -289,13 +320,14 @@ class ChaosRun:
     def _trainer(self) -> str | None:
         if not _kill(self.trainer):
             return None
+        self.hit_at = time.monotonic()
         self.trainer_killed_at = self.n_consumed()
         self.start_trainer()
         return f"trainer (resumes from {json.loads(self.ckpt.read_text())['rollout_id']})"
 
     def _partition(self) -> str | None:
         hold = self.rng.uniform(TTL + 1.0, TTL + 2.5)
-        cut = time.monotonic()
+        cut = self.hit_at = time.monotonic()
         self.proxy.partition()
         seen = self.presumed_dead(self.proxied, "behind a partition")
         time.sleep(max(0.0, cut + hold - time.monotonic()))  # the fault's duration, not a wait for a condition
@@ -310,10 +342,46 @@ class ChaosRun:
         name = max(live, key=lambda n: (held[n], self.rng.random()))
         if not _kill(self.cluster.agents[name].popen):
             return None
+        self.hit_at = time.monotonic()
         self.lost.add(name)  # never restarted
         if not self.presumed_dead(name, "lost for good"):
             self.stuck.append(f"{name} was SIGKILLed but the coordinator never presumed it dead")
         return f"{name} holding {held[name]} unfetched group(s)"
+
+    def _node_join(self) -> str | None:
+        name = f"agent-{len(self.names)}"
+        self.names.append(name)
+        self.joined.append(name)
+        self.start_agent(name, wait=False)
+        return f"{name} (a new node)"
+
+    def update_in_flight(self, steps: tuple[str, ...], kinds: tuple[str, ...]) -> dict | None:
+        """The coordinator's weight lock once an update of one of ``kinds`` is at one of ``steps`` (polled every
+        10 ms, for at most ``LOCK_WAIT``); None if none came (the trainer finished or was between updates)."""
+        deadline = time.monotonic() + LOCK_WAIT
+        while time.monotonic() < deadline and self.trainer.poll() is None:
+            try:
+                lock = self.cluster.status(timeout=2)["weights"]["lock"]
+            except Exception:  # the coordinator is restarting
+                lock = None
+            if lock is not None and lock["step"] in steps and lock.get("kind") in kinds:
+                return lock
+            time.sleep(0.01)
+        return None
+
+    def _engine_in_update(self) -> str | None:
+        lock = self.update_in_flight(("begin", "group", "init", "bucket", "finish", "disk"), ("disk", "distributed"))
+        if lock is None:
+            return None
+        target = self._engine()
+        return f"{target} in update {lock['update_id']:#x} ({lock['kind']}, step {lock['step']})" if target else None
+
+    def _trainer_in_update(self) -> str | None:
+        lock = self.update_in_flight(("group", "init", "bucket"), ("distributed",))
+        if lock is None:
+            return None
+        target = self._trainer()
+        return f"{target}, killed in its broadcast {lock['update_id']:#x} (step {lock['step']})" if target else None
 
     # ------------------------------------------------------------ the run
 
@@ -344,6 +412,8 @@ class ChaosRun:
             stores={name: read_store(self.cluster.tmp / name) for name in self.names},
             lost_agents=set(self.lost),
             kills=self.report.kills,
+            kinds=self.kinds,
+            faults=[(self.started_wall + at, kind) for at, kind, _, _ in self.report.actions],
             never_reissued=self.never_reissued,
             weight_updates=read_consumed(self.weights_log),
             weight_kinds=self.weight_kinds,
@@ -359,7 +429,7 @@ class ChaosRun:
         return self.report
 
     def drive(self) -> None:
-        plan = list(KINDS)
+        plan = list(self.kinds)
         self.rng.shuffle(plan)
         deadline = time.monotonic() + max(240, self.batches * 8)
         while self.trainer.poll() is None:
@@ -372,6 +442,7 @@ class ChaosRun:
             if kind is None:
                 continue
             n = self.n_consumed()
+            self.hit_at = time.monotonic()  # each cause sets the moment it struck
             target = self.cause(kind)
             if target is None:
                 self.log(f"chaos: {kind}: nothing to hit")
@@ -379,7 +450,7 @@ class ChaosRun:
                     plan.append(kind)
                 continue
             self.report.kills[kind] += 1
-            self.report.actions.append((round(time.monotonic() - self.started, 2), kind, target, n))
+            self.report.actions.append((round(self.hit_at - self.started, 2), kind, target, n))
             self.log(f"chaos: {kind}: {target} (consumed {n}/{self.batches})")
         if self.trainer.returncode != 0:
             raise AssertionError(

@@ -41,7 +41,10 @@ Checks, each reported as a problem naming the prompt, group or agent:
    across its restarts, rise strictly, each answered with every engine on its
    version, and the coordinator's version is at least the last of them, its
    update count at least their number; at least one update of each kind pushed
-   succeeded. Failed updates are allowed (chaos may kill what one needs).
+   succeeded. A version update may fail only when the coordinator died inside it
+   (``EXPLAINED_BY``; an engine, agent or link lost in it is left out or retried
+   without); each failure's cause and the faults inside it are counted. A
+   catch-up resends the fleet's version, never one below the last pushed.
 5. The schedule: every failure kind happened at least once.
 """
 
@@ -54,8 +57,18 @@ from dataclasses import dataclass, field
 from coordinator.records import LedgerSnapshot
 from harness.chaos_eval import check_evaluations
 
-KINDS = ("agent", "engine", "coordinator", "trainer", "partition", "node_lost")
+KINDS = ("agent", "engine", "coordinator", "trainer", "partition", "node_lost", "node_join")
 """Failure kinds the chaos schedule causes; a run that misses one fails."""
+WEIGHT_FAULTS = ("engine_in_update", "trainer_in_update")
+"""Faults timed to a weight update in flight, caused too when the run pushes weights (the trainer's
+only with torch: it needs a broadcast)."""
+EXPLAINED_BY = ("coordinator",)
+"""Faults that may fail a weight update inside which they fall: the coordinator holds the update's state
+(a trainer dying inside its own update leaves no record of it). Any other failure of a version update is a
+problem: an engine, agent or link lost in it is left out, or the broadcast is retried without it."""
+FAULT_SLACK = 2.0
+"""Seconds before an update's start within which a fault still counts as inside it (a coordinator killed
+just before, still restarting when the update's first request is sent)."""
 
 STATES = ("pending", "leased", "ready", "delivered", "filtered")
 
@@ -82,10 +95,16 @@ class RunEvidence:
     stores: dict[str, StoreContents]
     lost_agents: set[str] = field(default_factory=set)
     kills: Counter = field(default_factory=Counter)
+    kinds: tuple[str, ...] = KINDS
+    """The failure kinds the schedule had to cause, each at least once."""
+    faults: list[tuple[float, str]] = field(default_factory=list)
+    """``(wall-clock time, kind)`` of every failure caused, to find the ones inside a failed update."""
     never_reissued: set[tuple[int, int]] = field(default_factory=set)
     """Prompts behind the cursor still without a record after the extra batches pulled at quiesce."""
     weight_updates: list[dict] = field(default_factory=list)
-    """The trainers' update attempts in write order: ``kind``, ``version``, ``ok``, ``engines`` (when ok)."""
+    """The trainers' update attempts in write order: ``kind`` (``disk``, ``distributed`` or ``catch_up``),
+    ``version``, ``ok``, ``engines`` (when ok) or ``error``, ``retried`` (a broadcast retried once), ``t0``
+    and ``t1`` (wall-clock start and end)."""
     weight_kinds: tuple[str, ...] = ()
     """Kinds of update pushed, each of which must have succeeded at least once (none: no updates pushed)."""
     engine_versions: dict[str, str | None] = field(default_factory=dict)
@@ -122,8 +141,10 @@ class Findings:
     evaluations: int = 0
     """Evaluation passes that returned, each counting every evaluation prompt once (harness/chaos_eval.py)."""
     weight_updates: dict = field(default_factory=dict)
-    """Update attempts by outcome: ``{"disk": ok, "distributed": ok, "failed": n}``, and with failures
-    ``failure_causes``: how many failed of each cause (the error with its numbers and ids taken out)."""
+    """Update attempts by outcome: ``{"disk": ok, "distributed": ok, "catch_up": ok, "retried": n,
+    "failed": n}``, and with failures ``failure_causes`` (how many failed of each cause: the error with its
+    numbers and ids taken out) and ``failed_during`` (the faults that fell inside failed updates, by kind;
+    ``none`` for a failure with none inside)."""
     problems: list[str] = field(default_factory=list)
 
 
@@ -136,7 +157,7 @@ def check(ev: RunEvidence) -> Findings:
     out.evaluations = check_evaluations(ev.evaluations, ev.ledger, out.problems)
     for prompt in sorted(ev.never_reissued):
         _unaccounted(out, f"prompt {prompt} came back to pending and was never leased again (forgotten)")
-    for kind in KINDS:
+    for kind in ev.kinds:
         if ev.kills[kind] < 1:
             out.problems.append(f"schedule: no {kind} failure happened")
     return out
@@ -359,16 +380,33 @@ def _check_weights(ev: RunEvidence, out: Findings) -> None:
             out.problems.append(f"weights: serving engine {key} did not report its version (/model_info)")
         elif _label(label) != current:
             out.problems.append(f"weights: serving engine {key} reports version {label!r}, the fleet is on {current}")
-    counts = Counter(dict.fromkeys(("disk", "distributed", "failed"), 0))
+    counts = Counter(dict.fromkeys(("disk", "distributed", "catch_up", "retried", "failed"), 0))
     last = None
     causes: Counter = Counter()
+    during: Counter = Counter()
     for rec in ev.weight_updates:
         if not rec["ok"]:
             counts["failed"] += 1
-            causes[failure_cause(rec.get("error", ""))] += 1
+            cause = failure_cause(rec.get("error", ""))
+            causes[cause] += 1
+            inside = _faults_inside(ev.faults, rec)
+            during.update(inside or ["none"])
+            if rec["kind"] != "catch_up" and ev.faults and not set(inside) & set(EXPLAINED_BY):
+                out.problems.append(
+                    f"weights: a {rec['kind']} update to {rec.get('version')} failed with no coordinator death inside "
+                    f"it (faults inside: {sorted(inside) or 'none'}): {rec.get('error', '')[:200]}"
+                )
             continue
         counts[rec["kind"]] += 1
+        counts["retried"] += bool(rec.get("retried"))
         version = rec["version"]
+        if rec["kind"] == "catch_up":  # the fleet's version again, to the engines behind it
+            if last is not None and version < last:
+                out.problems.append(f"weights: a catch-up sent version {version} after version {last}: backwards")
+            off = {e: v for e, v in rec.get("engines", {}).items() if v != version}
+            if off:
+                out.problems.append(f"weights: catch-up to {version} answered ok with engines {off} off it")
+            continue
         if last is not None and version <= last:
             out.problems.append(f"weights: version {version} ({rec['kind']}) succeeded after version {last}: backwards")
         last = version if last is None else max(last, version)
@@ -378,6 +416,7 @@ def _check_weights(ev: RunEvidence, out: Findings) -> None:
     out.weight_updates = dict(counts)
     if causes:
         out.weight_updates["failure_causes"] = dict(causes.most_common())
+        out.weight_updates["failed_during"] = dict(during.most_common())
     if last is not None and current < last:
         out.problems.append(f"weights: the coordinator is on version {current}, below {last}, recorded as pushed")
     pushed = counts["disk"] + counts["distributed"]
@@ -386,6 +425,13 @@ def _check_weights(ev: RunEvidence, out: Findings) -> None:
     for kind in ev.weight_kinds:
         if counts[kind] < 1:
             out.problems.append(f"weights: no {kind} update succeeded ({counts['failed']} failed)")
+
+
+def _faults_inside(faults: list[tuple[float, str]], rec: dict) -> list[str]:
+    """Kinds of the faults caused while the update ``rec`` ran (from ``FAULT_SLACK`` before its start)."""
+    if "t0" not in rec or "t1" not in rec:
+        return []
+    return [kind for at, kind in faults if rec["t0"] - FAULT_SLACK <= at <= rec["t1"]]
 
 
 def failure_cause(error: str) -> str:

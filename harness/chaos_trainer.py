@@ -18,12 +18,19 @@ group's; the whole call gets three times that), so a failure never hangs the
 trainer. One JSON line per attempt goes to ``--weights-log`` (fsynced):
 ``kind``, ``version``, ``ok``, the engines' versions or the error.
 
-After a broadcast, an engine that restarts (or missed an update) is stale: out of
-the pool until the next update reaches it. Once every engine is stale no batch
-can come, and the next update would come only after the next batch. So while a
-``generate`` waits, the trainer looks at the fleet every ``--rescue-after``
-seconds and, if no engine serves but some are stale and no update runs, pushes a
-disk update at once (recorded with ``"rescue": true``), as a trainer must.
+After a broadcast, an engine that restarts (or a node that joins) is stale: out of
+the pool until an update reaches it. Before each ``generate`` the trainer looks at
+``stats()["weights"]["behind"]`` and, when engines are behind a broadcast version,
+brings just them to it with ``catch_up`` (the tensors are a function of the version,
+so a resumed trainer sends the same ones), logged with kind ``catch_up``. Once every
+engine is stale no batch can come: while a ``generate`` waits, the trainer looks at
+the fleet every ``--rescue-after`` seconds and, if no engine serves but some are
+stale and no update runs, catches them up (or, after a disk update, pushes a new
+disk update; recorded with ``"rescue": true``), as a trainer must.
+
+Each record carries ``t0`` and ``t1`` (wall-clock seconds, ``time.time()``) so the
+driver can tell which faults fell inside a failed update, and ``retried`` when the
+client retried the broadcast once after an engine was lost in it.
 
 Without torch there is nothing to broadcast with and no weights file to write:
 every update is then a disk update of an empty checkpoint directory (it changes
@@ -172,7 +179,7 @@ class Pusher:
 
     async def push(self, rid: int, n: int, rescue: bool = False) -> None:
         kind, version, started = "disk" if rescue else self.kind(n), None, time.monotonic()
-        record = {"run": self.run, "pid": os.getpid(), "rid": rid, "kind": kind, "rescue": rescue}
+        record = {"run": self.run, "pid": os.getpid(), "rid": rid, "kind": kind, "rescue": rescue, "t0": time.time()}
         try:
             async with asyncio.timeout(self.timeout * 3):
                 version = max(await self.client.weight_version(), self.last) + 1
@@ -190,9 +197,42 @@ class Pusher:
         else:
             self.last = max(self.last, result["version"])
             record.update(version=result["version"], ok=True, engines=result["engines"])
+            if result.get("retried"):
+                record["retried"] = result["retried"][:300]
             print(f"weights {kind} {result['version']} after rollout {rid}", flush=True)
         record["seconds"] = round(time.monotonic() - started, 3)
+        record["t1"] = time.time()
         await asyncio.to_thread(append, self.log, record)
+
+    async def catch_up(self, rid: int, rescue: bool = False) -> bool:
+        """Engines behind the fleet's broadcast version: ``catch_up`` brings just them to it (logged). False when
+        there was nothing to do (no engine behind, an update in flight, or the fleet's weights came from disk)."""
+        if not self.with_torch:
+            return False
+        try:
+            stats = (await asyncio.wait_for(self.client.stats(), 5))["weights"]
+        except (RolloutError, TimeoutError):
+            return False  # the coordinator is restarting: look again later
+        if not stats.get("behind") or stats["kind"] != "distributed" or stats["lock"] is not None:
+            return False
+        version, started = stats["version"], time.monotonic()
+        record = {"run": self.run, "pid": os.getpid(), "rid": rid, "kind": "catch_up", "rescue": rescue}
+        record.update(version=version, behind=stats["behind"], t0=time.time())
+        try:
+            async with asyncio.timeout(self.timeout * 3):
+                result = await self.client.catch_up(
+                    tensors(version), version, backend="gloo", bucket_bytes=BUCKET_BYTES, timeout=self.timeout
+                )
+        except (RolloutError, TimeoutError, OSError, RuntimeError) as exc:
+            record.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
+            print(f"catch_up {version} failed before rollout {rid}: {record['error']}", flush=True)
+        else:
+            record.update(ok=True, engines=result["engines"])
+            print(f"catch_up {version} before rollout {rid}: {sorted(result['engines'])}", flush=True)
+        record["seconds"] = round(time.monotonic() - started, 3)
+        record["t1"] = time.time()
+        await asyncio.to_thread(append, self.log, record)
+        return True
 
     async def all_stale(self) -> bool:
         """No engine of an alive agent serves, some are stale, and no update runs: only an update brings the fleet
@@ -207,7 +247,9 @@ class Pusher:
         return "stale" in states and "healthy" not in states
 
     async def generate(self, rid: int):
-        """``client.generate(rid)``; while it waits, a rescue update whenever every engine is stale."""
+        """``client.generate(rid)``, engines behind caught up first; while it waits, a rescue update whenever every
+        engine is stale."""
+        await self.catch_up(rid)
         task = asyncio.ensure_future(self.client.generate(rid))
         try:
             while True:
@@ -218,17 +260,20 @@ class Pusher:
                     except NoCapacity as exc:  # every engine stale after a broadcast: the coordinator says so
                         if "stale" not in str(exc):
                             raise
-                        print(f"rollout {rid}: {exc}: a disk update to bring them back", flush=True)
-                        await self.push(rid, 0, rescue=True)
+                        print(f"rollout {rid}: {exc}: an update to bring them back", flush=True)
+                        await self.rescue(rid)
                         task = asyncio.ensure_future(self.client.generate(rid))
                         continue
                 if await self.all_stale():
-                    print(
-                        f"every engine is stale while rollout {rid} waits: a disk update to bring them back", flush=True
-                    )
-                    await self.push(rid, 0, rescue=True)
+                    print(f"every engine is stale while rollout {rid} waits: an update to bring them back", flush=True)
+                    await self.rescue(rid)
         finally:
             task.cancel()
+
+    async def rescue(self, rid: int) -> None:
+        """Every engine is out of the pool: catch them up to the fleet's broadcast version, else a disk update."""
+        if not await self.catch_up(rid, rescue=True):
+            await self.push(rid, 0, rescue=True)
 
     def close(self) -> None:
         self.log.close()

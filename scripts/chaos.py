@@ -24,7 +24,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness.chaos import run_chaos  # noqa: E402
-from harness.chaos_check import KINDS  # noqa: E402
 
 
 def main() -> int:
@@ -64,7 +63,7 @@ def main() -> int:
             "seconds": round(time.monotonic() - started, 1),
             "batches": report.batches,
             "extra_batches": report.extra_batches,
-            "kills": {kind: report.kills[kind] for kind in KINDS},
+            "kills": {kind: report.kills[kind] for kind in report.kinds},
             "lost": report.lost,
             "duplicated": report.duplicated,
             "unaccounted": report.unaccounted_prompts,

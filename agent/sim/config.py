@@ -104,6 +104,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a testing aid: every tensor received by /update_weights_from_distributed is stored with its "
         "first element changed (a receive that goes wrong silently), which a verified update must catch",
     )
+    g.add_argument(
+        "--init-delay",
+        type=number(float, min=0),
+        default=0.0,
+        help="a testing aid: /init_weights_update_group waits this many seconds before it joins the rendezvous "
+        "(an engine slow or dying inside it, while the others wait there); default 0",
+    )
     c = parser.add_argument_group(
         "sglang.launch_server compatibility",
         "accepted so the sim runs from an SGLang command line; tp/dp sizes are only reported in /server_info",

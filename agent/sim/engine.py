@@ -48,6 +48,7 @@ class SimEngine:
         self.health_timeout: float = float(cfg["health_timeout"])
         self.crash_after: int = int(cfg["crash_after_requests"] or 0)
         self.corrupt_broadcasts: bool = bool(cfg.get("corrupt_broadcasts", False))
+        self.init_delay: float = float(cfg.get("init_delay", 0.0))
         self.max_queued: int | None = cfg["max_queued_requests"]  # SGLang's --max-queued-requests
         if cfg["tokenizer_path"]:  # reported in /model_info, as SGLang does; the sim still tokenizes bytes
             self.tokenizer_path = str(cfg["tokenizer_path"])

@@ -82,6 +82,8 @@ class WeightHandlers:
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         data = await read_json_body(request)
+        if self.engine.init_delay:
+            await asyncio.sleep(self.engine.init_delay)  # --init-delay: late into the rendezvous
         try:
             message = await self.engine.weight_groups.init(data)
         except WeightError as exc:

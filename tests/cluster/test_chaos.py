@@ -18,7 +18,6 @@ import os
 import pytest
 
 from harness.chaos import run_chaos
-from harness.chaos_check import KINDS
 
 MULTI_TURN = "harness.generate_fns:two_turns"
 
@@ -31,7 +30,7 @@ def test_exactly_once_under_every_failure_kind(tmp_path):
     # Every sample multi-turn: two engine calls with a tool's tokens between them (harness/generate_fns.py).
     # An evaluation pass every 15 batches (harness/chaos_eval.py): each one counts every evaluation prompt once.
     report = run_chaos(tmp_path, batches=batches, seed=seed, weights_every=3, generate=MULTI_TURN, evaluate_every=15)
-    assert {kind: report.kills[kind] for kind in KINDS if report.kills[kind] < 1} == {}, report.actions
+    assert {kind: report.kills[kind] for kind in report.kinds if report.kills[kind] < 1} == {}, report.actions
     assert report.batches == batches + report.extra_batches  # extra: pulled at quiesce to settle requeued prompts
     assert report.problems == []
     assert report.duplicated == 0 and report.lost == 0

@@ -338,10 +338,13 @@ def test_a_trainer_killed_inside_a_broadcast_frees_the_lock_at_its_session_ttl(m
 def test_an_engine_sigkilled_right_before_a_broadcast_leaves_the_update_succeeding(make_cluster):
     """One sim engine SIGKILLed just before ``update_weights``: the agents confirm their engines before the
     group forms (the dead one is left out, or the update is retried once without it), and the
-    trainer's call succeeds with every surviving engine on the new version.
+    trainer's call succeeds with every surviving engine on the new version. The killed engine's
+    restart comes up behind (on its launch weights, out of the pool) and one ``catch_up`` brings it
+    to the fleet's version 2; nothing is delivered twice.
 
     Turns red if a dead engine is put in the group (the broadcast fails with gloo's "Connection
-    closed by peer", or the rendezvous waits for a rank that never comes).
+    closed by peer", or the rendezvous waits for a rank that never comes), or if the restarted engine
+    serves anything but version 2.
     """
     torch = pytest.importorskip("torch")
     cluster = make_cluster()
@@ -358,7 +361,20 @@ def test_an_engine_sigkilled_right_before_a_broadcast_leaves_the_update_succeedi
         print(f"update after the engine kill took {time.monotonic() - started:.2f}s: {result['engines']}")
         assert 2 in set(result["engines"].values())
         assert cluster.status()["weights"]["version"] == 2
-        assert len(client.generate(1).groups) == 8
+        seen = [(g.data_epoch, g.index) for g in client.generate(1).groups]
+        assert len(seen) == 8
+
+        # The killed engine restarts behind the broadcast; a catch-up brings just it to version 2.
+        behind = wait_for(lambda: client.stats()["weights"]["behind"], 30, "the killed engine to restart behind")
+        assert len(behind) == 1, behind
+        assert client.catch_up(tensors, 2, backend="gloo", timeout=60)["engines"] == {behind[0]: 2}
+        wait_for(lambda: client.stats()["weights"]["engines"].get(behind[0]) == 2, 10, f"{behind[0]} on version 2")
+        assert client.stats()["weights"]["behind"] == []
+        for rid in (2, 3):
+            batch = client.generate(rid)
+            assert {s.weight_version for s in batch.samples} == {"2"}
+            seen += [(g.data_epoch, g.index) for g in batch.groups]
+        assert len(seen) == len(set(seen)), "a group delivered twice"
 
 
 def test_a_verified_broadcast_fails_naming_the_engine_that_holds_other_weights(make_cluster):
@@ -385,3 +401,49 @@ def test_a_verified_broadcast_fails_naming_the_engine_that_holds_other_weights(m
         assert "of agent bad" in text and "differ from what the trainer sent" in text, text
         assert "of agent good" not in text
         assert cluster.status()["weights"]["version"] == 1, "a failed verification records nothing"
+
+
+def test_an_engine_killed_inside_the_rendezvous_costs_one_quick_retry(make_cluster):
+    """An engine confirmed for a new group dies inside ``/init_weights_update_group`` while the trainer and the
+    other engines wait in the rendezvous (a2's engine joins it late: ``--init-delay``). Its agent reports the
+    failure, the coordinator aborts, the trainer learns it from its next ``WeightsAlive`` and closes the
+    rendezvous it hosts: every rank waiting there fails at once, none is left holding the failed group, and
+    the one retry forms a group of a1's two engines. The call succeeds and says it was retried.
+
+    Turns red if the trainer (or a1's engines) wait out their timeouts in the dead rendezvous (the engines'
+    ``--weight-sync-timeout`` is 60 s, the update's 120 s), or if a1's engines are held out of the retry.
+    """
+    torch = pytest.importorskip("torch")
+    cluster = make_cluster()
+    cluster.start_coordinator()
+    cluster.start_agent("a1", engines=2, sim_args="--token-latency-ms 1 --weight-sync-timeout 60")
+    cluster.start_agent("a2", engines=1, sim_args="--token-latency-ms 1 --weight-sync-timeout 60 --init-delay 30")
+    tensors = {f"layer{i}.weight": torch.full((1024,), 1.0 + i) for i in range(3)}
+    with cluster.client(timeout=150) as client:
+        client.generate(0)
+        outcome: dict = {}
+
+        def push():
+            try:
+                outcome["result"] = client.update_weights(tensors, 1, backend="gloo", timeout=120)
+            except Exception as exc:  # reported by the assertion below
+                outcome["error"] = exc
+
+        pusher = threading.Thread(target=push)
+        pusher.start()
+        wait_for(
+            lambda: (cluster.status()["weights"]["lock"] or {}).get("step") == "init", 30, "the group's rendezvous"
+        )
+        time.sleep(0.5)  # a1's engines and the trainer are waiting in the rendezvous for a2's late engine
+        (victim,) = cluster.engine_pids_of("a2")
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        pusher.join(150)
+        took = time.monotonic() - killed
+        assert "error" not in outcome, outcome.get("error")
+        result = outcome["result"]
+        print(f"update done {took:.2f}s after the kill; first attempt: {result.get('retried')}")
+        assert result["engines"] == {"a1/sim-0": 1, "a1/sim-1": 1}
+        assert "a2" in result["retried"], result
+        assert took < 30, f"the update took {took:.1f}s after the kill: something waited out a timeout"
+        assert cluster.status()["weights"]["version"] == 1

@@ -82,8 +82,11 @@ def test_a_consistent_run_passes():
     assert found.weight_updates == {
         "disk": 1,
         "distributed": 1,
+        "catch_up": 0,
+        "retried": 0,
         "failed": 1,
         "failure_causes": {"WeightUpdateError: b# was lost": 1},
+        "failed_during": {"none": 1},
     }
 
 
@@ -283,3 +286,40 @@ def test_without_broadcasts_only_disk_updates_are_required():
         e["version"] = 1
     ev.engine_versions = {"a/e0": "1", "a/e1": "1"}
     assert check(ev).problems == []
+
+
+def _timed_failure(ev: RunEvidence, faults: list[tuple[float, str]]) -> None:
+    """The baseline's failed broadcast ran from t=100 to t=104; ``faults`` were caused at those times."""
+    ev.weight_updates[1].update(t0=100.0, t1=104.0)
+    ev.faults = faults
+
+
+def test_an_update_failed_by_an_engine_death_is_reported():
+    """An engine killed inside a broadcast must be left out (or the broadcast retried without it), never fail it."""
+    ev = _evidence()
+    _timed_failure(ev, [(50.0, "coordinator"), (102.0, "engine_in_update")])
+    _problems(ev, "weights: a distributed update to 2 failed with no coordinator death inside it")
+    assert check(ev).weight_updates["failed_during"] == {"engine_in_update": 1}
+
+
+def test_an_update_failed_by_a_coordinator_death_inside_it_is_allowed_and_counted():
+    ev = _evidence()
+    _timed_failure(ev, [(99.0, "coordinator"), (102.0, "engine"), (200.0, "agent")])  # 1 s before its start counts
+    found = check(ev)
+    assert found.problems == []
+    assert found.weight_updates["failed_during"] == {"coordinator": 1, "engine": 1}
+    assert found.weight_updates["failure_causes"] == {"WeightUpdateError: b# was lost": 1}
+
+
+def test_a_catch_up_below_the_last_version_pushed_is_reported():
+    ev = _evidence()
+    ev.weight_updates.append({"kind": "catch_up", "version": 3, "ok": True, "engines": {"b/e0": 3}})
+    assert check(ev).problems == [] and check(ev).weight_updates["catch_up"] == 1
+    ev.weight_updates.append({"kind": "catch_up", "version": 2, "ok": True, "engines": {"b/e0": 2}})
+    _problems(ev, "weights: a catch-up sent version 2 after version 3: backwards")
+
+
+def test_retried_broadcasts_are_counted():
+    ev = _evidence()
+    ev.weight_updates[2]["retried"] = "WeightUpdateError: engine a/e1 lost"
+    assert check(ev).weight_updates["retried"] == 1

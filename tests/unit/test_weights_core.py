@@ -96,6 +96,8 @@ def test_disk_update_fans_out_holds_admission_and_records_once_every_agent_repor
     assert grants(eff), "admission resumes once the update is recorded"
     stats = core.statistics().weights
     assert (stats["version"], stats["updates"], stats["kind"], stats["lock"]) == (3, 1, "disk", None)
+    # Every engine shows the version as soon as the update is answered (not at the agents' next heartbeat).
+    assert stats["engines"] == {"a/e0": 3, "b/e0": 3}
     # A resend of the finished request gets the same answer and starts nothing.
     again = disk_update(core, session, 3)
     assert reply(again) == ok and not sends(again, p.WeightsFromDisk)
