@@ -52,11 +52,11 @@ if TYPE_CHECKING:
 
 ALL_STALE = (
     "every engine is behind the fleet's weights (stale after a restart): push a weight update "
-    "(update_weights or update_weights_from_disk) to bring them back"
+    "(catch_up to the current version, update_weights or update_weights_from_disk) to bring them back"
 )
 ALL_PARTIAL = (
     "every engine is out of the pool holding part of a failed weight update ({why}): push a weight update "
-    "(update_weights or update_weights_from_disk) to bring them back"
+    "(catch_up to the current version, update_weights or update_weights_from_disk) to bring them back"
 )
 
 

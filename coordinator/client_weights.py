@@ -196,10 +196,23 @@ class WeightSender:
             log.info("weight update %#x was aborted while its group formed; closing the rendezvous: %s", update_id, why)
             self._hosting = None  # the last reference: the store closes, every rank waiting on it fails now
 
-    async def _form(self, address: str, port: int, begun: dict, backend: str, timeout: float) -> tuple[Any, Any]:
-        """Host the rendezvous and join it as rank 0: ``(group, store)``. Abandoned (``_abandon``) when the
-        coordinator aborts the update meanwhile: every rank then fails at once."""
+    async def _begin(self, request, address: str, port: int, timeout: float, what: str) -> dict:
+        """Send ``UpdateWeights`` with the rendezvous already served at ``address:port``: the engines dial it
+        as soon as the coordinator announces the group, and one that finds nothing listening backs off for
+        seconds (torch's store client). Kept when the answer says ``init``, closed otherwise."""
         self._hosting = weight_group.host(address, port, timeout)  # held by this object only (see ``_abandon``)
+        try:
+            begun = await self.client._request(request, what)
+        except BaseException:
+            self._hosting = None
+            raise
+        if not begun.get("init") or not begun.get("world_size"):
+            self._hosting = None  # the group is kept (or nothing is behind): no rendezvous
+        return begun
+
+    async def _form(self, address: str, port: int, begun: dict, backend: str, timeout: float) -> tuple[Any, Any]:
+        """Join the rendezvous ``_begin`` serves as rank 0: ``(group, store)``. Abandoned (``_abandon``) when
+        the coordinator aborts the update meanwhile: every rank then fails at once."""
         try:
             group = await asyncio.to_thread(
                 weight_group.join,
@@ -225,8 +238,11 @@ class WeightSender:
         """One update: a new ``UpdateWeights``, the group, the buckets, ``FinishWeights``."""
         address = master_address(self.client.address)
         port = free_port(address)
-        begun = await self.client._request(
+        begun = await self._begin(
             lambda s, req: p.UpdateWeights(s, req, version, "distributed", "", address, port, backend, timeout),
+            address,
+            port,
+            timeout,
             what,
         )
         update_id = self._update_id = begun["update_id"]
@@ -293,8 +309,11 @@ class WeightSender:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         address = master_address(self.client.address)
         port = free_port(address)
-        begun = await self.client._request(
+        begun = await self._begin(
             lambda s, req: p.UpdateWeights(s, req, int(version), "catch_up", "", address, port, backend, timeout),
+            address,
+            port,
+            timeout,
             what,
         )
         if not begun["world_size"]:

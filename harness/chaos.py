@@ -76,10 +76,11 @@ from harness.polling import wait_for
 from harness.proxy import TcpProxy
 
 SIM_ARGS = "--token-latency-ms 2 --output-len-median 24 --output-len-max 64 --weight-sync-timeout 5"
-UPDATE_TIMEOUT = 6.0
-"""A weight update's deadline. An update holds admission while it runs, and one whose group never forms (a
-member killed) ends only at its deadline (the trainer waits in the rendezvous; engines give up after their
-``--weight-sync-timeout``): short, so a failed update stalls the fleet for seconds, not a minute."""
+UPDATE_TIMEOUT = 15.0
+"""A weight update's deadline. A failed update gives the fleet back at once (an engine lost in it aborts it,
+the trainer closes its rendezvous); the deadline is for updates that are only slow, as every step is on two
+loaded cores while agents, engines and the coordinator restart around it: not so short that slowness alone
+fails one."""
 ROWS, BATCH_SIZE = 600, 4
 ENGINES, CONCURRENCY = 2, 8  # per agent; concurrency is per engine: 16 samples = 4 groups per agent
 TTL = 1.5  # the cluster's --agent-ttl
@@ -471,7 +472,7 @@ class ChaosRun:
                 try:
                     batch = client.generate(self.batches + self.extra_batches)
                 except NoCapacity as exc:
-                    if "stale" not in str(exc):
+                    if "push a weight update" not in str(exc):
                         raise
                     # Every engine restarted after the last broadcast: a disk update brings them back.
                     self.log(f"chaos: {exc}: a disk update")

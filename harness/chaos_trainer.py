@@ -257,8 +257,8 @@ class Pusher:
                 if done:
                     try:
                         return task.result()
-                    except NoCapacity as exc:  # every engine stale after a broadcast: the coordinator says so
-                        if "stale" not in str(exc):
+                    except NoCapacity as exc:  # every engine out of the pool: the coordinator says so
+                        if "push a weight update" not in str(exc):
                             raise
                         print(f"rollout {rid}: {exc}: an update to bring them back", flush=True)
                         await self.rescue(rid)

@@ -55,6 +55,10 @@ async def serve(engine: SimEngine, host: str, port: int, name: str = "rollfleet-
 def run(args: argparse.Namespace) -> None:
     """Serve until SIGTERM/SIGINT (blocking). ConfigError if the port cannot be bound."""
     engine = SimEngine(args)
+    if getattr(args, "preload_torch", False):
+        from agent.sim.weights import import_torch
+
+        import_torch()  # before the port opens: up means ready for a weight update, as on SGLang
     asyncio.run(serve(engine, engine.host, engine.port))
 
 

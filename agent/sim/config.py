@@ -105,6 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "first element changed (a receive that goes wrong silently), which a verified update must catch",
     )
     g.add_argument(
+        "--preload-torch",
+        action="store_true",
+        help="import torch before listening, as an SGLang server has it loaded, so the first weight-update group "
+        "does not pay the import (by default the sim imports torch at its first weight operation)",
+    )
+    g.add_argument(
         "--init-delay",
         type=number(float, min=0),
         default=0.0,

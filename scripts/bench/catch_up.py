@@ -40,7 +40,9 @@ from harness.cluster import Cluster  # noqa: E402
 from harness.polling import wait_for  # noqa: E402
 from scripts.bench.benchlib import progress  # noqa: E402
 
-SIM = "--token-latency-ms 2 --output-len-median 48"
+SIM = "--token-latency-ms 2 --output-len-median 48 --preload-torch"
+"""``--preload-torch``: a restarted sim engine comes up with torch loaded, as SGLang does; without it the sim
+imports torch inside its first rendezvous (2-3 s that SGLang never pays)."""
 
 
 def emit(metric: str, value: float, unit: str, **extra) -> None:
