@@ -471,12 +471,14 @@ class WeightUpdates:
         if lock is None or msg.update_id != lock.update_id or msg.step == "abort":
             return []  # a report of an update already over
         agent = rec.agent_id
-        if msg.engines:
+        if msg.step in ("disk", "finish"):
+            # The agent's serving engines once the update is done there (none: every one died or is
+            # restarting); the answer lists these, never an earlier step's (a paused engine's old version).
             lock.engines[agent] = dict(msg.engines)
-            if msg.ok:  # the status shows an engine's new version now, not at the agent's next heartbeat
-                for e in rec.engines:
-                    if e.get("name") in msg.engines:
-                        e["version"] = msg.engines[e["name"]]
+        if msg.ok:  # the status shows an engine's new version now, not at the agent's next heartbeat
+            for e in rec.engines:
+                if e.get("name") in msg.engines:
+                    e["version"] = msg.engines[e["name"]]
         if not msg.ok:
             error = msg.error or "no detail"
             if agent not in error:

@@ -86,6 +86,10 @@ ENGINES, CONCURRENCY = 2, 8  # per agent; concurrency is per engine: 16 samples 
 TTL = 1.5  # the cluster's --agent-ttl
 RETIRE_AFTER = 8.0
 """Long enough for a killed agent to restart and a partition to heal, short enough to retire a lost node."""
+MAX_RESTARTS = 1000
+"""Each agent's engine restart budget (``--max-restarts``, default 3 per 10 minutes): the schedule kills engines
+far more often than any fleet sees, and an engine retired for it would end a long run in ``NoCapacity`` (every
+engine retired). Retirement has its own tests (``test_faults_agent.py``)."""
 RANDOM_KINDS = ("agent", "agent", "engine", "engine", "coordinator", "partition", "trainer")
 RANDOM_WEIGHT_FAULTS = ("engine_in_update", "engine_in_update", "trainer_in_update")
 """Added to ``RANDOM_KINDS`` when the run pushes weights."""
@@ -168,7 +172,14 @@ class ChaosRun:
     def start_agent(self, name: str, wait: bool = True) -> None:
         via = self.proxy.address if name == self.proxied else None
         self.cluster.start_agent(
-            name, engines=ENGINES, concurrency=CONCURRENCY, sim_args=SIM_ARGS, wait=wait, coordinator=via
+            name,
+            "--max-restarts",
+            str(MAX_RESTARTS),
+            engines=ENGINES,
+            concurrency=CONCURRENCY,
+            sim_args=SIM_ARGS,
+            wait=wait,
+            coordinator=via,
         )
 
     def start_trainer(self) -> None:

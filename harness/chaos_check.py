@@ -42,8 +42,9 @@ Checks, each reported as a problem naming the prompt, group or agent:
    version, and the coordinator's version is at least the last of them, its
    update count at least their number; at least one update of each kind pushed
    succeeded. A version update may fail only when the coordinator died inside it
-   (``EXPLAINED_BY``; an engine, agent or link lost in it is left out or retried
-   without); each failure's cause and the faults inside it are counted. A
+   (``EXPLAINED_BY``), or two members were lost inside it (``MEMBER_FAULTS``: one
+   is left out or costs the one retry); each failure's cause and the faults
+   inside it are counted. A
    catch-up resends the fleet's version, never one below the last pushed.
 5. The schedule: every failure kind happened at least once.
 """
@@ -64,8 +65,10 @@ WEIGHT_FAULTS = ("engine_in_update", "trainer_in_update")
 only with torch: it needs a broadcast)."""
 EXPLAINED_BY = ("coordinator",)
 """Faults that may fail a weight update inside which they fall: the coordinator holds the update's state
-(a trainer dying inside its own update leaves no record of it). Any other failure of a version update is a
-problem: an engine, agent or link lost in it is left out, or the broadcast is retried without it."""
+(a trainer dying inside its own update leaves no record of it)."""
+MEMBER_FAULTS = ("engine", "engine_in_update", "agent", "partition", "node_lost")
+"""Faults that lose a member of an update: one is left out, or costs the broadcast its one retry; a failure
+needs two of them inside it (one per attempt). Any other failure of a version update is a problem."""
 FAULT_SLACK = 2.0
 """Seconds before an update's start within which a fault still counts as inside it (a coordinator killed
 just before, still restarting when the update's first request is sent)."""
@@ -391,10 +394,12 @@ def _check_weights(ev: RunEvidence, out: Findings) -> None:
             causes[cause] += 1
             inside = _faults_inside(ev.faults, rec)
             during.update(inside or ["none"])
-            if rec["kind"] != "catch_up" and ev.faults and not set(inside) & set(EXPLAINED_BY):
+            explained = set(inside) & set(EXPLAINED_BY) or sum(k in MEMBER_FAULTS for k in inside) >= 2
+            if rec["kind"] != "catch_up" and ev.faults and not explained:
                 out.problems.append(
-                    f"weights: a {rec['kind']} update to {rec.get('version')} failed with no coordinator death inside "
-                    f"it (faults inside: {sorted(inside) or 'none'}): {rec.get('error', '')[:200]}"
+                    f"weights: a {rec['kind']} update to {rec.get('version')} failed with no coordinator death and "
+                    f"fewer than two members lost inside it (faults inside: {sorted(inside) or 'none'}): "
+                    f"{rec.get('error', '')[:200]}"
                 )
             continue
         counts[rec["kind"]] += 1

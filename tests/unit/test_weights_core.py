@@ -234,6 +234,28 @@ def test_broadcast_buckets_are_forwarded_once_and_finish_waits_for_every_report(
     assert core.weights.log == WeightLog(7, 1, "distributed", "", core.weights.log.boundaries)
 
 
+def test_the_answer_lists_each_agents_engines_as_its_finish_report_says_not_an_earlier_step():
+    """An engine paused on the old version (named in a bucket report) that dies while the finish labels it,
+    its agent's other engine restarting: the finish report names no engine, and the answer must not show the
+    dead one on the old version."""
+    core = make_core()
+    register(core, "a")
+    register(core, "b", engines("e0", "e1"))
+    session, _ = attach(core)
+    uid = reply(broadcast(core, session, 7)).result["update_id"]
+    core.handle(b"trainer", p.WeightBucket(session, 31, uid, 0, ["w"], ["float32"], [[2]]), 0.0)
+    core.handle(b"trainer", p.FinishWeights(session, 32, uid), 0.0)
+    for agent in ("a", "b"):
+        report(core, agent, uid, "init")
+    report(core, "a", uid, "bucket", seq=0, engs={"e0": 6})
+    report(core, "b", uid, "bucket", seq=0, engs={"e0": 6, "e1": 6})
+    report(core, "a", uid, "finish", engs={"e0": 7})
+    session_b = core.membership.agents["b"].session
+    msg = p.WeightsReport(session_b, uid, "finish", True, 0, {}, "")  # e0 restarting, e1 died in the finish
+    eff = core.handle(b"b", msg, 0.0)
+    assert reply(eff).result["engines"] == {"a/e0": 7}
+
+
 def test_the_group_is_formed_again_only_when_the_fleet_or_trainer_changed():
     core = make_core()
     register(core, "a")
