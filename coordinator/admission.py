@@ -31,6 +31,10 @@ Invariants kept here:
   when its agent is retired or re-registers without it. Under
   ``--max-staleness`` they are released at once, as evaluation leases are:
   a lease the staleness rules cannot see could land too old for its batch.
+- A lease goes only where it can start: an agent none of whose serving engines holds the fleet's
+  weights (a Register is written before the Welcome names them; a node re-joining after updates is on
+  launch weights) has capacity 0 until its ``Capacity`` names one that does (``_capacity``). Otherwise
+  a prompt pending again, first in line, would wait there for a re-load while others take fresh ones.
 - A lease given back after a ``Stop`` (over-sampling: a ``Release`` with
   reason ``protocol.STOPPED``) is pending again, first in line, and counted
   for the next batch (``coordinator/oversampling.py``); it is not a failure.
@@ -231,9 +235,8 @@ class Admission:
             core.counters.lease_ended("reregistered", before - len(self.leases))
         engines = [e for e in msg.engines if isinstance(e, dict)]
         ops: list = core.weights.note_engines(engines)  # before the Welcome, which names the weights
-        rec = core.membership.register(
-            msg.agent_id, msg.incarnation, peer, msg.capacity // n, msg.payload_address, engines, now
-        )
+        capacity = self._capacity(msg.capacity, engines)  # none while no engine holds the fleet's weights
+        rec = core.membership.register(msg.agent_id, msg.incarnation, peer, capacity, msg.payload_address, engines, now)
         rec.local_dataset = bool(msg.dataset_fingerprint)
         cancel = stale
         for lease_id, (epoch, index) in reported.items():
@@ -477,12 +480,25 @@ class Admission:
                 self.core.batches.take_back_drop(reason)
         return out + [self.core.persist(ops, [])]
 
+    def _capacity(self, samples: int, engines: list) -> int:
+        """Groups an agent reporting ``samples`` of engine concurrency on ``engines`` may be leased at once.
+
+        Zero while none of its serving engines holds the fleet's weights (``WeightUpdates.none_current``):
+        a grant there cannot start until they are re-loaded or updated, and a prompt pending again, first in
+        line, would wait on it while other agents take fresh prompts (what a node re-joining after a weight
+        update did to a requeued prompt in a chaos run). The agent reports again as its engines leave or
+        rejoin the pool (``Capacity``), and its capacity counts from then.
+        """
+        if self.core.weights.none_current(engines):
+            return 0
+        return max(0, samples) // self.core.config.n_samples_per_prompt
+
     def on_capacity(self, peer: bytes, msg: p.Capacity, now: float) -> list:
         rec = self._agent(peer, msg.session, now)
         if rec is None:
             return self._fence(peer, msg)
-        rec.capacity = max(0, msg.capacity) // self.core.config.n_samples_per_prompt
         rec.engines = [e for e in msg.engines if isinstance(e, dict)]
+        rec.capacity = self._capacity(msg.capacity, rec.engines)
         self.core.membership.note_room(rec)
         return self.core.pump(now)
 

@@ -131,6 +131,20 @@ class WeightUpdates:
                 out[rec.agent_id] = names
         return out
 
+    def none_current(self, engines: list) -> bool:
+        """No serving engine of ``engines`` (an agent's list: Register, Capacity) may hold the fleet's weights:
+        there is one, and each is known to hold an older version than the log's.
+
+        The agent's capacity counts its ``healthy`` engines, and a Register is written before the agent
+        knows the fleet's weights (the Welcome tells it; it then takes the engines behind them out of its
+        pool, one at a time, until they re-load the recorded checkpoint or an update reaches them). Leases
+        granted on such a capacity cannot start. An engine of unknown version, or at or above the log's
+        (an update not recorded yet), may serve.
+        """
+        serving = [e.get("version") for e in engines if isinstance(e, dict) and e.get("state", "healthy") == "healthy"]
+        known = [v for v in serving if isinstance(v, int) and not isinstance(v, bool)]
+        return bool(serving) and len(known) == len(serving) and max(known) < self.log.version
+
     def statistics(self, now: float) -> dict:
         lock = self.lock
         engines = {}

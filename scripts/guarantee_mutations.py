@@ -100,6 +100,15 @@ MUTATIONS = [
         G + "test_a_lost_grant_is_released_by_heartbeat_reconciliation_and_its_prompts_generated",
     ),
     Mutation(
+        "3",
+        "capacity-of-engines-behind",
+        "an agent whose engines are all behind the fleet's weights is leased work (a prompt pending again waits there)",
+        "coordinator/admission.py",
+        "        if self.core.weights.none_current(engines):\n            return 0\n",
+        "",
+        "tests/unit/test_core.py::test_a_prompt_pending_again_is_not_parked_on_a_node_whose_engines_are_behind_the_fleets_weights",
+    ),
+    Mutation(
         "4",
         "generate-not-replayed",
         "generate(rollout_id) asked again assembles a new batch",

@@ -10,7 +10,7 @@ from common import protocol as p
 from common.config import Liveness, RolloutConfig
 from coordinator.core import CoordinatorCore, Persist
 from coordinator.frontier import DELIVERED, FILTERED, LEASED, PENDING, READY
-from coordinator.records import LedgerSnapshot, PromptState, PutPrompt, SetCursors, SetPaused
+from coordinator.records import LedgerSnapshot, PromptState, PutPrompt, SetCursors, SetPaused, WeightLog
 
 N = 4  # samples per prompt
 
@@ -208,6 +208,56 @@ def test_held_prompts_go_to_a_live_agent_before_a_new_epoch_opens():
     mine = [g for g in got if (g["data_epoch"], g["index"]) == (0, leased[0]["index"])][0]
     _, ack = receipt(core, w2.session, mine, key="other", agent=b"b")
     assert not ack.accepted
+
+
+def test_a_prompt_pending_again_is_not_parked_on_a_node_whose_engines_are_behind_the_fleets_weights():
+    """A prompt pending again goes first in line, to an agent that can start it.
+
+    A Register is written before the agent knows the fleet's weights (the Welcome names them), so its capacity
+    counts engines still on older ones, which the agent then takes out of its pool until they re-load. A grant
+    made on that capacity (behind the Welcome, or by the next pump) waits there for an engine. In a chaos run
+    (seed 5, prompt (1, 203)) that is how a requeued prompt stayed behind the cursor for ten batches: leased to
+    a node whose new process had registered on launch weights while the fleet was on disk version 40, waiting,
+    while the others took fresh prompts; given back at the pause, it was pending at quiesce."""
+    restored = LedgerSnapshot(generation=2, weights=WeightLog(3, 3, "disk", "/ckpt/v3"))
+    core = make_core(size=40, batch=2, prefetch=4, restored=restored, ttl=1.0, retire=100.0)
+
+    def engine(version):
+        return [{"name": "e0", "url": "http://e0", "state": "healthy", "tp": 1, "version": version}]
+
+    def join(agent, incarnation, version, now):
+        msg = p.Register(agent, incarnation, 2 * N, f"tcp://{agent}:1", engine(version), [], [])
+        eff = core.handle(agent.encode(), msg, now)
+        return sends(eff, p.Welcome)[0].msg, eff
+
+    wa, eff = join("a", 1, 3, 0.0)
+    ours = grants(eff)
+    wc, eff = join("c", 1, 3, 0.0)
+    held = grants(eff)
+    assert len(ours) == len(held) == 2  # both full
+    for t in (0.5, 1.0, 1.5):
+        core.handle(b"a", p.Heartbeat(wa.session, {}, [g["lease"] for g in ours], ours[-1]["lease"]), t)
+        tick(core, t)
+    assert core.statistics().held == 2  # c is silent past the TTL: its two prompts are held for it
+    # c's new process: nothing in flight, engines on the launch weights (version 0), the fleet on version 3.
+    wc2, eff = join("c", 2, 0, 1.6)
+    assert core.statistics().held == 0
+    again = {g["index"] for g in held}
+    assert grants(eff) == [], "c's engines cannot generate until they hold the fleet's weights"
+    assert all(core.frontier.state_of(0, i) == PENDING for i in again)  # first in line
+    # c takes its engines out of its pool one at a time to re-load them (from disk: seconds, the first time):
+    # a report made before the last one left still counts none that holds the fleet's weights.
+    core.handle(b"c", p.Capacity(wc2.session, 2 * N, engine(0)), 1.65)
+    assert core.membership.agents["c"].free == 0
+    core.handle(b"c", p.Capacity(wc2.session, 0, engine(0)), 1.66)
+    # a finishes its two groups: the prompts pending again are leased before any fresh prompt, to a.
+    eff = []
+    for g in ours:
+        eff += receipt(core, wa.session, g, now=1.7)[0]
+    assert {g["index"] for g in grants(eff)} == again
+    # Once c's engines hold the fleet's weights, its capacity counts again.
+    core.handle(b"c", p.Capacity(wc2.session, 2 * N, engine(3)), 2.0)
+    assert core.membership.agents["c"].free == 2
 
 
 def test_under_max_staleness_a_silent_agents_leases_are_released_at_once():
