@@ -75,6 +75,8 @@ def write_atomic(directory: str, name: str, write) -> str:
 class Recorder:
     def __init__(self, directory: str):
         require_pyarrow("record=")
+        import pyarrow.parquet  # noqa: F401  (now, in the client's constructor: not in the first write)
+
         self.directory = os.path.abspath(directory)
         os.makedirs(self.directory, exist_ok=True)
         for name in os.listdir(self.directory):
