@@ -189,3 +189,32 @@ def test_a_sigkilled_trainer_leaves_whole_files_and_its_restart_records_the_rest
     with replay.client() as client:
         for i in range(steps):
             assert client.generate(i).groups == fleet[i].groups
+
+
+def test_the_grpo_example_trainer_on_a_replay_computes_the_same_losses(make_cluster, tmp_path, hf_model_dir):
+    """``examples/grpo/train.py``'s trainer, unchanged, records a short run on a sim fleet (its gloo pushes reach the
+    engines); the fleet goes; from the same starting weights it runs again on ``coordinator replay`` of the records
+    and computes the same loss, gradient norm and logprob check at every step (its pushes accepted, not applied)."""
+    pytest.importorskip("transformers")
+    from agent.hf.model import load_model
+    from examples.grpo.train import TrainConfig, train
+
+    steps, records = 3, tmp_path / "records"
+    cluster = make_cluster(rollout_batch_size=4, n_samples_per_prompt=4, max_new_tokens=40, max_staleness=1)
+    cluster.start_coordinator()
+    cluster.start_agent("a1", sim_args="--output-len-dist fixed --output-len-median 32")  # the answer fits
+    model, _ = load_model(hf_model_dir)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the trainer shares the cores with the fleet
+    try:
+        on_fleet = train(cluster.address, model, TrainConfig(steps=steps, record=str(records)), out=tmp_path / "run")
+        assert cluster.stop_all() == []
+        replay = make_cluster()
+        replay.start_replay(records)
+        fresh, _ = load_model(hf_model_dir)
+        on_replay = train(replay.address, fresh, TrainConfig(steps=steps), out=tmp_path / "replay")
+    finally:
+        torch.set_num_threads(threads)
+    assert all(row["loss"] != 0 for row in on_fleet), "a step without a reward spread compares nothing"
+    keys = ("step", "version", "reward", "loss", "grad_norm", "train/rollout_logprob_abs_diff", "checked_versions")
+    assert [{k: r[k] for k in keys} for r in on_replay] == [{k: r[k] for k in keys} for r in on_fleet]
