@@ -2,7 +2,7 @@
 
 ``RolloutClient(addr, record="DIR")`` hands each batch to a ``Recorder`` as the payload bytes it
 fetched (immutable, so nothing the trainer does to its batch afterwards can reach the file) and goes
-on; one writer thread decodes them, builds the table and writes the file. Invariants:
+on; one writer thread unpacks them, builds the table and writes the file. Invariants:
 
 - Whole files only: a file is written under a temporary name, fsynced, renamed into place and the
   directory fsynced; a writer killed at any moment leaves at most a temporary file, which the next
@@ -27,7 +27,15 @@ import threading
 import time
 from dataclasses import dataclass
 
-from coordinator.record_format import TMP_PREFIX, batch_name, batch_table, eval_name, recorded_ids, require_pyarrow
+from coordinator.record_format import (
+    PARQUET_OPTIONS,
+    TMP_PREFIX,
+    batch_name,
+    batch_table,
+    eval_name,
+    recorded_ids,
+    require_pyarrow,
+)
 
 log = logging.getLogger("rollfleet.recorder")
 
@@ -44,8 +52,10 @@ class RecorderStats:
     failed: int
     queued: int
     write_seconds: float
-    """Writer-thread time spent on the files written (decode, table, Parquet, fsync, rename)."""
+    """Writer-thread wall time spent on the files written (unpack, table, Parquet, fsync, rename)."""
     last_write_seconds: float
+    write_cpu_seconds: float
+    """The writer thread's CPU time on them (the wall time less waiting for the disk)."""
 
 
 def write_atomic(directory: str, name: str, write) -> str:
@@ -87,7 +97,7 @@ class Recorder:
         """Rollout ids written or queued (and ``("eval", name, pass)`` keys): never written twice."""
         self._queue: queue.Queue = queue.Queue(MAX_QUEUED)
         self._written = self._skipped = self._failed = 0
-        self._seconds = self._last = 0.0
+        self._seconds = self._last = self._cpu = 0.0
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="rollfleet-recorder", daemon=True)
         self._thread.start()
@@ -130,7 +140,7 @@ class Recorder:
             if item is None:
                 return
             key = item[1]
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.thread_time()
             try:
                 if item[0] == "batch":
                     self._write_batch(*item[1:])
@@ -147,14 +157,13 @@ class Recorder:
                 self._written += 1
                 self._seconds += took
                 self._last = took
+                self._cpu += time.thread_time() - cpu
 
     def _write_batch(self, rollout_id: int, payloads: list[bytes], metrics: dict, fleet: dict) -> None:
         import pyarrow.parquet as pq
 
-        from common.types import Group
-
-        table = batch_table(rollout_id, [Group.from_wire(b) for b in payloads], metrics, fleet)
-        write_atomic(self.directory, batch_name(rollout_id), lambda f: pq.write_table(table, f))
+        table = batch_table(rollout_id, payloads, metrics, fleet)
+        write_atomic(self.directory, batch_name(rollout_id), lambda f: pq.write_table(table, f, **PARQUET_OPTIONS))
 
     def _write_eval(self, result: dict, consumed: int) -> None:
         body = {"name": result["name"], "pass": result["pass"], "consumed": consumed, "metrics": result}
@@ -164,7 +173,7 @@ class Recorder:
     def statistics(self) -> RecorderStats:
         with self._lock:
             return RecorderStats(
-                self._written, self._skipped, self._failed, self._queue.qsize(), self._seconds, self._last
+                self._written, self._skipped, self._failed, self._queue.qsize(), self._seconds, self._last, self._cpu
             )
 
     def close(self, timeout: float = 60.0) -> None:
