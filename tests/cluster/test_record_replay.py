@@ -3,6 +3,7 @@ client, served again by ``coordinator replay`` with no agents and no engines, eq
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -132,6 +133,34 @@ def test_a_recorded_run_replays_equal_with_no_fleet(make_cluster, tmp_path):
     # A trainer expecting another fleet is refused by the replay as by a fleet.
     with pytest.raises(StateError, match="rollout_batch_size"):
         replay.client(expect={"rollout_batch_size": 8})
+    # The asyncio client records too: a replay recorded again gives the same files' batches.
+    again = tmp_path / "again"
+    asyncio.run(record_async(replay.address, str(again), [0, 6, 9]))
+    for i in (0, 6, 9):
+        got, want = read_batch(str(again / f"rollout-{i}.parquet")), read_batch(str(records / f"rollout-{i}.parquet"))
+        assert got.groups == want.groups == batches[i].groups
+        assert got.fleet == {**want.fleet, "weights_version": 3}  # the replay's version then: pushes are logged
+
+    show = cli("replay", "--from", str(records), "--show", "6", "--samples", "2")
+    assert show.returncode == 0, show.stderr
+    assert show.stdout.startswith(f"batch 6 ({records}/rollout-6.parquet): ") and "rollout/reward_mean" in show.stdout
+    assert show.stdout.count("    prompt:   'Question ") == 2 and "first 2 of 16 samples:" in show.stdout
+    missing = cli("replay", "--from", str(records), "--show", "10")
+    assert missing.returncode == 2 and "recorded ids: 0-9" in missing.stderr, missing.stderr
+
+
+async def record_async(address: str, directory: str, ids: list[int]) -> None:
+    from coordinator.client import AsyncRolloutClient
+
+    async with AsyncRolloutClient(address, record=directory, timeout=30, retry_interval=0.5) as client:
+        for i in ids:
+            await client.generate(i)
+
+
+def cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", *argv], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
 
 
 def test_a_sigkilled_trainer_leaves_whole_files_and_its_restart_records_the_rest(make_cluster, tmp_path):
