@@ -26,6 +26,10 @@ and ``update_weights(named_tensors, version, backend=..., bucket_bytes=...)``
 (this process is rank 0 of the engines' update group; coordinator/client_weights.py)
 return once every engine serves ``version``; ``weight_version()`` reads it.
 
+``RolloutClient(addr, record="DIR")`` also writes every batch it returns to ``DIR/rollout-<id>.parquet``
+on a thread (coordinator/recorder.py); ``coordinator replay --from DIR`` serves them again to this same
+API, with no fleet (README "Debugging with recorded batches").
+
 CurveZMQ (docs/curve.md): ``RolloutClient(addr, curve_secret="trainer.key_secret",
 curve_server_key="coordinator.key")`` connects with this trainer's key pair to the coordinator
 holding that public key, and to the agents' payload endpoints with the keys their addresses carry.
