@@ -1,4 +1,4 @@
-"""``coordinator serve`` and ``coordinator status``.
+"""``coordinator serve``, ``coordinator status`` and ``coordinator replay``.
 
 ``serve --bind`` on an address reachable from other hosts needs ``--curve-dir`` (CurveZMQ keys,
 docs/curve.md) or an explicit ``--insecure``; loopback needs neither.
@@ -160,6 +160,27 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the statistics as JSON, for machines")
     st.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for an answer")
     _client_key_args(st)
+    rp = sub.add_parser(
+        "replay",
+        help="serve the batches a trainer recorded (RolloutClient(record=DIR)) to an unchanged trainer, with no "
+        "agents and no engines; --show prints one",
+    )
+    rp.add_argument("--from", dest="source", required=True, metavar="DIR", help="the directory the trainer recorded to")
+    rp.add_argument(
+        "--bind",
+        default="tcp://127.0.0.1:5555",
+        help="ZeroMQ endpoint the trainer connects to, as to a coordinator (off loopback: needs --insecure)",
+    )
+    rp.add_argument("--insecure", action="store_true", help="allow a --bind reachable from other hosts (no keys)")
+    rp.add_argument(
+        "--show",
+        type=number(int, min=0),
+        default=None,
+        metavar="ROLLOUT_ID",
+        help="print this batch's metrics and first samples instead of serving",
+    )
+    rp.add_argument("--samples", type=number(int, min=0), default=4, metavar="N", help="samples --show prints (4)")
+    add_log_flags(rp)
     return parser
 
 
@@ -289,6 +310,46 @@ def status(args) -> int:
     return 0
 
 
+def replay(args) -> int:
+    import signal
+    import threading
+
+    if args.show is not None:
+        from coordinator.record_format import describe_ids, read_batch, recorded_ids, require_pyarrow
+        from coordinator.replay_show import render
+
+        require_pyarrow("coordinator replay")
+        if not os.path.isdir(args.source):
+            raise ConfigError(f"--from {args.source}: no such directory")
+        ids = recorded_ids(args.source)
+        if args.show not in ids:
+            raise ConfigError(
+                f"--show {args.show}: batch {args.show} was not recorded in {args.source}; "
+                f"recorded ids: {describe_ids(ids)}"
+            )
+        from coordinator.recorded_run import RecordedRun
+
+        path = RecordedRun(args.source).path(args.show)
+        print(render(read_batch(path), path, args.samples))
+        return 0
+    from common.curve import is_loopback
+    from coordinator.replay_server import ReplayServer
+
+    validate_endpoint(args.bind, "--bind")
+    if not is_loopback(args.bind) and not args.insecure:
+        raise ConfigError(f"--bind {args.bind} is reachable from other hosts; a replay has no keys: pass --insecure")
+    server = ReplayServer(args.source, args.bind)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"replay of {server.run.describe()} from {server.run.directory} listening on {server.endpoint}", flush=True)
+    try:
+        server.serve(stop)
+    finally:
+        server.close()
+    return 0
+
+
 def main(argv=None) -> int:
     try:
         args, effective = parse_args_with_config(build_parser(), list(sys.argv[1:] if argv is None else argv))
@@ -298,7 +359,7 @@ def main(argv=None) -> int:
     setup_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
     args.effective_config = effective  # logged once the command has checked everything and started
     try:
-        return {"serve": serve, "status": status}[args.command](args)
+        return {"serve": serve, "status": status, "replay": replay}[args.command](args)
     except (ConfigError, DatasetError, ValueError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2

@@ -26,6 +26,10 @@ and ``update_weights(named_tensors, version, backend=..., bucket_bytes=...)``
 (this process is rank 0 of the engines' update group; coordinator/client_weights.py)
 return once every engine serves ``version``; ``weight_version()`` reads it.
 
+``RolloutClient(addr, record="DIR")`` also writes every batch it returns to ``DIR/rollout-<id>.parquet``
+on a thread (coordinator/recorder.py); ``coordinator replay --from DIR`` serves them again to this same
+API, with no fleet (README "Debugging with recorded batches").
+
 CurveZMQ (docs/curve.md): ``RolloutClient(addr, curve_secret="trainer.key_secret",
 curve_server_key="coordinator.key")`` connects with this trainer's key pair to the coordinator
 holding that public key, and to the agents' payload endpoints with the keys their addresses carry.
@@ -81,6 +85,7 @@ class AsyncRolloutClient:
         expect: dict | None = None,
         curve_secret: str | None = None,
         curve_server_key: str | None = None,
+        record: str | None = None,
     ):
         """``curve_secret``: this trainer's ``NAME.key_secret`` file; ``curve_server_key``: the coordinator's
         public key file (``coordinator.key``). Both or neither; a missing or malformed file raises ConfigError.
@@ -88,7 +93,12 @@ class AsyncRolloutClient:
         ``fetch_timeout``: seconds one payload fetch from an agent may take (resent meanwhile);
         ``fetch_deadline``: seconds a batch's payloads on an agent that does not answer (down, or
         partitioned away from this trainer while the coordinator still hears it) are retried before
-        they are reported missing, so the coordinator completes the batch with replacements."""
+        they are reported missing, so the coordinator completes the batch with replacements.
+
+        ``record``: a directory where every batch this client returns is written as
+        ``rollout-<rollout_id>.parquet``, and every evaluation pass as ``eval-<name>-<pass>.json``
+        (coordinator/recorder.py: on a thread, atomically, once per id; needs ``rollfleet[record]``);
+        ``coordinator replay --from DIR`` serves them again. None: nothing is recorded, at no cost."""
         self.address = validate_endpoint(address, "coordinator address")
         self.curve = client_keys(
             curve_secret, curve_server_key, secret_flag="curve_secret", server_flag="curve_server_key"
@@ -115,6 +125,13 @@ class AsyncRolloutClient:
         self._weights = WeightSender(self)
         self._attaching = asyncio.Lock()
         """Held while attaching: concurrent calls that find the coordinator restarted attach once, not each."""
+        self._recorder = None
+        if record is not None:
+            from coordinator.recorder import Recorder
+
+            self._recorder = Recorder(record)
+        self._fleet: dict = {}
+        """What a recorded file keeps of the fleet (``rollfleet.fleet``): the attach answer's config and dataset."""
 
     async def __aenter__(self) -> AsyncRolloutClient:
         await self.connect()
@@ -153,6 +170,9 @@ class AsyncRolloutClient:
         self.session = msg.result["session"]
         self.config = msg.result["config"]
         self.heartbeat_interval = float(msg.result.get("heartbeat_interval", 1.0))
+        self._fleet = {
+            k: msg.result.get(k) for k in ("config", "dataset_size", "dataset_fingerprint", "weights_version")
+        }
         log.info("attached to %s as %s (session %x)", self.address, self.client_id, self.session)
 
     async def _call(self, make, what: str):
@@ -225,8 +245,9 @@ class AsyncRolloutClient:
                 f"generate({rollout_id})",
             )
             waited = time.monotonic() - started
+            raw: list[bytes] | None = [] if self._recorder is not None else None
             try:
-                groups = await self._fetch(refs.groups)
+                groups = await self._fetch(refs.groups, raw)
                 break
             except FetchFailed as exc:
                 # The node holding some payloads is down. It either comes back (its
@@ -265,9 +286,13 @@ class AsyncRolloutClient:
         metrics = dict(refs.metrics)
         metrics["rollout/wait_seconds"] = waited
         metrics["rollout/fetch_seconds"] = time.monotonic() - started - waited
+        if self._recorder is not None and not self._recorder.batch_nowait(rollout_id, raw, metrics, self._fleet):
+            # The writer is MAX_QUEUED batches behind (a slow disk): wait for room, off the loop.
+            await asyncio.to_thread(self._recorder.batch, rollout_id, raw, metrics, self._fleet)
         return RolloutBatch(rollout_id, groups, metrics)
 
-    async def _fetch(self, wire_refs: list) -> list[Group]:
+    async def _fetch(self, wire_refs: list, raw: list[bytes] | None = None) -> list[Group]:
+        """The groups of ``wire_refs``, fetched from their agents; ``raw`` (a list) gets their payload bytes too."""
         refs = [GroupRef.from_wire(item) for item in wire_refs]
         by_address: dict[str, list[str]] = {}
         for ref in refs:
@@ -294,6 +319,8 @@ class AsyncRolloutClient:
             missing = [k for f in failed for k in f.missing]
             unreachable = [k for f in failed for k in f.unreachable]
             raise FetchFailed("; ".join(str(f) for f in failed), missing, unreachable)
+        if raw is not None:
+            raw.extend(payloads[ref.key] for ref in refs)
         return [Group.from_wire(payloads[ref.key]) for ref in refs]
 
     async def _fetch_chunk(self, address: str, keys: list[str]) -> dict[str, bytes]:
@@ -365,6 +392,8 @@ class AsyncRolloutClient:
         """
         token = uuid.uuid4().hex
         msg = await self._call(lambda s, req: p.Evaluate(s, req, name, token), f"evaluate({name!r})")
+        if self._recorder is not None and not self._recorder.evaluation_nowait(msg.result, self.consumed):
+            await asyncio.to_thread(self._recorder.evaluation, msg.result, self.consumed)
         return msg.result
 
     async def stats(self) -> dict:
@@ -441,6 +470,8 @@ class AsyncRolloutClient:
             return
         self._closed = True
         await self._weights.close()
+        if self._recorder is not None:
+            await asyncio.to_thread(self._recorder.close)  # what is queued is written before close returns
         if self.session and self._coord is not None:
             # Leave the fleet for the next trainer; best effort, a dead coordinator must not block close().
             try:

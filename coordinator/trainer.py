@@ -100,6 +100,7 @@ class TrainerSessions:
             "trimmed_upto": core.batches.trimmed_upto,
             "heartbeat_interval": core.liveness.heartbeat_interval,
             "ttl": core.liveness.ttl,
+            "weights_version": core.weights.log.version,
         }
 
     def session_error(self, peer: bytes, session: int, req: int) -> list | None:

@@ -71,7 +71,8 @@ class Proc:
         return self.popen.wait(timeout)
 
     def text(self) -> str:
-        self._fh.flush()
+        if not self._fh.closed:  # closed by an earlier stop_all (a test may stop a cluster before teardown)
+            self._fh.flush()
         return self.log.read_text(errors="replace")
 
     def close(self) -> None:
@@ -145,6 +146,14 @@ class Cluster:
             argv += ["--curve-dir", str(self.curve_dir)]
         argv += list(extra)
         self.coordinator = self._spawn(f"coordinator-{len(self.procs)}", argv)
+        if wait:
+            self.wait_coordinator_ready()
+        return self.coordinator
+
+    def start_replay(self, directory: str | Path, *extra: str, wait: bool = True) -> Proc:
+        """``coordinator replay --from DIR`` on this cluster's address, in the coordinator's place (no agents)."""
+        argv = [sys.executable, "-m", "coordinator.cli", "replay", "--from", str(directory), "--bind", self.address]
+        self.coordinator = self._spawn(f"replay-{len(self.procs)}", [*argv, *extra])
         if wait:
             self.wait_coordinator_ready()
         return self.coordinator

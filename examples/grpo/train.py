@@ -64,6 +64,9 @@ class TrainConfig:
     eval_name: str = "greedy"
     eval_sampled: str = ""
     """A second evaluation dataset with several samples per prompt (pass@k), or "" for none."""
+    record: str = ""
+    """A directory where every batch pulled is recorded (``RolloutClient(record=...)``), for ``coordinator replay``;
+    "" for none."""
 
 
 def sample_version(sample) -> int | None:
@@ -101,7 +104,8 @@ def train(
     metrics_path = out / "metrics.jsonl"
     metrics_path.write_text("")
     started = time.monotonic()
-    with RolloutClient(address, expect={"max_staleness": config.max_staleness, **config.expect}) as client:
+    expect = {"max_staleness": config.max_staleness, **config.expect}
+    with RolloutClient(address, expect=expect, record=config.record or None) as client:
         version = client.weight_version()
         held = {version: snapshot(model)}  # weights of the versions samples may come from
         evals: dict = _evaluate(client, config, -1, log) if config.eval_every else {}

@@ -110,7 +110,7 @@ def run_trainer(spec: str) -> None:
     class RefsClient(AsyncRolloutClient):
         """``generate`` as is, minus the payload fetch from agents (it never reaches the coordinator)."""
 
-        async def _fetch(self, wire_refs: list) -> list:
+        async def _fetch(self, wire_refs: list, raw=None) -> list:
             return wire_refs
 
     async def main() -> dict:
