@@ -447,3 +447,69 @@ def test_an_engine_killed_inside_the_rendezvous_costs_one_quick_retry(make_clust
         assert "a2" in result["retried"], result
         assert took < 30, f"the update took {took:.1f}s after the kill: something waited out a timeout"
         assert cluster.status()["weights"]["version"] == 1
+
+
+@pytest.mark.timeout(240)
+def test_the_reported_scenario_an_engine_killed_after_a_disk_update_then_a_broadcast(make_cluster):
+    """The scenario of the weights-under-faults report, through the public API: ``--max-staleness 1`` with
+    partial rollouts, 2 agents x 2 sim engines, a new version after every batch alternating a gloo broadcast
+    (5 tensors, 10 MiB) and a disk update (a real ``model.safetensors``). After the disk update to version 4
+    one engine of a1 is SIGKILLed; ``generate(4)`` and the broadcast of version 5 follow.
+
+    Must hold: the broadcast succeeds (the dead engine is left out, or the update retried once without it);
+    the weight lock is free right after; the status shows every serving engine on the fleet's version (no
+    engine reported on an older one); the killed engine's restart comes up behind version 5 and one
+    ``catch_up`` brings it in; nothing is delivered twice and every sample's last span is its version.
+    """
+    torch = pytest.importorskip("torch")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    cluster = make_cluster(rollout_batch_size=8, max_staleness=1)
+    cluster.start_coordinator()
+    for name in ("a1", "a2"):
+        # --preload-torch: engines up with torch loaded, as SGLang's are (a restart then pays no import).
+        cluster.start_agent(name, engines=2, sim_args="--token-latency-ms 2 --output-len-median 48 --preload-torch")
+    per = (10 << 20) // 4 // 5
+    seen: list[tuple[int, int]] = []
+
+    def tensors(version: int) -> dict:
+        return {f"layer{i}.weight": torch.full((per,), float(version) + i / 10) for i in range(5)}
+
+    def pull(client, rid: int) -> None:
+        batch = client.generate(rid)
+        seen.extend((g.data_epoch, g.index) for g in batch.groups)
+        for s in batch.samples:
+            assert s.weight_version == str(s.weight_versions[-1][0]), s.weight_versions
+
+    with cluster.client(timeout=120, expect={"max_staleness": 1}) as client:
+        for step in range(4):
+            pull(client, step)
+            version = step + 1
+            if version % 2:
+                client.update_weights(tensors(version), version, backend="gloo", timeout=120)
+            else:
+                path = cluster.tmp / f"ckpt{version}"
+                path.mkdir()
+                safetensors_torch.save_file(tensors(version), str(path / "model.safetensors"))
+                client.update_weights_from_disk(str(path), version, timeout=120)
+            stats = client.stats()["weights"]
+            assert set(stats["engines"].values()) == {version}, stats["engines"]  # the status is current at once
+        victim = cluster.engine_pids_of("a1")[0]
+        os.kill(victim, signal.SIGKILL)
+        pull(client, 4)
+        result = client.update_weights(tensors(5), 5, backend="gloo", timeout=120)
+        assert set(result["engines"].values()) == {5}, result
+        weights = client.stats()["weights"]
+        assert weights["lock"] is None and weights["version"] == 5
+        behind = wait_for(lambda: client.stats()["weights"]["behind"], 30, "the killed engine's restart, behind")
+        assert client.catch_up(tensors(5), 5, backend="gloo", timeout=120)["engines"] == {behind[0]: 5}
+        wait_for(
+            lambda: (
+                set(client.stats()["weights"]["engines"].values()) == {5}
+                and len(client.stats()["weights"]["engines"]) == 4
+            ),
+            30,
+            "all four engines serving version 5",
+        )
+        for rid in (5, 6):
+            pull(client, rid)
+    assert len(seen) == len(set(seen)) == 7 * 8, "a group delivered twice"
