@@ -14,10 +14,12 @@ Topology (everything below is made by the harness, named ``rf<tag>...``, and rem
                                    rf<tag>g<i> 10.X.(i+1).1/30  <--veth-->  rf<tag>a<i> 10.X.(i+1).2/30
 
 The coordinator and the test's trainer run in the root namespace and talk to the agents through
-the router namespace, which forwards between its links. The root namespace gets one interface
-and one route per agent subnet through it, both gone with the interface; no address, rule or
-route that the harness did not make is touched, and no firewall rule is added outside the
-router namespace.
+the router namespace, which forwards between its links. Each agent namespace routes the harness's
+whole ``10.X.0.0/16`` through the router, so a slot may also host a trainer (``agent_argv`` runs any
+command there) that reaches the coordinator and every agent, and is partitioned like an agent.
+The root namespace gets one interface and one route per agent subnet through it, both gone with
+the interface; no address, rule or route that the harness did not make is touched, and no
+firewall rule is added outside the router namespace.
 
 Impairments (``create(..., impair=True)``, needs ``/dev/net/tun``): the router namespace also
 gets a TUN device ``rf<tag>t`` (10.X.250.1/30) and policy routing (table 100) that sends every
@@ -293,7 +295,9 @@ class NetFault:
             self._ns(r, "ip", "link", "set", gw, "up")
             self._ns(ns, "ip", "addr", "add", f"10.{o}.{i + 1}.2/30", "dev", ag)
             self._ns(ns, "ip", "link", "set", ag, "up")
-            self._ns(ns, "ip", "route", "add", f"10.{o}.0.0/30", "via", f"10.{o}.{i + 1}.1")
+            # The whole 10.X.0.0/16 through the router: the coordinator's link, and the other slots (a
+            # trainer run in a slot of its own fetches payloads from the agents' namespaces).
+            self._ns(ns, "ip", "route", "add", f"10.{o}.0.0/16", "via", f"10.{o}.{i + 1}.1")
             _run("ip", "route", "add", f"10.{o}.{i + 1}.0/30", "via", f"10.{o}.0.2", "dev", self.host_if)
             # One chain per agent, jumped to from forward: healing agent i flushes only its own rules.
             self._nft(f"add chain inet rollfleet_netfault a{i}")
