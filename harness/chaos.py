@@ -93,6 +93,8 @@ engine retired). Retirement has its own tests (``test_faults_agent.py``)."""
 RANDOM_KINDS = ("agent", "agent", "engine", "engine", "coordinator", "partition", "trainer")
 RANDOM_WEIGHT_FAULTS = ("engine_in_update", "engine_in_update", "trainer_in_update")
 """Added to ``RANDOM_KINDS`` when the run pushes weights."""
+STALL = 300.0
+"""Seconds without a consumed batch after which the run counts as hung."""
 LOCK_WAIT = 20.0
 """How long a fault timed to an update waits for one to be in flight before it gives up (not counted)."""
 
@@ -443,10 +445,17 @@ class ChaosRun:
     def drive(self) -> None:
         plan = list(self.kinds)
         self.rng.shuffle(plan)
-        deadline = time.monotonic() + max(240, self.batches * 8)
+        # A hang is a stream that stops moving, whatever the machine's speed: fail when no batch was consumed for
+        # STALL seconds (plus a generous cap on the whole run), not when a loaded machine is merely slow.
+        cap = time.monotonic() + max(600, self.batches * 30)
+        progress, progressed = self.n_consumed(), time.monotonic()
         while self.trainer.poll() is None:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"chaos run did not finish in time; consumed {self.n_consumed()} batches")
+            now, n = time.monotonic(), self.n_consumed()
+            if n != progress:
+                progress, progressed = n, now
+            if now - progressed > STALL or now > cap:
+                why = f"no batch for {now - progressed:.0f}s" if now - progressed > STALL else "past its cap"
+                raise AssertionError(f"chaos run did not finish: {why}; consumed {n} batches")
             time.sleep(self.rng.uniform(*self.interval))
             if self.trainer.poll() is not None:
                 break

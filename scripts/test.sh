@@ -16,7 +16,14 @@ fi
 # House style first: a lint or format error fails the run before any test starts.
 .venv/bin/python -m ruff check . || exit 1
 .venv/bin/python -m ruff format --check . || { echo "run: .venv/bin/ruff format ." >&2; exit 1; }
-.venv/bin/python -m pytest "$@"
+# Test files run on ROLLFLEET_TEST_WORKERS workers (default 2; 1 runs them in this process), each file's tests
+# on one worker in order (--dist loadfile): a cluster test spends most of its time waiting on processes.
+workers="${ROLLFLEET_TEST_WORKERS:-2}"
+parallel=()
+if [ "$workers" -gt 1 ] 2>/dev/null; then
+  parallel=(-n "$workers" --dist loadfile)
+fi
+.venv/bin/python -m pytest "${parallel[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "error: pytest collected no tests" >&2
