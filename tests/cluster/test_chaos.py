@@ -23,7 +23,7 @@ MULTI_TURN = "harness.generate_fns:two_turns"
 
 
 @pytest.mark.chaos
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)
 def test_exactly_once_under_every_failure_kind(tmp_path):
     batches = int(os.environ.get("ROLLFLEET_CHAOS_BATCHES", "60"))
     seed = int(os.environ.get("ROLLFLEET_CHAOS_SEED", "1"))
