@@ -41,8 +41,8 @@ Checks, each reported as a problem naming the prompt, group or agent:
    across its restarts, rise strictly, each answered with every engine on its
    version, and the coordinator's version is at least the last of them, its
    update count at least their number; at least one update of each kind pushed
-   succeeded. A version update may fail only when the coordinator died inside it
-   (``EXPLAINED_BY``), or two members were lost inside it (``MEMBER_FAULTS``: one
+   succeeded. A version update may fail only when the coordinator or a trainer
+   died inside it (``EXPLAINED_BY``), or two members were lost inside it (``MEMBER_FAULTS``: one
    is left out or costs the one retry); each failure's cause and the faults
    inside it are counted. A
    catch-up resends the fleet's version, never one below the last pushed.
@@ -63,9 +63,10 @@ KINDS = ("agent", "engine", "coordinator", "trainer", "partition", "node_lost", 
 WEIGHT_FAULTS = ("engine_in_update", "trainer_in_update")
 """Faults timed to a weight update in flight, caused too when the run pushes weights (the trainer's
 only with torch: it needs a broadcast)."""
-EXPLAINED_BY = ("coordinator",)
-"""Faults that may fail a weight update inside which they fall: the coordinator holds the update's state
-(a trainer dying inside its own update leaves no record of it)."""
+EXPLAINED_BY = ("coordinator", "trainer", "trainer_in_update")
+"""Faults that may fail a weight update inside which they fall: the coordinator holds the update's state, and
+a trainer killed meanwhile leaves its own update unrecorded in the log while a disk update of it goes on
+without it, so the resumed trainer's next version can meet "not greater than the fleet's current version"."""
 MEMBER_FAULTS = ("engine", "engine_in_update", "agent", "partition", "node_lost")
 """Faults that lose a member of an update: one is left out, or costs the broadcast its one retry; a failure
 needs two of them inside it (one per attempt). Any other failure of a version update is a problem."""
@@ -397,8 +398,8 @@ def _check_weights(ev: RunEvidence, out: Findings) -> None:
             explained = set(inside) & set(EXPLAINED_BY) or sum(k in MEMBER_FAULTS for k in inside) >= 2
             if rec["kind"] != "catch_up" and ev.faults and not explained:
                 out.problems.append(
-                    f"weights: a {rec['kind']} update to {rec.get('version')} failed with no coordinator death and "
-                    f"fewer than two members lost inside it (faults inside: {sorted(inside) or 'none'}): "
+                    f"weights: a {rec['kind']} update to {rec.get('version')} failed with no coordinator or trainer "
+                    f"death and fewer than two members lost inside it (faults inside: {sorted(inside) or 'none'}): "
                     f"{rec.get('error', '')[:200]}"
                 )
             continue

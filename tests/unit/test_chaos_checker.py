@@ -298,7 +298,7 @@ def test_an_update_failed_by_an_engine_death_is_reported():
     """An engine killed inside a broadcast must be left out (or the broadcast retried without it), never fail it."""
     ev = _evidence()
     _timed_failure(ev, [(50.0, "coordinator"), (102.0, "engine_in_update")])
-    _problems(ev, "weights: a distributed update to 2 failed with no coordinator death and fewer than two members")
+    _problems(ev, "weights: a distributed update to 2 failed with no coordinator or trainer death and fewer than two")
     assert check(ev).weight_updates["failed_during"] == {"engine_in_update": 1}
     ev.faults.append((103.0, "partition"))  # a second member lost: the retry's
     assert check(ev).problems == []
