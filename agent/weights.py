@@ -44,6 +44,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 from agent.engine_client import EngineClient, parse_version
 from agent.events import EngineVersion, RunWeightsStep, WeightsRecord, WeightsStepDone
@@ -102,6 +103,7 @@ class WeightsExecutor:
         self._members: list[str] = []  # engines the last ``begin`` confirmed
         self._queue: asyncio.Queue[RunWeightsStep | WeightsRecord] = asyncio.Queue()
         self._step: tuple[RunWeightsStep, asyncio.Task] | None = None
+        self._silenced: set[int] = set()  # updates whose running step our own abort cancelled: not reported
         self._steps = {
             "begin": self._begin,
             "disk": self._disk,
@@ -116,16 +118,22 @@ class WeightsExecutor:
     def submit(self, ins: RunWeightsStep) -> None:
         msg = ins.msg
         if isinstance(msg, p.WeightsAbort):
+            # An abort of our own (``report=False``: the session the update belonged to is gone) ends its steps
+            # without a word to the coordinator: a failure report would reach it under the new session and
+            # abort the same update there, which this agent re-joins (a disk update resent at registration).
+            silent = not ins.report
             kept = []
             while not self._queue.empty():
                 job = self._queue.get_nowait()
                 if isinstance(job, RunWeightsStep) and job.msg.update_id == msg.update_id:
-                    self._done(job, False, "aborted before it ran")
+                    self._done(replace(job, report=job.report and not silent), False, "aborted before it ran")
                 else:
                     kept.append(job)
             for job in kept:
                 self._queue.put_nowait(job)
             if self._step is not None and self._step[0].msg.update_id == msg.update_id:
+                if silent:
+                    self._silenced.add(msg.update_id)
                 self._step[1].cancel()
         self._queue.put_nowait(ins)
 
@@ -156,7 +164,9 @@ class WeightsExecutor:
                     await asyncio.gather(task, return_exceptions=True)
             if task.cancelled():
                 # The abort that cancelled it continues the engines and resumes health checks.
-                self._done(job, False, "aborted while it ran")
+                silent = job.msg.update_id in self._silenced
+                self._silenced.discard(job.msg.update_id)
+                self._done(replace(job, report=job.report and not silent), False, "aborted while it ran")
             else:
                 task.result()
 

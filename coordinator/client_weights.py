@@ -150,8 +150,7 @@ class WeightSender:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         what = f"update_weights({version})"
-        beat = asyncio.ensure_future(self._keep_alive(what))
-        beat.set_name(f"weights-alive-{version}")
+        beat = self._start_beat(what, f"weights-alive-{version}")
         try:
             try:
                 return await self._attempt(items, int(version), backend, bucket_bytes, float(timeout), what, verify)
@@ -165,17 +164,35 @@ class WeightSender:
             result = await self._attempt(items, int(version), backend, bucket_bytes, float(timeout), what, verify)
             return {**result, "retried": first}
         finally:
-            beat.cancel()
-            await asyncio.gather(beat, return_exceptions=True)
+            await self._stop_beat(beat)
 
-    async def _keep_alive(self, what: str) -> None:
+    def _start_beat(self, what: str, name: str) -> tuple[asyncio.Task, asyncio.Event]:
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(self._keep_alive(what, stop))
+        task.set_name(name)
+        return task, stop
+
+    @staticmethod
+    async def _stop_beat(beat: tuple[asyncio.Task, asyncio.Event]) -> None:
+        """End the keep-alive: by its flag as well as by cancellation, since ``asyncio.wait_for`` (Python 3.11)
+        can swallow a cancellation that lands as its request is answered; the flag ends the loop then."""
+        task, stop = beat
+        stop.set()
+        task.cancel()
+        await asyncio.wait([task], timeout=5)
+        if not task.done():
+            log.warning("the weight-update keep-alive did not stop within 5 s; leaving it to end on its flag")
+
+    async def _keep_alive(self, what: str, stop: asyncio.Event) -> None:
         """``WeightsAlive`` every heartbeat interval (at most 0.25 s) while the call runs: the coordinator
         aborts the update of a trainer silent past its TTL (a trainer SIGKILLed mid-broadcast frees the
         lock that way), and answers whether the update this call works on was aborted (then the
         rendezvous is abandoned at once)."""
         interval = min(self.client.heartbeat_interval, 0.25)
-        while True:
+        while not stop.is_set():
             await asyncio.sleep(interval)
+            if stop.is_set():
+                return
             update_id = self._update_id
             try:
                 answer = await self.client._request(
@@ -320,8 +337,7 @@ class WeightSender:
             return {"update_id": begun["update_id"], "version": int(version), "engines": {}}
         items = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
         update_id = self._update_id = begun["update_id"]
-        beat = asyncio.ensure_future(self._keep_alive(what))
-        beat.set_name(f"weights-alive-catch-up-{version}")
+        beat = self._start_beat(what, f"weights-alive-catch-up-{version}")
         group = None
         try:
             if not items:
@@ -338,8 +354,7 @@ class WeightSender:
         finally:
             self._update_id = 0
             self._aborted.pop(update_id, None)
-            beat.cancel()
-            await asyncio.gather(beat, return_exceptions=True)
+            await self._stop_beat(beat)
             if group is not None:
                 await asyncio.shield(self._drop(group))
             self._side_store = None  # its group is gone: the rendezvous closes

@@ -75,7 +75,10 @@ from harness.cluster import ROOT, Cluster
 from harness.polling import wait_for
 from harness.proxy import TcpProxy
 
-SIM_ARGS = "--token-latency-ms 2 --output-len-median 24 --output-len-max 64 --weight-sync-timeout 5"
+SIM_ARGS = "--token-latency-ms 2 --output-len-median 24 --output-len-max 64 --weight-sync-timeout 5 --preload-torch"
+"""``--preload-torch``: engines come up with torch loaded, as SGLang's do; otherwise a fresh engine's first disk load
+or rendezvous pays the import (seconds on loaded cores), and a node that joins during a disk update holds it
+past its deadline."""
 UPDATE_TIMEOUT = 15.0
 """A weight update's deadline. A failed update gives the fleet back at once (an engine lost in it aborts it,
 the trainer closes its rendezvous); the deadline is for updates that are only slow, as every step is on two

@@ -224,7 +224,7 @@ class Cluster:
             self.wait_agent_registered(name)
         return proc
 
-    def wait_agent_registered(self, name: str, timeout: float = 30) -> dict:
+    def wait_agent_registered(self, name: str, timeout: float = 90) -> dict:
         """Wait until the status lists ``name`` alive under a session its current process registered.
 
         Sessions a status showed before this process was started belong to an earlier process of the

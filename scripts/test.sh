@@ -16,9 +16,10 @@ fi
 # House style first: a lint or format error fails the run before any test starts.
 .venv/bin/python -m ruff check . || exit 1
 .venv/bin/python -m ruff format --check . || { echo "run: .venv/bin/ruff format ." >&2; exit 1; }
-# Test files run on ROLLFLEET_TEST_WORKERS workers (default 2; 1 runs them in this process), each file's tests
-# on one worker in order (--dist loadfile): a cluster test spends most of its time waiting on processes.
-workers="${ROLLFLEET_TEST_WORKERS:-2}"
+# ROLLFLEET_TEST_WORKERS=N (default 1: one process) runs the test files on N workers (pytest-xdist), each file's
+# tests on one worker in order (--dist loadfile). On 2 cores the heavy files (hf engines, the GRPO example, chaos)
+# then starve each other's timing bounds, so CI runs them one at a time.
+workers="${ROLLFLEET_TEST_WORKERS:-1}"
 parallel=()
 if [ "$workers" -gt 1 ] 2>/dev/null; then
   parallel=(-n "$workers" --dist loadfile)

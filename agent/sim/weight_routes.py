@@ -82,7 +82,7 @@ class WeightHandlers:
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         data = await read_json_body(request)
-        if self.engine.init_delay:
+        if getattr(self.engine, "init_delay", 0.0):  # the sim's --init-delay (the hf engine has none)
             await asyncio.sleep(self.engine.init_delay)  # --init-delay: late into the rendezvous
         try:
             message = await self.engine.weight_groups.init(data)

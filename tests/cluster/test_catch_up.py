@@ -50,7 +50,7 @@ def test_a_restarted_engine_catches_up_while_the_others_keep_serving(make_cluste
     engine (its pause count or group changes), records a new version, leaves the engine out of the
     pool, or if the next broadcast cannot reach all three."""
     torch = pytest.importorskip("torch")
-    cluster = make_cluster(rollout_batch_size=4, dynamic_filter="none")
+    cluster = make_cluster(rollout_batch_size=4, dynamic_filter="none", max_staleness=0)  # batch t: version t only
     cluster.start_coordinator()
     cluster.start_agent("a1", engines=2, sim_args="--token-latency-ms 1")
     cluster.start_agent("a2", engines=1, sim_args="--token-latency-ms 1")
@@ -135,8 +135,8 @@ def test_a_node_that_joins_after_a_broadcast_catches_up(make_cluster):
         wait_for(lambda: engines(cluster.status())["a2/sim-0"]["state"] == "healthy", 10, "a2/sim-0 to serve")
         seen: set[str] = set()
         for step in range(2, 8):
-            batch = client.generate(step)
-            assert {s.weight_version for s in batch.samples} == {"1"}
+            batch = client.generate(step)  # a1's groups may have been leased before version 1 (prefetch)
+            assert {s.weight_version for g in batch.groups if g.agent_id == "a2" for s in g.samples} <= {"1"}
             seen |= {g.agent_id for g in batch.groups}
             if "a2" in seen:
                 break
