@@ -248,21 +248,8 @@ class WeightUpdates:
                 f"{self.log.version}; versions never move backwards"
             )
             return out + bad("weights_version", why)
-        self._counter += 1
         self._started_any = True
-        update = Update(
-            (self.core.membership.generation << 32) | self._counter,
-            msg.kind,
-            msg.version,
-            msg.path,
-            msg.session,
-            self.core.trainer.client,
-            msg.timeout,
-            now + msg.timeout,
-            msg.kind,
-            seen=now,
-        )
-        self.lock = update
+        update = self._take_lock(msg, msg.path, now)
         if msg.kind == "disk":
             update.waiter = (peer, msg.req)
             for rec in self.core.membership.alive():
@@ -306,12 +293,17 @@ class WeightUpdates:
         behind = self.behind() if self.log.kind == "distributed" else {}
         if not behind:
             return [Send(peer, p.Ok(msg.req, {"update_id": 0, "world_size": 0, "engines": {}}))]
+        update = self._take_lock(msg, "", now)
+        return self._begin_distributed(peer, msg, update, now, sorted(behind))
+
+    def _take_lock(self, msg: p.UpdateWeights, path: str, now: float) -> Update:
+        """A new update of ``msg`` holds the weight lock (its id: generation, then a counter)."""
         self._counter += 1
-        update = Update(
+        self.lock = Update(
             (self.core.membership.generation << 32) | self._counter,
             msg.kind,
             msg.version,
-            "",
+            path,
             msg.session,
             self.core.trainer.client,
             msg.timeout,
@@ -319,8 +311,7 @@ class WeightUpdates:
             msg.kind,
             seen=now,
         )
-        self.lock = update
-        return self._begin_distributed(peer, msg, update, now, sorted(behind))
+        return self.lock
 
     def _form_group(self, now: float) -> list:
         """Every agent confirmed its engines: the group is those engines; answer the ``UpdateWeights``."""
