@@ -64,15 +64,19 @@ def pending_behind_cursor(ledger: LedgerSnapshot, order: Sequence[int]) -> set[t
     }
 
 
-def serving_engines(stats: dict) -> dict[str, str]:
-    """``agent/engine`` -> URL of every engine the coordinator's ``stats`` call healthy on an alive agent."""
+def alive_engines(stats: dict) -> dict[str, dict]:
+    """``agent/engine`` -> the status entry of every engine of an alive agent in the coordinator's ``stats``."""
     return {
-        f"{agent_id}/{e['name']}": e["url"]
+        f"{agent_id}/{e['name']}": e
         for agent_id, entry in stats["agents"].items()
         if entry["status"] == "alive"
         for e in entry.get("engines", ())
-        if e.get("state") == "healthy" and e.get("url")
     }
+
+
+def serving_engines(stats: dict) -> dict[str, str]:
+    """``agent/engine`` -> URL of every engine the coordinator's ``stats`` call healthy on an alive agent."""
+    return {key: e["url"] for key, e in alive_engines(stats).items() if e.get("state") == "healthy" and e.get("url")}
 
 
 def read_engine_versions(engines: dict[str, str], timeout: float = 2.0) -> dict[str, str | None]:

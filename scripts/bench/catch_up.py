@@ -36,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
+from harness.chaos_evidence import alive_engines as engines  # noqa: E402
 from harness.cluster import Cluster  # noqa: E402
 from harness.polling import wait_for  # noqa: E402
 from scripts.bench.benchlib import progress  # noqa: E402
@@ -47,15 +48,6 @@ imports torch inside its first rendezvous (2-3 s that SGLang never pays)."""
 
 def emit(metric: str, value: float, unit: str, **extra) -> None:
     print(json.dumps({"bench": "catch_up", "metric": metric, "value": round(value, 4), "unit": unit, **extra}))
-
-
-def engines(status: dict) -> dict[str, dict]:
-    return {
-        f"{agent}/{e['name']}": e
-        for agent, entry in status["agents"].items()
-        if entry["status"] == "alive"
-        for e in entry["engines"]
-    }
 
 
 def pauses(status: dict, skip: str) -> dict[str, int]:

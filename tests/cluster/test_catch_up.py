@@ -18,6 +18,7 @@ import urllib.request
 import pytest
 
 from common.errors import StateError
+from harness.chaos_evidence import alive_engines as engines
 from harness.polling import wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -26,16 +27,6 @@ pytestmark = pytest.mark.timeout(90)
 def get(url: str, path: str) -> dict:
     with urllib.request.urlopen(f"{url}{path}", timeout=5) as resp:
         return json.loads(resp.read())
-
-
-def engines(status: dict) -> dict[str, dict]:
-    """``{"agent/engine": entry}`` of every alive agent's engines."""
-    return {
-        f"{agent}/{e['name']}": e
-        for agent, entry in status["agents"].items()
-        if entry["status"] == "alive"
-        for e in entry["engines"]
-    }
 
 
 def unread():
