@@ -42,7 +42,8 @@ Checks, each reported as a problem naming the prompt, group or agent:
    version, and the coordinator's version is at least the last of them, its
    update count at least their number; at least one update of each kind pushed
    succeeded. A version update may fail only when the coordinator or a trainer
-   died inside it (``EXPLAINED_BY``), or two members were lost inside it (``MEMBER_FAULTS``: one
+   died inside it (``EXPLAINED_BY``), it found no engine up at all with a member
+   lost inside it (``NO_ENGINE_UP``), or two members were lost inside it (``MEMBER_FAULTS``: one
    is left out or costs the one retry); each failure's cause and the faults
    inside it are counted. A
    catch-up resends the fleet's version, never one below the last pushed.
@@ -70,6 +71,8 @@ without it, so the resumed trainer's next version can meet "not greater than the
 MEMBER_FAULTS = ("engine", "engine_in_update", "agent", "partition", "node_lost")
 """Faults that lose a member of an update: one is left out, or costs the broadcast its one retry; a failure
 needs two of them inside it (one per attempt). Any other failure of a version update is a problem."""
+NO_ENGINE_UP = "no engine is up to receive it"
+"""The coordinator's refusal of an update whose begin found no engine to confirm anywhere."""
 FAULT_SLACK = 2.0
 """Seconds before an update's start within which a fault still counts as inside it (a coordinator killed
 just before, still restarting when the update's first request is sent)."""
@@ -395,7 +398,11 @@ def _check_weights(ev: RunEvidence, out: Findings) -> None:
             causes[cause] += 1
             inside = _faults_inside(ev.faults, rec)
             during.update(inside or ["none"])
-            explained = set(inside) & set(EXPLAINED_BY) or sum(k in MEMBER_FAULTS for k in inside) >= 2
+            members_lost = sum(k in MEMBER_FAULTS for k in inside)
+            # Refused at its begin because no engine was up at all (every one killed or restarting): the faults
+            # inside it took the fleet's engines down, not an engine out of a formed group.
+            nothing_up = NO_ENGINE_UP in rec.get("error", "") and members_lost >= 1
+            explained = set(inside) & set(EXPLAINED_BY) or members_lost >= 2 or nothing_up
             if rec["kind"] != "catch_up" and ev.faults and not explained:
                 out.problems.append(
                     f"weights: a {rec['kind']} update to {rec.get('version')} failed with no coordinator or trainer "

@@ -325,3 +325,13 @@ def test_retried_broadcasts_are_counted():
     ev = _evidence()
     ev.weight_updates[2]["retried"] = "WeightUpdateError: engine a/e1 lost"
     assert check(ev).weight_updates["retried"] == 1
+
+
+def test_an_update_refused_with_no_engine_up_after_an_engine_death_is_allowed():
+    """Every engine was down (killed or restarting) when the update began: refused, not an engine lost in a group."""
+    ev = _evidence()
+    _timed_failure(ev, [(101.0, "engine")])
+    ev.weight_updates[1]["error"] = "WeightUpdateError: weight update 0x2 to version 2: no engine is up to receive it"
+    assert check(ev).problems == []
+    ev.faults = [(150.0, "engine")]  # none inside it: a problem
+    _problems(ev, "weights: a distributed update to 2 failed")
