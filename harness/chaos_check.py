@@ -73,9 +73,9 @@ MEMBER_FAULTS = ("engine", "engine_in_update", "agent", "partition", "node_lost"
 needs two of them inside it (one per attempt). Any other failure of a version update is a problem."""
 NO_ENGINE_UP = "no engine is up to receive it"
 """The coordinator's refusal of an update whose begin found no engine to confirm anywhere."""
-FAULT_SLACK = 2.0
+FAULT_SLACK = 3.0
 """Seconds before an update's start within which a fault still counts as inside it (a coordinator killed
-just before, still restarting when the update's first request is sent)."""
+just before, still restarting (its ledger read on loaded cores) when the update's first request is sent)."""
 
 STATES = ("pending", "leased", "ready", "delivered", "filtered")
 
