@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from coordinator.correction import MODES
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -177,6 +179,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default 16 (add) or 32 (calculator)")
     ap.add_argument("--max-staleness", type=int, default=1, help="eta, in weight updates (default 1)")
+    ap.add_argument(
+        "--correction",
+        choices=MODES,
+        default=None,
+        help="off-policy correction of the loss (coordinator.correction): default token_tis when "
+        "--max-staleness > 0, none at 0",
+    )
+    ap.add_argument(
+        "--trainer-device",
+        default="auto",
+        help="where the trainer's model runs: auto (CUDA when torch sees one, else CPU; default), cpu, cuda, cuda:N",
+    )
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument(
         "--warmup-steps", type=int, default=None, help="supervised warm-up steps (default 90 add, 75 calculator)"
@@ -211,7 +225,13 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.trainer_threads)
     started = time.monotonic()
-    print(f"GRPO example: run dir {out}")
+    from examples.grpo.train import correction_mode, resolve_device
+
+    mode = correction_mode(TrainConfig(max_staleness=args.max_staleness, correction=args.correction))
+    print(
+        f"GRPO example: run dir {out}; --max-staleness {args.max_staleness}, correction {mode}, "
+        f"trainer on {resolve_device(args.trainer_device)}"
+    )
     if args.max_new_tokens is None:
         args.max_new_tokens = 32 if args.task == "calculator" else 16
     if args.warmup_steps is None:
@@ -232,6 +252,8 @@ def main(argv=None) -> int:
             lr=args.lr,
             weights=args.weights,
             max_staleness=args.max_staleness,
+            correction=args.correction,
+            device=args.trainer_device,
             target_reward=args.stop_at_reward,
             seed=args.seed,
             expect={"n_samples_per_prompt": args.group_size, "rollout_batch_size": args.batch_size},
@@ -251,6 +273,8 @@ def main(argv=None) -> int:
     first, last = history[0]["reward"], history[-1]["reward"]
     reached = next((h for h in history if h["reward"] >= 0.8), None)
     print(f"reward {first:.2f} -> {last:.2f} in {len(history)} steps, {history[-1]['elapsed_s']:.0f}s of training")
+    kl = [h["correction/kl_k3"] for h in history]
+    print(f"mismatch KL(rollout || trainer), k3 per token: mean {sum(kl) / len(kl):.2e}, max {max(kl):.2e}")
     evals = [h for h in history if "eval_reward" in h]
     if evals:
         e0, e1 = evals[0], evals[-1]
