@@ -138,7 +138,8 @@ def agent_argv(address: str, data_dir: Path, model: Path, args) -> list[str]:
         "--coordinator", address, "--data-dir", str(data_dir), "--agent-id", "node-0",
         "--engine", "hf", "--model-path", str(model), "--engines", str(args.engines),
         "--concurrency", str(concurrency),
-        f"--hf-args=--threads {args.engine_threads} --slots {concurrency} --seed {args.seed}",
+        f"--hf-args=--threads {args.engine_threads} --slots {concurrency} --seed {args.seed} "
+        f"--device {args.engine_device}",
     ]  # fmt: skip
 
 
@@ -185,6 +186,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="off-policy correction of the loss (coordinator.correction): default token_tis when "
         "--max-staleness > 0, none at 0",
+    )
+    ap.add_argument(
+        "--engine-device",
+        default="auto",
+        help="the hf engine's --device: auto (CUDA when torch sees one; default), cpu, cuda, cuda:N",
     )
     ap.add_argument(
         "--trainer-device",
