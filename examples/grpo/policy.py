@@ -77,3 +77,26 @@ def pg_loss(
     weights = mask if weights is None else weights
     surrogate = torch.exp(logprobs - logprobs.detach()) * advantages[:, None]
     return -(surrogate * weights).sum() / mask.sum().clamp(min=1)
+
+
+def clipped_pg_loss(
+    logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, dict]:
+    """PPO's clipped surrogate against the engine's logprobs on response tokens, averaged over the batch's tokens::
+
+        loss = -sum_t min(rho_t * A_i, clip(rho_t, 1 - eps, 1 + eps) * A_i) / sum_t mask_t,  rho_t = pi_t / mu_t
+
+    The example's ``--correction ppo_clip`` (verl's "bypass" PPO-clip): the ratio against the logprobs the
+    engine sampled with (``mu``, weights up to ``max_staleness`` versions old) is itself the importance
+    correction, and the clip is a trust region around ``mu``: a token whose ratio already left ``[1 - eps,
+    1 + eps]`` in the direction its advantage pushes gets no gradient. ``advantages``: one value per
+    sample (``[n]``), shared by its tokens.
+    """
+    ratio = torch.exp(logprobs - rollout_logprobs)
+    adv = advantages[:, None]
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    tokens = mask.sum().clamp(min=1)
+    loss = -(surrogate * mask).sum() / tokens
+    with torch.no_grad():
+        clipped = (((ratio - 1).abs() > clip).float() * mask).sum() / tokens
+    return loss, {"train/clip_fraction": clipped.item(), "train/ratio_mean": ((ratio * mask).sum() / tokens).item()}

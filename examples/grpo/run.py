@@ -28,8 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-from coordinator.correction import MODES
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -182,10 +180,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-staleness", type=int, default=1, help="eta, in weight updates (default 1)")
     ap.add_argument(
         "--correction",
-        choices=MODES,
+        choices=("none", "token_tis", "seq_tis", "seq_mis", "geo_rs", "icepop", "ppo_clip"),
         default=None,
-        help="off-policy correction of the loss (coordinator.correction): default token_tis when "
-        "--max-staleness > 0, none at 0",
+        help="off-policy correction of the loss: a coordinator.correction mode, or ppo_clip (PPO's clipped "
+        "surrogate against the engine's logprobs); default ppo_clip when --max-staleness > 0, none at 0",
     )
     ap.add_argument(
         "--engine-device",

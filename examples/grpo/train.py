@@ -7,16 +7,17 @@ engines started from)::
     advantages = group_advantages(rewards)             # per group: (r - mean) / std
     logprobs = response_logprobs(model, ...)           # the trainer's policy, version t
     c = rollout_correction(logprobs.detach(), rollout_logprobs, mask, mode=config.correction, versions=...)
-    loss = pg_loss(logprobs, advantages, mask, c.weights)
+    loss = pg_loss(logprobs, advantages, mask, c.weights)   # ppo_clip: clipped_pg_loss(logprobs, rollout_logprobs, ...)
     optimizer.step()
     client.update_weights(model.named_parameters(), t + 1, backend="gloo")   # or from disk
 
 With ``max_staleness`` ETA the fleet generates ahead of the trainer: batch ``t`` holds samples made
 on versions ``t - ETA`` to ``t`` (with ETA 1, the default, the fleet generates batch ``t + 1`` while
-the trainer is busy with batch ``t``). The correction (``coordinator.correction``; default
-``token_tis`` when ETA > 0, ``none`` at 0) weights each token by its importance ratio
-``pi_t / mu`` against the engine's logprob ``mu``, truncated or masked as the mode says; every
-step logs its mismatch metrics (``correction/kl_k3`` ...), per staleness too.
+the trainer is busy with batch ``t``). The correction (``config.correction``) weights each token by its
+importance ratio ``pi_t / mu`` against the engine's logprob ``mu``, truncated or masked as the mode says
+(``coordinator.correction``), or, with ``ppo_clip`` (the default when ETA > 0), takes PPO's clipped
+surrogate with that ratio (``policy.clipped_pg_loss``); ``none`` treats the samples as on-policy. Every
+step logs the mismatch metrics (``correction/kl_k3`` ...), per staleness too.
 
 The logprob check: every sample records which weight version generated which span of its
 tokens. For the samples generated on a single version the trainer holds (the current one, and
@@ -44,7 +45,11 @@ import torch
 from coordinator.batch import token_spans
 from coordinator.client import RolloutClient
 from coordinator.correction import MODES, rollout_correction
-from examples.grpo.policy import group_advantages, pg_loss, response_logprobs
+from examples.grpo.policy import clipped_pg_loss, group_advantages, pg_loss, response_logprobs
+
+EXAMPLE_MODES = (*MODES, "ppo_clip")
+"""``--correction`` choices: ``coordinator.correction``'s modes, and ``ppo_clip`` (PPO's clipped surrogate against
+the engine's logprobs: ``policy.clipped_pg_loss``)."""
 
 
 @dataclass
@@ -53,10 +58,11 @@ class TrainConfig:
     """Batches to train on (one optimizer step and one weight push each)."""
     lr: float = 1e-3
     correction: str | None = None
-    """Off-policy correction mode (``coordinator.correction.MODES``); None: ``token_tis`` when
-    ``max_staleness`` > 0, else ``none``."""
+    """Off-policy correction (:data:`EXAMPLE_MODES`); None: ``ppo_clip`` when ``max_staleness`` > 0, else ``none``."""
     correction_clip: float = 2.0
     """``clip`` of ``token_tis``/``seq_tis``/``seq_mis``."""
+    clip: float = 0.2
+    """``ppo_clip``'s range: the ratio against the engine's logprobs is clipped to ``1 +- clip``."""
     device: str = "cpu"
     """Where the trainer's model runs: ``cpu``, ``cuda``, ``cuda:N``, or ``auto`` (CUDA when torch sees one)."""
     max_grad_norm: float = 1.0
@@ -86,9 +92,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def correction_mode(config: TrainConfig) -> str:
-    mode = config.correction or ("token_tis" if config.max_staleness > 0 else "none")
-    if mode not in MODES:
-        raise ValueError(f"correction must be one of {', '.join(MODES)}; got {mode!r}")
+    mode = config.correction or ("ppo_clip" if config.max_staleness > 0 else "none")
+    if mode not in EXAMPLE_MODES:
+        raise ValueError(f"correction must be one of {', '.join(EXAMPLE_MODES)}; got {mode!r}")
     return mode
 
 
@@ -207,22 +213,29 @@ def _train_step(model, optimizer, batch, version: int, held: dict, config: Train
     # Tokens the model did not generate (a tool's output: loss mask 0) are context, not actions.
     loss_mask, _ = _pad([s.loss_mask for s in samples])
     mask = mask * loss_mask[:, : mask.shape[1]].float().to(device)
-    correction = rollout_correction(
+    rollout_lp = rollout_lp.to(device=device, dtype=logprobs.dtype)
+    mode = correction_mode(config)
+    correction = rollout_correction(  # with ppo_clip: "none", for the metrics
         logprobs.detach(),
-        rollout_lp.to(device=device, dtype=logprobs.dtype),
+        rollout_lp,
         mask,
-        mode=correction_mode(config),
+        mode="none" if mode == "ppo_clip" else mode,
         clip=config.correction_clip,
         versions=_response_versions(samples, mask.shape[1]).to(device),
         current_version=version,
     )
-    loss = pg_loss(logprobs, advantages, mask, correction.weights)
+    stats = dict(correction.metrics)
+    if mode == "ppo_clip":
+        loss, clip_stats = clipped_pg_loss(logprobs, rollout_lp, advantages, mask, config.clip)
+        stats.update(clip_stats)
+    else:
+        loss = pg_loss(logprobs, advantages, mask, correction.weights)
     diff = _logprob_check(model, samples, logprobs.detach(), version, held)
     optimizer.zero_grad()
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
     optimizer.step()
-    return {"loss": loss.item(), "grad_norm": grad_norm.item(), **correction.metrics, **diff}
+    return {"loss": loss.item(), "grad_norm": grad_norm.item(), **stats, **diff}
 
 
 def _response_versions(samples, width: int) -> torch.Tensor:
