@@ -202,3 +202,15 @@ def test_none_leaves_the_loss_unchanged_and_every_modes_weights_are_finite(batch
         assert (c.weights >= 0).all() and (c.weights[mask == 0] == 0).all(), mode
         assert ((c.mask == 0) | (c.mask == 1)).all() and (c.mask <= mask).all(), mode
         assert all(isinstance(v, float) for v in c.metrics.values())
+
+
+def test_fleet_rollouts_refuses_an_unknown_correction_before_connecting():
+    from common.errors import ConfigError
+    from coordinator.correction import MODES as modes
+    from coordinator.integrations.trl import CORRECTION_MODES, FleetRollouts
+
+    assert CORRECTION_MODES == modes  # the TRL module's copy (it imports without torch) is the same list
+    with pytest.raises(ConfigError, match="correction must be one of"):
+        FleetRollouts("tcp://127.0.0.1:9", correction="tis")
+    with pytest.raises(ConfigError, match="correction_args takes clip, low and high"):
+        FleetRollouts("tcp://127.0.0.1:9", correction="icepop", correction_args={"band": 1})
