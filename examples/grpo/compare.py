@@ -22,10 +22,16 @@ def summary(label: str, history: list[dict]) -> str:
     kl = [h["correction/kl_k3"] for h in history]
     first = f"step {reached['step']} ({reached['elapsed_s']:.0f}s)" if reached else "never"
     last3 = sum(h["reward"] for h in history[-3:]) / len(history[-3:])
+    by_staleness: dict[int, list[float]] = {}
+    for h in history:
+        for key, value in h.items():
+            if key.startswith("correction/staleness_") and key.endswith("/kl_k3"):
+                by_staleness.setdefault(int(key.split("/")[1].removeprefix("staleness_")), []).append(value)
+    per = ", ".join(f"{s}: {sum(v) / len(v):.1e}" for s, v in sorted(by_staleness.items()))
     return (
         f"{label}: {len(history)} steps in {history[-1]['elapsed_s']:.0f}s; reward {history[0]['reward']:.2f} -> "
         f"{history[-1]['reward']:.2f} (mean of the last 3: {last3:.2f}); first >= 0.8: {first}; "
-        f"KL k3 mean {sum(kl) / len(kl):.2e}, max {max(kl):.2e}"
+        f"KL k3 mean {sum(kl) / len(kl):.2e}, max {max(kl):.2e}; mean KL k3 by staleness {per}"
     )
 
 
@@ -46,7 +52,8 @@ def compare(runs: dict[str, list[dict]], path: str | Path, *, title: str = "") -
         reward = smooth([h["reward"] for h in history])
         (line,) = ax_step.plot(steps, reward, label=label)
         ax_time.plot([h["elapsed_s"] for h in history], reward, color=line.get_color(), label=label)
-        ax_kl.semilogy(steps, [max(h["correction/kl_k3"], 1e-12) for h in history], color=line.get_color(), label=label)
+        # Step 0 is on policy (KL ~1e-14, the engine/trainer numeric mismatch): floored at 1e-6 to keep the scale.
+        ax_kl.semilogy(steps, [max(h["correction/kl_k3"], 1e-6) for h in history], color=line.get_color(), label=label)
     for ax in (ax_step, ax_time):
         ax.set_ylabel("mean reward (5-step trailing mean)")
         ax.set_ylim(0, 1.02)
@@ -56,6 +63,7 @@ def compare(runs: dict[str, list[dict]], path: str | Path, *, title: str = "") -
     ax_time.set_xlabel("seconds of training")
     ax_kl.set_xlabel("step")
     ax_kl.set_ylabel("KL(rollout || trainer), k3 per token")
+    ax_kl.set_ylim(bottom=1e-6)
     ax_kl.grid(alpha=0.3)
     ax_step.legend(loc="lower right")
     if title:
