@@ -10,7 +10,8 @@
 # Usage: bash examples/grpo/curves.sh OUT_ROOT [more examples.grpo.run flags, e.g. --steps 100]
 # Runs one after another (a 2-core machine). With CORES_PER_RUN=2 on a machine of 8 or more cores the
 # five run at once, each pinned to cores of its own (taskset), so each still has exactly 2.
-# PYTHON (default .venv/bin/python) runs them; the figure goes to OUT_ROOT/correction.png.
+# PYTHON (default .venv/bin/python) runs them; the figure goes to OUT_ROOT/correction.png. RUNS="eta4-none ..."
+# runs only those (the others' directories must already be there for the figure).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:?usage: curves.sh OUT_ROOT [run flags]}
@@ -21,6 +22,7 @@ runs=("eta1-none 1 none" "eta4-none 4 none" "eta4-token_tis 4 token_tis" "eta4-i
 i=0
 for spec in "${runs[@]}"; do
   read -r name eta mode <<<"$spec"
+  if [ -n "${RUNS:-}" ] && [[ " $RUNS " != *" $name "* ]]; then continue; fi
   rm -rf "${out:?}/$name"
   cmd=("$py" -m examples.grpo.run --out "$out/$name" --max-staleness "$eta" --correction "$mode" --seed 0
        --steps 150 --eval-every 0 --engine-device cpu --trainer-device cpu "$@")

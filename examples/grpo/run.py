@@ -110,6 +110,7 @@ def coordinator_argv(dataset: Path, data_dir: Path, address: str, args) -> list[
         "--n-samples-per-prompt", str(args.group_size), "--rollout-batch-size", str(args.batch_size),
         "--max-new-tokens", str(args.max_new_tokens), "--temperature", "1.0",
         "--max-staleness", str(args.max_staleness), "--shuffle-seed", str(args.seed),
+        "--prefetch", str(prefetch_groups(args)),
         *(["--generate", task_module(args.task).GENERATE] if args.task == "calculator" else []),
         # Greedy (temperature 0), one sample per prompt: client.evaluate("greedy") is the greedy accuracy;
         # "sampled": the same prompts, 4 samples each at the training temperature, for pass@1 and pass@4.
@@ -119,6 +120,14 @@ def coordinator_argv(dataset: Path, data_dir: Path, address: str, args) -> list[
 
 
 EVAL_PROMPTS = 64
+
+
+def prefetch_groups(args) -> int:
+    """The coordinator's ``--prefetch``: ``--prefetch-batches`` batches (default: ETA, at least one) of ready groups
+    beyond demand. With the coordinator's default (one batch) the fleet is never more than one version ahead,
+    whatever ``--max-staleness`` allows."""
+    batches = args.prefetch_batches if args.prefetch_batches is not None else max(1, args.max_staleness)
+    return batches * args.batch_size
 
 
 def eval_dataset(dataset: Path) -> Path:
@@ -178,6 +187,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default 16 (add) or 32 (calculator)")
     ap.add_argument("--max-staleness", type=int, default=1, help="eta, in weight updates (default 1)")
+    ap.add_argument(
+        "--prefetch-batches",
+        type=int,
+        default=None,
+        help="batches the fleet may generate ahead of the trainer (coordinator --prefetch); default ETA (at least 1)",
+    )
     ap.add_argument(
         "--correction",
         choices=("none", "token_tis", "seq_tis", "seq_mis", "geo_rs", "icepop", "ppo_clip"),
