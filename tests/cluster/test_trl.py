@@ -11,9 +11,10 @@ TRL (from the registry) trains that model in this process on CPU for a few steps
   the engine's (< 1e-3; ~1e-7 measured), which a push that did not land would break (~0.1-3);
 - the reward moves: TRL's logged reward (the fleet's) rises over the run.
 
-A second run lets the fleet generate up to two pushes ahead (``--max-staleness 2``) with
-``FleetRollouts(correction="token_tis")``: batches arrive stale, the correction's weights differ
-from 1 there, its metrics reach TRL's log at every step, and the reward still rises.
+A second run allows the fleet two pushes of lag (``--max-staleness 2``) with
+``FleetRollouts(correction="token_tis")``: batches arrive stale (one version behind here, the
+coordinator prefetching one batch), the correction's weights differ from 1 there, its metrics
+reach TRL's log at every step, and the reward still rises.
 """
 
 from __future__ import annotations
