@@ -27,13 +27,23 @@ class RolloutBatch:
     def samples(self):
         return [s for g in self.groups for s in g.samples]
 
-    def to_tensors(self, pad_token_id: int = 0) -> dict:
+    def to_tensors(self, pad_token_id: int = 0, *, current_version: int | None = None) -> dict:
         """Padded torch tensors, one row per sample (prompt + response, right-padded).
 
         Keys: ``tokens``, ``attention_mask``, ``loss_mask`` (response tokens the
         loss sees), ``rollout_logprobs`` (aligned with ``tokens``; 0 on prompt
         and padding), ``rewards``, ``prompt_lengths``, ``response_lengths``,
-        ``group_index`` (dataset index of each row).
+        ``group_index`` (dataset index of each row), ``versions`` (long, aligned
+        with ``tokens``: the weight version that generated each response token,
+        read from the sample's ``weight_versions`` spans, or its ``weight_version``
+        when it has none; -1 on prompt and padding, on response tokens no span
+        covers, and for a label that is not a number; the engines' launch
+        label ``default`` is version 0).
+
+        With ``current_version`` (the version the trainer holds), also
+        ``staleness``: ``current_version - versions`` where the version is known,
+        -1 where ``versions`` is -1. Both feed
+        ``coordinator.correction.rollout_correction(..., versions=...)``.
         """
         try:
             import torch
@@ -46,6 +56,7 @@ class RolloutBatch:
         attention = torch.zeros((n, width), dtype=torch.long)
         loss_mask = torch.zeros((n, width), dtype=torch.float32)
         logprobs = torch.zeros((n, width), dtype=torch.float32)
+        versions = torch.full((n, width), -1, dtype=torch.long)
         # Each sample's arrays are viewed in place (torch.frombuffer) and copied once, into the padded rows.
         for row, s in enumerate(samples):
             lp, lr = len(s.prompt_tokens), len(s.response_tokens)
@@ -56,8 +67,10 @@ class RolloutBatch:
                 tokens[row, lp:end] = torch.frombuffer(as_array("i", s.response_tokens), dtype=torch.int32)
                 loss_mask[row, lp:end] = torch.frombuffer(as_array("b", s.loss_mask), dtype=torch.int8)
                 logprobs[row, lp:end] = torch.frombuffer(as_array("d", s.response_logprobs), dtype=torch.float64)
+                for version, start, stop in token_spans(s):
+                    versions[row, lp + start : lp + stop] = version
             attention[row, : lp + lr] = 1
-        return {
+        out = {
             "tokens": tokens,
             "attention_mask": attention,
             "loss_mask": loss_mask,
@@ -66,4 +79,33 @@ class RolloutBatch:
             "prompt_lengths": torch.tensor([len(s.prompt_tokens) for s in samples], dtype=torch.long),
             "response_lengths": torch.tensor([len(s.response_tokens) for s in samples], dtype=torch.long),
             "group_index": torch.tensor([g.index for g in self.groups for _ in g.samples], dtype=torch.long),
+            "versions": versions,
         }
+        if current_version is not None:
+            out["staleness"] = torch.where(versions >= 0, int(current_version) - versions, -1)
+        return out
+
+
+def version_number(label) -> int:
+    """A weight-version label as an int: ``"7"`` is 7, the launch label (``default`` or empty) is 0, else -1."""
+    if label in (None, "", "default"):
+        return 0
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        return -1
+
+
+def token_spans(sample) -> list[tuple[int, int, int]]:
+    """``(version, start, end)`` response-token ranges of ``sample``, clipped to its response, versions as ints.
+
+    From its ``weight_versions`` spans; a sample without spans is all of its ``weight_version``.
+    """
+    n = len(sample.response_tokens)
+    spans = sample.weight_versions or [[sample.weight_version, 0, n]]
+    out = []
+    for label, start, end in spans:
+        start, end = max(0, int(start)), min(n, int(end))
+        if end > start:
+            out.append((version_number(label), start, end))
+    return out

@@ -19,8 +19,25 @@ not generate. :class:`FleetRollouts` fills that dict from a rollfleet batch:
   parameters are pushed to every engine as version ``base + s`` (``base``: the fleet's version
   when this object was made), through ``RolloutClient.update_weights`` (a broadcast, ``gloo`` on
   CPU or ``nccl``) or, with ``weights="disk"``, a checkpoint written under ``checkpoint_dir``.
-  The fleet generates ahead of the trainer within its ``--max-staleness``; TRL's importance
-  sampling against the returned ``logprobs`` corrects for the lag.
+- **Off-policy correction: ours, not TRL's.** The fleet generates ahead of the trainer within its
+  ``--max-staleness``, so a step's samples come from weights up to that many pushes older than
+  the model TRL updates. TRL 1.16's own importance-sampling correction
+  (``vllm_importance_sampling_correction``) would take the ``logprobs`` a ``rollout_func``
+  returns, but it runs only when ``use_vllm=True`` (``GRPOTrainer._generate_and_score_completions``
+  and ``_compute_loss`` test ``self.use_vllm and self.vllm_importance_sampling_correction``), which
+  makes TRL start or connect to a vLLM server and sync weights to it: not something a fleet
+  without vLLM can turn on. Without it TRL computes no ``old_per_token_logps`` at one generation
+  per step, so its ratio is ``pi / sg(pi)`` = 1 and the loss treats stale samples as on-policy.
+  ``FleetRollouts(..., correction=MODE)`` therefore applies :func:`coordinator.correction.rollout_correction`
+  itself: on its first call it wraps that trainer's ``_compute_loss`` so that, before TRL's loss,
+  the current model's logprobs of the completion tokens are computed (one extra forward pass,
+  no gradient), compared with the fleet's (``inputs["sampling_per_token_logps"]``, which TRL
+  keeps from the ``logprobs`` key), and the per-token weights multiply the advantages:
+  ``A_i -> A_i * w_t``. Every TRL loss type but ``vespo`` is linear in the advantage, so that is
+  the per-token loss multiplied by ``w_t``; a masked token keeps its place in the loss's
+  denominator (IcePop's definition). The metrics (``correction/kl_k3``, ...) go to TRL's log
+  beside its own, with ``rollfleet/staleness_mean`` and ``rollfleet/staleness_max`` of the batch.
+  ``correction="none"`` (the default) changes nothing in TRL.
 
 Single process only (``accelerate`` with one process): the fleet hands one trainer its batches.
 """
@@ -35,6 +52,12 @@ from coordinator.client import RolloutClient
 
 PLACEHOLDER_PROMPT = "(prompt chosen by the rollfleet coordinator)"
 
+CORRECTION_MODES = ("none", "token_tis", "seq_tis", "seq_mis", "geo_rs", "icepop")
+"""``coordinator.correction.MODES`` (repeated here so that this module imports without torch)."""
+
+LINEAR_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
+"""TRL loss types whose per-token loss is linear in the advantage: scaling ``A`` by ``w`` scales the loss by ``w``."""
+
 
 class FleetRollouts:
     """A TRL ``rollout_func`` (and reward function) backed by a rollfleet fleet."""
@@ -47,9 +70,18 @@ class FleetRollouts:
         checkpoint_dir: str | None = None,
         bucket_bytes: int = 512 << 20,
         first_rollout_id: int = 0,
+        correction: str = "none",
+        correction_args: dict | None = None,
         client: RolloutClient | None = None,
         **client_kwargs: Any,
     ):
+        """``correction``: an off-policy correction mode (``coordinator.correction.MODES``; module docstring),
+        ``correction_args`` its ``clip`` / ``low`` / ``high`` (``rollout_correction``'s defaults otherwise)."""
+        if correction not in CORRECTION_MODES:
+            raise ConfigError(f"correction must be one of {', '.join(CORRECTION_MODES)}, got {correction!r}")
+        unknown = set(correction_args or {}) - {"clip", "low", "high"}
+        if unknown:
+            raise ConfigError(f"correction_args takes clip, low and high; got {', '.join(sorted(unknown))}")
         if weights not in ("gloo", "nccl", "disk"):
             raise ConfigError(f"weights must be 'gloo', 'nccl' or 'disk', got {weights!r}")
         if weights == "disk" and not checkpoint_dir:
@@ -66,6 +98,11 @@ class FleetRollouts:
         self.base_version = self.client.weight_version()
         self.pushed_step = 0
         self.last_batch = None
+        self.correction = correction
+        self.correction_args = dict(correction_args or {})
+        self.last_correction = None
+        """The ``Correction`` of the last loss computed (its weights and metrics), or None."""
+        self._corrected: set[int] = set()
 
     # ------------------------------------------------------------ TRL wiring
 
@@ -91,12 +128,18 @@ class FleetRollouts:
         return self.rollout_func(prompts, trainer)
 
     def rollout_func(self, prompts: list, trainer) -> dict:
+        if self.correction != "none" and id(trainer) not in self._corrected:
+            self.install_correction(trainer)
         step = int(trainer.state.global_step)
         if step > self.pushed_step:
             self.push_weights(trainer, step)
         batch = self.client.generate(self.rollout_id)
         self.rollout_id += 1
         self.last_batch = batch
+        if self.correction != "none":
+            logged = trainer._metrics["train" if trainer.model.training else "eval"]
+            logged["rollfleet/staleness_mean"].append(float(batch.metrics.get("rollout/staleness_mean", 0.0)))
+            logged["rollfleet/staleness_max"].append(float(batch.metrics.get("rollout/staleness_max", 0.0)))
         samples = [s for g in batch.groups for s in g.samples]
         if len(samples) != len(prompts):
             raise ConfigError(
@@ -120,6 +163,62 @@ class FleetRollouts:
         if rollfleet_reward is None:
             raise ConfigError("rollfleet_reward is missing: use FleetRollouts.reward with rollout_func=FleetRollouts")
         return list(rollfleet_reward)
+
+    # ------------------------------------------------------------ correction
+
+    def install_correction(self, trainer) -> None:
+        """Make ``trainer``'s loss apply ``self.correction`` (module docstring); called by the first ``rollout_func``.
+
+        The wrapper is set on this trainer object only (``GRPOTrainer.compute_loss`` looks up
+        ``self._compute_loss`` at every step, so it takes effect from the step being generated).
+        """
+        if trainer.loss_type not in LINEAR_LOSSES:
+            raise ConfigError(
+                f"correction={self.correction!r} scales TRL's advantages, which is the loss scaled only for loss types "
+                f"{', '.join(LINEAR_LOSSES)}; this trainer has loss_type={trainer.loss_type!r}"
+            )
+        if getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False):
+            raise ConfigError(
+                f"correction={self.correction!r} and TRL's vllm_importance_sampling_correction would correct twice: "
+                "turn one off"
+            )
+        from coordinator.correction import rollout_correction
+
+        original = trainer._compute_loss
+
+        def corrected_loss(model, inputs):
+            import torch
+
+            completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+            mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+            with torch.no_grad():
+                trainer_logprobs, _, _ = trainer._get_per_token_logps_and_entropies(
+                    model,
+                    torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
+                    torch.cat([inputs["prompt_mask"], completion_mask], dim=1),
+                    completion_ids.size(1),
+                )
+            rollout_logprobs = inputs["sampling_per_token_logps"]
+            # TRL marks a logprob the backend could not give as NaN; such a token is left out of the correction.
+            known = ~torch.isnan(rollout_logprobs)
+            result = rollout_correction(
+                trainer_logprobs,
+                torch.nan_to_num(rollout_logprobs),
+                mask * known,
+                mode=self.correction,
+                **self.correction_args,
+            )
+            weights = torch.where(known, result.weights, mask.to(result.weights.dtype))
+            advantages = inputs["advantages"]
+            advantages = advantages[:, None] if advantages.dim() == 1 else advantages
+            self.last_correction = result
+            logged = trainer._metrics["train" if model.training else "eval"]
+            for key, value in result.metrics.items():
+                logged[key].append(value)
+            return original(model, {**inputs, "advantages": advantages * weights.to(advantages.dtype)})
+
+        trainer._compute_loss = corrected_loss
+        self._corrected.add(id(trainer))
 
     # ------------------------------------------------------------ weights
 

@@ -110,6 +110,7 @@ def coordinator_argv(dataset: Path, data_dir: Path, address: str, args) -> list[
         "--n-samples-per-prompt", str(args.group_size), "--rollout-batch-size", str(args.batch_size),
         "--max-new-tokens", str(args.max_new_tokens), "--temperature", "1.0",
         "--max-staleness", str(args.max_staleness), "--shuffle-seed", str(args.seed),
+        "--prefetch", str(prefetch_groups(args)),
         *(["--generate", task_module(args.task).GENERATE] if args.task == "calculator" else []),
         # Greedy (temperature 0), one sample per prompt: client.evaluate("greedy") is the greedy accuracy;
         # "sampled": the same prompts, 4 samples each at the training temperature, for pass@1 and pass@4.
@@ -119,6 +120,14 @@ def coordinator_argv(dataset: Path, data_dir: Path, address: str, args) -> list[
 
 
 EVAL_PROMPTS = 64
+
+
+def prefetch_groups(args) -> int:
+    """The coordinator's ``--prefetch``: ``--prefetch-batches`` batches (default: ETA, at least one) of ready groups
+    beyond demand. With the coordinator's default (one batch) the fleet is never more than one version ahead,
+    whatever ``--max-staleness`` allows."""
+    batches = args.prefetch_batches if args.prefetch_batches is not None else max(1, args.max_staleness)
+    return batches * args.batch_size
 
 
 def eval_dataset(dataset: Path) -> Path:
@@ -136,7 +145,8 @@ def agent_argv(address: str, data_dir: Path, model: Path, args) -> list[str]:
         "--coordinator", address, "--data-dir", str(data_dir), "--agent-id", "node-0",
         "--engine", "hf", "--model-path", str(model), "--engines", str(args.engines),
         "--concurrency", str(concurrency),
-        f"--hf-args=--threads {args.engine_threads} --slots {concurrency} --seed {args.seed}",
+        f"--hf-args=--threads {args.engine_threads} --slots {concurrency} --seed {args.seed} "
+        f"--device {args.engine_device}",
     ]  # fmt: skip
 
 
@@ -177,6 +187,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default 16 (add) or 32 (calculator)")
     ap.add_argument("--max-staleness", type=int, default=1, help="eta, in weight updates (default 1)")
+    ap.add_argument(
+        "--prefetch-batches",
+        type=int,
+        default=None,
+        help="batches the fleet may generate ahead of the trainer (coordinator --prefetch); default ETA (at least 1)",
+    )
+    ap.add_argument(
+        "--correction",
+        choices=("none", "token_tis", "seq_tis", "seq_mis", "geo_rs", "icepop", "ppo_clip"),
+        default=None,
+        help="off-policy correction of the loss: a coordinator.correction mode, or ppo_clip (PPO's clipped "
+        "surrogate against the engine's logprobs); default ppo_clip when --max-staleness > 0, none at 0",
+    )
+    ap.add_argument(
+        "--engine-device",
+        default="auto",
+        help="the hf engine's --device: auto (CUDA when torch sees one; default), cpu, cuda, cuda:N",
+    )
+    ap.add_argument(
+        "--trainer-device",
+        default="auto",
+        help="where the trainer's model runs: auto (CUDA when torch sees one, else CPU; default), cpu, cuda, cuda:N",
+    )
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument(
         "--warmup-steps", type=int, default=None, help="supervised warm-up steps (default 90 add, 75 calculator)"
@@ -211,7 +244,13 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.trainer_threads)
     started = time.monotonic()
-    print(f"GRPO example: run dir {out}")
+    from examples.grpo.train import correction_mode, resolve_device
+
+    mode = correction_mode(TrainConfig(max_staleness=args.max_staleness, correction=args.correction))
+    print(
+        f"GRPO example: run dir {out}; --max-staleness {args.max_staleness}, correction {mode}, "
+        f"trainer on {resolve_device(args.trainer_device)}"
+    )
     if args.max_new_tokens is None:
         args.max_new_tokens = 32 if args.task == "calculator" else 16
     if args.warmup_steps is None:
@@ -232,6 +271,8 @@ def main(argv=None) -> int:
             lr=args.lr,
             weights=args.weights,
             max_staleness=args.max_staleness,
+            correction=args.correction,
+            device=args.trainer_device,
             target_reward=args.stop_at_reward,
             seed=args.seed,
             expect={"n_samples_per_prompt": args.group_size, "rollout_batch_size": args.batch_size},
@@ -251,6 +292,8 @@ def main(argv=None) -> int:
     first, last = history[0]["reward"], history[-1]["reward"]
     reached = next((h for h in history if h["reward"] >= 0.8), None)
     print(f"reward {first:.2f} -> {last:.2f} in {len(history)} steps, {history[-1]['elapsed_s']:.0f}s of training")
+    kl = [h["correction/kl_k3"] for h in history]
+    print(f"mismatch KL(rollout || trainer), k3 per token: mean {sum(kl) / len(kl):.2e}, max {max(kl):.2e}")
     evals = [h for h in history if "eval_reward" in h]
     if evals:
         e0, e1 = evals[0], evals[-1]

@@ -5,13 +5,19 @@ engines started from)::
 
     batch = client.generate(t)                         # B groups x n samples, from the fleet
     advantages = group_advantages(rewards)             # per group: (r - mean) / std
-    loss = clipped_pg_loss(logprobs, rollout_logprobs, advantages)
+    logprobs = response_logprobs(model, ...)           # the trainer's policy, version t
+    c = rollout_correction(logprobs.detach(), rollout_logprobs, mask, mode=config.correction, versions=...)
+    loss = pg_loss(logprobs, advantages, mask, c.weights)   # ppo_clip: clipped_pg_loss(logprobs, rollout_logprobs, ...)
     optimizer.step()
     client.update_weights(model.named_parameters(), t + 1, backend="gloo")   # or from disk
 
-With ``max_staleness`` 1 (the default) the fleet generates batch ``t + 1`` while the trainer is
-busy with batch ``t``, so a batch holds samples made on version ``t`` and on ``t - 1``; the
-importance ratio against the rollout logprobs corrects for the lag (and the clip bounds it).
+With ``max_staleness`` ETA the fleet generates ahead of the trainer: batch ``t`` holds samples made
+on versions ``t - ETA`` to ``t`` (with ETA 1, the default, the fleet generates batch ``t + 1`` while
+the trainer is busy with batch ``t``). The correction (``config.correction``) weights each token by its
+importance ratio ``pi_t / mu`` against the engine's logprob ``mu``, truncated or masked as the mode says
+(``coordinator.correction``), or, with ``ppo_clip`` (the default when ETA > 0), takes PPO's clipped
+surrogate with that ratio (``policy.clipped_pg_loss``); ``none`` treats the samples as on-policy. Every
+step logs the mismatch metrics (``correction/kl_k3`` ...), per staleness too.
 
 The logprob check: every sample records which weight version generated which span of its
 tokens. For the samples generated on a single version the trainer holds (the current one, and
@@ -36,8 +42,14 @@ from pathlib import Path
 
 import torch
 
+from coordinator.batch import token_spans
 from coordinator.client import RolloutClient
-from examples.grpo.policy import clipped_pg_loss, group_advantages, response_logprobs
+from coordinator.correction import MODES, rollout_correction
+from examples.grpo.policy import clipped_pg_loss, group_advantages, pg_loss, response_logprobs
+
+EXAMPLE_MODES = (*MODES, "ppo_clip")
+"""``--correction`` choices: ``coordinator.correction``'s modes, and ``ppo_clip`` (PPO's clipped surrogate against
+the engine's logprobs: ``policy.clipped_pg_loss``)."""
 
 
 @dataclass
@@ -45,8 +57,14 @@ class TrainConfig:
     steps: int = 150
     """Batches to train on (one optimizer step and one weight push each)."""
     lr: float = 1e-3
+    correction: str | None = None
+    """Off-policy correction (:data:`EXAMPLE_MODES`); None: ``ppo_clip`` when ``max_staleness`` > 0, else ``none``."""
+    correction_clip: float = 2.0
+    """``clip`` of ``token_tis``/``seq_tis``/``seq_mis``."""
     clip: float = 0.2
-    """PPO clip range of the importance ratio."""
+    """``ppo_clip``'s range: the ratio against the engine's logprobs is clipped to ``1 +- clip``."""
+    device: str = "cpu"
+    """Where the trainer's model runs: ``cpu``, ``cuda``, ``cuda:N``, or ``auto`` (CUDA when torch sees one)."""
     max_grad_norm: float = 1.0
     weights: str = "gloo"
     """How weights reach the engines: ``gloo`` (broadcast from this process) or ``disk`` (a checkpoint)."""
@@ -67,6 +85,20 @@ class TrainConfig:
     record: str = ""
     """A directory where every batch pulled is recorded (``RolloutClient(record=...)``), for ``coordinator replay``;
     "" for none."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: the first CUDA device when torch sees one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def correction_mode(config: TrainConfig) -> str:
+    mode = config.correction or ("ppo_clip" if config.max_staleness > 0 else "none")
+    if mode not in EXAMPLE_MODES:
+        raise ValueError(f"correction must be one of {', '.join(EXAMPLE_MODES)}; got {mode!r}")
+    return mode
 
 
 def sample_version(sample) -> int | None:
@@ -99,6 +131,8 @@ def train(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
+    correction_mode(config)  # a bad mode fails before the fleet is touched
+    model.to(resolve_device(config.device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
     history: list[dict] = []
     metrics_path = out / "metrics.jsonl"
@@ -172,23 +206,49 @@ def _evaluate(client, config: TrainConfig, step: int, log) -> dict:
 
 def _train_step(model, optimizer, batch, version: int, held: dict, config: TrainConfig) -> dict:
     samples = batch.samples
+    device = next(model.parameters()).device
     prompts = [s.prompt_tokens for s in samples]
     responses = [s.response_tokens for s in samples]
     rollout_lp, _ = _pad([s.response_logprobs for s in samples])
     rewards = [torch.tensor([s.reward for s in g.samples]) for g in batch.groups]
-    advantages = torch.cat([group_advantages(r[None, :])[0] for r in rewards])
+    advantages = torch.cat([group_advantages(r[None, :])[0] for r in rewards]).to(device)
 
     logprobs, mask = response_logprobs(model, prompts, responses)
     # Tokens the model did not generate (a tool's output: loss mask 0) are context, not actions.
     loss_mask, _ = _pad([s.loss_mask for s in samples])
-    mask = mask * loss_mask[:, : mask.shape[1]].float()
-    loss, stats = clipped_pg_loss(logprobs, rollout_lp.float(), advantages, mask, config.clip)
+    mask = mask * loss_mask[:, : mask.shape[1]].float().to(device)
+    rollout_lp = rollout_lp.to(device=device, dtype=logprobs.dtype)
+    mode = correction_mode(config)
+    correction = rollout_correction(  # with ppo_clip: "none", for the metrics
+        logprobs.detach(),
+        rollout_lp,
+        mask,
+        mode="none" if mode == "ppo_clip" else mode,
+        clip=config.correction_clip,
+        versions=_response_versions(samples, mask.shape[1]).to(device),
+        current_version=version,
+    )
+    stats = dict(correction.metrics)
+    if mode == "ppo_clip":
+        loss, clip_stats = clipped_pg_loss(logprobs, rollout_lp, advantages, mask, config.clip)
+        stats.update(clip_stats)
+    else:
+        loss = pg_loss(logprobs, advantages, mask, correction.weights)
     diff = _logprob_check(model, samples, logprobs.detach(), version, held)
     optimizer.zero_grad()
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
     optimizer.step()
     return {"loss": loss.item(), "grad_norm": grad_norm.item(), **stats, **diff}
+
+
+def _response_versions(samples, width: int) -> torch.Tensor:
+    """``[n, width]``: the weight version of each response token (``to_tensors()["versions"]``'s response part)."""
+    versions = torch.full((len(samples), width), -1, dtype=torch.long)
+    for row, s in enumerate(samples):
+        for version, start, end in token_spans(s):
+            versions[row, start:end] = version
+    return versions
 
 
 def _logprob_check(model, samples, current: torch.Tensor, version: int, held: dict) -> dict:
@@ -211,7 +271,7 @@ def _logprob_check(model, samples, current: torch.Tensor, version: int, held: di
         for k, i in enumerate(rows):
             engine = torch.tensor(samples[i].response_logprobs, dtype=torch.float64)
             generated = torch.tensor(samples[i].loss_mask, dtype=torch.bool)  # inserted tokens have no engine logprob
-            diffs.append((recomputed[k, : len(engine)].double() - engine).abs()[generated])
+            diffs.append((recomputed[k, : len(engine)].double().cpu() - engine).abs()[generated])
         checked[v] = len(rows)
     if not diffs:
         return {"train/rollout_logprob_abs_diff": math.nan, "logprob_diff_max": math.nan, "checked_versions": {}}
@@ -234,8 +294,8 @@ def _pad(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _push(client, model, version: int, config: TrainConfig, out: Path) -> None:
-    if config.weights == "gloo":
-        client.update_weights(model.named_parameters(), version, backend="gloo")
+    if config.weights == "gloo":  # gloo sends CPU tensors: a model on a GPU is copied out first
+        client.update_weights([(n, p.detach().cpu()) for n, p in model.named_parameters()], version, backend="gloo")
         return
     path = out / "checkpoints" / f"version-{version}"
     model.save_pretrained(path)
@@ -249,7 +309,8 @@ def format_row(row: dict) -> str:
     diff = row["train/rollout_logprob_abs_diff"]
     return (
         f"step {row['step']:4d}  reward {row['reward']:.3f}  len {row['response_len']:5.1f}  "
-        f"staleness {row['staleness_mean']:.2f}  logprob_diff {diff:.1e}  loss {row['loss']:+.4f}  "
+        f"staleness {row['staleness_mean']:.2f}  logprob_diff {diff:.1e}  kl {row['correction/kl_k3']:.1e}  "
+        f"w {row['correction/weight_mean']:.3f}  loss {row['loss']:+.4f}  "
         f"gen {row['generate_s']:.2f}s train {row['train_s']:.2f}s push {row['push_s']:.2f}s  "
         f"[{row['elapsed_s']:.0f}s]"
     )

@@ -10,6 +10,11 @@ TRL (from the registry) trains that model in this process on CPU for a few steps
   but the first), and at every step the logprobs TRL's current model gives the fleet's tokens equal
   the engine's (< 1e-3; ~1e-7 measured), which a push that did not land would break (~0.1-3);
 - the reward moves: TRL's logged reward (the fleet's) rises over the run.
+
+A second run allows the fleet two pushes of lag (``--max-staleness 2``) with
+``FleetRollouts(correction="token_tis")``: batches arrive stale (one version behind here, the
+coordinator prefetching one batch), the correction's weights differ from 1 there, its metrics
+reach TRL's log at every step, and the reward still rises.
 """
 
 from __future__ import annotations
@@ -35,16 +40,17 @@ def _logprob_diff(model, out: dict, i: int) -> float:
     return (mine - torch.tensor(out["logprobs"][i])).abs().max().item()
 
 
-def test_trl_grpo_trains_on_fleet_rollouts_and_pushes_weights(make_cluster, tmp_path, one_thread, warm_models):  # noqa: F811
+def run_trl(make_cluster, tmp_path, warm, *, steps: int, max_staleness: int, correction: str = "none"):
+    """TRL trains the warmed-up model ``steps`` steps on a fleet: ``(trainer, fleet, seen, diffs, stats, version)``."""
     from trl import GRPOConfig, GRPOTrainer
 
     from agent.hf.model import load_model
     from coordinator.integrations.trl import FleetRollouts
 
-    cluster, _ = start_fleet(make_cluster, tmp_path, warm_models, max_staleness=0)
-    model, tokenizer = load_model(warm_models("add"))
+    cluster, _ = start_fleet(make_cluster, tmp_path, warm, max_staleness=max_staleness)
+    model, tokenizer = load_model(warm("add"))
 
-    fleet = FleetRollouts(cluster.address, weights="gloo", timeout=120)
+    fleet = FleetRollouts(cluster.address, weights="gloo", correction=correction, timeout=120)
     seen: list[list[int]] = []
     diffs: list[float] = []
     rollout = fleet.rollout_func
@@ -58,7 +64,7 @@ def test_trl_grpo_trains_on_fleet_rollouts_and_pushes_weights(make_cluster, tmp_
     args = GRPOConfig(
         output_dir=str(tmp_path / "trl"),
         use_cpu=True,
-        max_steps=STEPS,
+        max_steps=steps,
         learning_rate=3e-4,  # the GRPO example's; 1e-3 overshoots on this model
         lr_scheduler_type="constant",
         beta=0.0,
@@ -85,7 +91,13 @@ def test_trl_grpo_trains_on_fleet_rollouts_and_pushes_weights(make_cluster, tmp_
         version = fleet.client.weight_version()
     finally:
         fleet.close()
+    return trainer, fleet, seen, diffs, stats, version
 
+
+def test_trl_grpo_trains_on_fleet_rollouts_and_pushes_weights(make_cluster, tmp_path, one_thread, warm_models):  # noqa: F811
+    trainer, fleet, seen, diffs, stats, version = run_trl(
+        make_cluster, tmp_path, warm_models, steps=STEPS, max_staleness=0
+    )
     rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
     assert len(rewards) == STEPS and len(seen) == STEPS
     assert fleet.rollout_id == STEPS
@@ -93,6 +105,38 @@ def test_trl_grpo_trains_on_fleet_rollouts_and_pushes_weights(make_cluster, tmp_
     # The trainer's current model scores the fleet's tokens as the engine did: each push reached it.
     assert max(diffs) < 1e-3, diffs
     assert version == STEPS - 1  # a push before each step after the first
+    assert not any(k.startswith("correction/") for r in trainer.state.log_history for k in r)  # "none": untouched
     start, end = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert end >= start + 0.05, f"reward did not rise: {rewards}"
     print("rewards", [round(r, 3) for r in rewards], "max logprob diff", max(diffs))
+
+
+STALE_STEPS = 16
+
+
+def test_trl_with_stale_batches_applies_the_fleets_correction(make_cluster, tmp_path, one_thread, warm_models):  # noqa: F811
+    trainer, fleet, seen, diffs, stats, version = run_trl(
+        make_cluster, tmp_path, warm_models, steps=STALE_STEPS, max_staleness=2, correction="token_tis"
+    )
+    logs = [r for r in trainer.state.log_history if "reward" in r]
+    assert len(logs) == STALE_STEPS and version == STALE_STEPS - 1
+    keys = ("correction/kl_k3", "correction/weight_mean", "correction/ratio_max", "rollfleet/staleness_mean")
+    assert all(k in r for r in logs for k in keys), logs[-1]  # the metrics reach TRL's log at every step
+    stale = [r for r in logs if r["rollfleet/staleness_mean"] > 0]
+    assert stale, "no batch was stale: the fleet never generated ahead"
+    # Stale batches: the model TRL trains is not the one that generated them, so the ratios and weights leave 1.
+    assert all(r["correction/kl_k3"] > 1e-4 for r in stale), [r["correction/kl_k3"] for r in stale]
+    assert any(abs(r["correction/weight_mean"] - 1) > 1e-3 for r in stale)
+    last = fleet.last_correction
+    counted = last.mask > 0
+    assert not torch.allclose(last.weights[counted], torch.ones_like(last.weights[counted]))
+    assert max(diffs) > 1e-3  # the engine's logprobs are another policy's: why a correction is needed
+    rewards = [r["reward"] for r in logs]
+    start, end = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert end >= start + 0.05, f"reward did not rise: {rewards}"
+    print(
+        "rewards", [round(r, 3) for r in rewards],
+        "staleness", [r["rollfleet/staleness_mean"] for r in logs],
+        "kl_k3", [f"{r['correction/kl_k3']:.1e}" for r in logs],
+        "weight_mean", [round(r["correction/weight_mean"], 4) for r in logs],
+    )  # fmt: skip

@@ -183,3 +183,42 @@ def test_a_new_trainer_replaces_one_that_left_an_update_in_flight(make_cluster):
     assert cluster.engine_pids_of("a1") == pids
     first.close()
     second.close()
+
+
+def test_to_tensors_versions_follow_the_spans_of_partial_rollouts(make_cluster, tmp_path):
+    """Samples caught by a disk update mid-generation continue on the new weights (``--partial-rollout``) with two
+    spans; ``to_tensors()["versions"]`` gives every response token the version of the span that covers it, -1 on
+    prompt and padding, and ``staleness`` is the current version minus it. Turns red if the versions are taken
+    from the sample's last version only (the two-span rows would read all 1)."""
+    torch = pytest.importorskip("torch")
+    cluster = make_cluster(rollout_batch_size=4, n_samples_per_prompt=2, max_new_tokens=60)
+    cluster.start_coordinator()
+    slow = "--token-latency-ms 15 --output-len-dist fixed --output-len-median 60"  # ~1 s a sample
+    cluster.start_agent("a1", engines=1, sim_args=slow)
+    with cluster.client(expect={"partial_rollout": True}) as client:
+        client.generate(0)
+        wait_for(lambda: running(cluster) > 0, 60, "samples running on the engine")
+        ckpt = tmp_path / "ckpt1"
+        ckpt.mkdir()
+        client.update_weights_from_disk(str(ckpt), 1)
+        caught = []
+        for rollout_id in range(1, 4):
+            batch = client.generate(rollout_id)
+            check_spans(batch)
+            caught += [s for s in batch.samples if len(s.weight_versions) == 2]
+            if caught:
+                break
+        assert caught, "no sample was caught mid-generation by the update"
+        t = batch.to_tensors(current_version=1)
+        for row, s in enumerate(batch.samples):
+            lp, lr = len(s.prompt_tokens), len(s.response_tokens)
+            expected = [-1] * lp + [None] * lr + [-1] * (t["tokens"].shape[1] - lp - lr)
+            for label, start, end in s.weight_versions:
+                for i in range(start, end):
+                    expected[lp + i] = _version(label)
+            assert t["versions"][row].tolist() == expected, s.weight_versions
+        two = [row for row, s in enumerate(batch.samples) if len(s.weight_versions) == 2]
+        assert two and all(set(t["versions"][row].tolist()) == {-1, 0, 1} for row in two)
+        staleness = t["staleness"]
+        known = t["versions"] >= 0
+        assert torch.equal(staleness[known], 1 - t["versions"][known]) and (staleness[~known] == -1).all()

@@ -38,3 +38,20 @@ def test_a_field_assigned_a_list_after_construction_still_encodes_and_pads():
     back = Group.from_wire(Group(index=0, samples=[s]).to_wire()).samples[0]
     assert back.loss_mask.tolist() == [1, 0]
     assert RolloutBatch(0, [Group(index=0, samples=[s])]).to_tensors()["loss_mask"].tolist() == [[0, 0, 1, 0]]
+
+
+def test_versions_follow_each_samples_spans_and_staleness_is_measured_from_the_current_version():
+    two = Sample([1, 2], [3, 4, 5, 6], [-0.1] * 4, [1, 1, 1, 1], 1.0, "completed", "5", weight_versions=[
+        ["default", 0, 1], ["5", 1, 4]])  # fmt: skip  # a partial rollout continued on version 5
+    one = Sample([1, 2, 3], [7, 8], [-0.2] * 2, [1, 1], 0.0, "completed", "4")  # no spans: all its weight_version
+    odd = Sample([1], [9, 9, 9], [-0.3] * 3, [1, 0, 1], 0.0, "completed", "v2", weight_versions=[["3", 0, 1],
+        ["v2", 2, 3]])  # fmt: skip  # token 1 uncovered (a tool's), token 2 an unparseable label
+    t = RolloutBatch(0, [Group(index=0, samples=[two, one, odd])]).to_tensors()
+    assert t["versions"].tolist() == [
+        [-1, -1, 0, 5, 5, 5],
+        [-1, -1, -1, 4, 4, -1],
+        [-1, 3, -1, -1, -1, -1],
+    ]
+    assert "staleness" not in t
+    s = RolloutBatch(0, [Group(index=0, samples=[two, one, odd])]).to_tensors(current_version=6)["staleness"]
+    assert s.tolist() == [[-1, -1, 6, 1, 1, 1], [-1, -1, -1, 2, 2, -1], [-1, 3, -1, -1, -1, -1]]
