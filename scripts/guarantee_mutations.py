@@ -1,5 +1,6 @@
 """The deliberate bugs ``scripts/check_guarantees.py`` plants, one per row: each breaks one
-guarantee of the README's table, and the named test must fail with it in place.
+guarantee of the README's table (or, under "metrics", a per-batch metric the trainer logs), and the
+named test must fail with it in place.
 
 A mutation replaces ``old`` (which must occur exactly once in ``path``) by ``new``. When the code
 moves, a mutation stops applying and the check reports it STALE: update the snippet, keeping the
@@ -23,6 +24,7 @@ class Mutation:
 
 
 G = "tests/cluster/test_guarantees.py::"
+M = "tests/cluster/test_batch_metrics.py::"
 
 MUTATIONS = [
     Mutation(
@@ -237,5 +239,32 @@ MUTATIONS = [
         "                self.passes[name] = EvalPass(spec, rec, mine)\n",
         "                self.passes[name] = EvalPass(spec, rec, {})\n",
         "tests/cluster/test_evaluation.py::test_evaluation_resumes_after_coordinator_sigkill_counting_each_prompt_once",
+    ),
+    Mutation(
+        "metrics",
+        "truncated-ratio-per-group",
+        "rollout/truncated_ratio divided by the batch's groups instead of its samples",
+        "common/metrics.py",
+        '    m["rollout/truncated_ratio"] = total("truncated") / samples if samples else 0.0\n',
+        '    m["rollout/truncated_ratio"] = total("truncated") / n if n else 0.0\n',
+        M + "test_every_batch_metric_equals_what_its_samples_give",
+    ),
+    Mutation(
+        "metrics",
+        "prompt-tokens-once-per-group",
+        "rollout/prompt_tokens counts a group's prompt once, not once per sample",
+        "agent/lease_runner.py",
+        '            "prompt_tokens": len(input_ids) * len(samples),\n',
+        '            "prompt_tokens": len(input_ids),\n',
+        M + "test_every_batch_metric_equals_what_its_samples_give",
+    ),
+    Mutation(
+        "metrics",
+        "staleness-one-short",
+        "rollout/staleness_* count one weight update fewer than a group lags",
+        "coordinator/staleness.py",
+        "        ages = [max(0, t - s) for s in starts]\n",
+        "        ages = [max(0, t - s - 1) for s in starts]\n",
+        M + "test_every_batch_metric_equals_what_its_samples_give",
     ),
 ]
