@@ -107,7 +107,9 @@ class OverSampling:
         def reachable(lease_id: int) -> bool:
             lease = leases[lease_id]
             rec = agents.get(lease.agent_id)
-            return not lease.eval and rec is not None and rec.status == ALIVE and rec.session != 0
+            return (
+                core.admission.source_of(lease).bounded and rec is not None and rec.status == ALIVE and rec.session != 0
+            )
 
         chosen = select_stops(filter(reachable, leases), self.stopping, excess)
         by_agent: dict[str, list[int]] = {}
