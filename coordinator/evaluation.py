@@ -6,7 +6,8 @@ runs one pass over it and is answered with its metrics (``eval_metrics``). Pure:
 effects out, like the rest of the core.
 
 How a pass runs:
-- Its prompts are leased like training prompts, to agents with free capacity, before any
+- Its prompts are a prompt source of the lease book (``EvalSource``, ``coordinator/sources.py``),
+  leased through the same grant loop as training prompts, to agents with free capacity, before any
   training prompt (the trainer waits on it). An evaluation lease has data epoch ``EVAL_EPOCH``
   (-1), which no training epoch has: nothing an agent says about it can touch the training
   frontier, and an agent that re-registers with one in flight has it cancelled (its prompt is

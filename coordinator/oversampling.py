@@ -96,7 +96,7 @@ class OverSampling:
             return []
         core = self.core
         leases = core.admission.leases
-        self.stopping &= leases.keys()  # ended meanwhile (receipt, filtered, released, expired)
+        self.stopping &= leases.keys()  # ended meanwhile (receipt, filtered, released, failed, lost, expired)
         # Training leases only: an evaluation pass is never stopped and is outside the training bound.
         outstanding = core.admission.training_leases - len(self.stopping) + len(core.batches.ready_info)
         excess = outstanding - core.batches.demand(core.trainer.prefetch)
