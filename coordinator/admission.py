@@ -114,6 +114,11 @@ class Admission:
         return (self.core.membership.generation << 32) | self._lease_counter
 
     @property
+    def lease_hwm(self) -> int:
+        """The highest lease id granted so far (``next_lease_id``'s last)."""
+        return (self.core.membership.generation << 32) | self._lease_counter
+
+    @property
     def training_leases(self) -> int:
         """Leases of bounded sources in flight (the training bound; evaluation leases are not in it)."""
         return sum(n for key, n in self.in_flight.items() if self.sources[key].bounded)
@@ -309,22 +314,23 @@ class Admission:
         welcome = dataclasses.replace(rec.welcome, config=config, paused=self.core.trainer.paused)
         return [Send(rec.agent_id, welcome)]
 
-    def _agent(self, peer: bytes, session: int, now: float) -> AgentRecord | None:
+    def session_agent(self, peer: bytes, session: int, now: float) -> AgentRecord | None:
+        """The agent of a current ``session`` (its last-seen time and peer noted), or None: then ``fence``."""
         rec = self.core.membership.by_session(session)
         if rec is not None:
             rec.last_seen = now
             rec.peer = peer
         return rec
 
-    def _fence(self, peer: bytes, msg: p.Message) -> list:
+    def fence(self, peer: bytes, msg: p.Message) -> list:
         """Refuse a message of a dead or superseded session: it changes nothing, the sender must register."""
         self.fenced[msg.TYPE] = self.fenced.get(msg.TYPE, 0) + 1
         return [Send(peer, p.Fence(f"session {msg.session} is not current; register again"))]
 
     def on_heartbeat(self, peer: bytes, msg: p.Heartbeat, now: float) -> list:
-        rec = self._agent(peer, msg.session, now)
+        rec = self.session_agent(peer, msg.session, now)
         if rec is None:
-            return self._fence(peer, msg)
+            return self.fence(peer, msg)
         engines = msg.stats.get("engines")
         if isinstance(engines, list):  # states, tp and weight versions (docs/weights.md: the update group)
             rec.engines = [e for e in engines if isinstance(e, dict)]
@@ -374,9 +380,9 @@ class Admission:
         return True, ""
 
     def on_receipt(self, peer: bytes, msg: p.Receipt, now: float) -> list:
-        rec = self._agent(peer, msg.session, now)
+        rec = self.session_agent(peer, msg.session, now)
         if rec is None:
-            return self._fence(peer, msg)
+            return self.fence(peer, msg)
         ops: list = []
         accepted, reason = self._accept(rec, msg.lease, msg.data_epoch, msg.index, msg.key, msg.stats, ops)
         self._count_receipt(accepted)
@@ -393,9 +399,9 @@ class Admission:
             self.core.counters.receipts_refused += 1
 
     def on_filtered(self, peer: bytes, msg: p.Filtered, now: float) -> list:
-        rec = self._agent(peer, msg.session, now)
+        rec = self.session_agent(peer, msg.session, now)
         if rec is None:
-            return self._fence(peer, msg)
+            return self.fence(peer, msg)
         self.starvation.ok()  # a filter verdict: reward and filter ran
         lease = self.leases.get(msg.lease)
         if lease is None or lease.agent_id != rec.agent_id:
@@ -406,9 +412,9 @@ class Admission:
         return self.source_of(lease).filtered(lease, rec.agent_id, msg.reason) + self.core.pump(now)
 
     def on_eval_result(self, peer: bytes, msg: p.EvalResult, now: float) -> list:
-        rec = self._agent(peer, msg.session, now)
+        rec = self.session_agent(peer, msg.session, now)
         if rec is None:
-            return self._fence(peer, msg)
+            return self.fence(peer, msg)
         lease = self.leases.get(msg.lease)
         if lease is not None and lease.agent_id == rec.agent_id:
             self.end_lease(msg.lease)
@@ -430,9 +436,9 @@ class Admission:
         return [core.persist([PutPrompt(*prompt, PromptState(FILTERED, agent_id, reason=reason))], [])]
 
     def on_release(self, peer: bytes, msg: p.Release, now: float) -> list:
-        rec = self._agent(peer, msg.session, now)
+        rec = self.session_agent(peer, msg.session, now)
         if rec is None:
-            return self._fence(peer, msg)
+            return self.fence(peer, msg)
         failure = p.parse_failure(msg.reason)
         out: list = []
         for lease_id in msg.leases:
@@ -493,9 +499,9 @@ class Admission:
         return max(0, samples) // self.core.config.n_samples_per_prompt
 
     def on_capacity(self, peer: bytes, msg: p.Capacity, now: float) -> list:
-        rec = self._agent(peer, msg.session, now)
+        rec = self.session_agent(peer, msg.session, now)
         if rec is None:
-            return self._fence(peer, msg)
+            return self.fence(peer, msg)
         rec.engines = [e for e in msg.engines if isinstance(e, dict)]
         rec.capacity = self._capacity(msg.capacity, rec.engines)
         self.core.membership.note_room(rec)
