@@ -276,7 +276,8 @@ class ReceiptAck(Message):
 
 @message
 class Control(Message):
-    """coordinator -> agent: ``pause`` (``abort`` in-flight work or let it finish), ``resume`` or ``stop``."""
+    """coordinator -> agent: ``pause`` (``abort`` in-flight work or let it finish) or ``resume``. Over-sampled
+    leases are stopped by their own message, ``Stop``."""
 
     TYPE = "control"
     action: str

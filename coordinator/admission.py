@@ -56,6 +56,7 @@ from coordinator.effects import Send
 from coordinator.frontier import DELIVERED, FILTERED, LEASED, PENDING, READY
 from coordinator.membership import AgentRecord
 from coordinator.records import DropPrompt, Lease, Prompt, PromptState, PutPrompt
+from coordinator.sources import TRAIN, PromptSource, TrainingSource
 from coordinator.starvation import Starvation
 
 if TYPE_CHECKING:
@@ -67,15 +68,20 @@ MAX_FAILURES = 3
 
 
 class Admission:
-    """Leases in flight and the agents' messages that start and end them."""
+    """The lease book: leases in flight from every prompt source (``coordinator/sources.py``), the one
+    grant loop, and the agents' messages that start and end leases."""
 
     def __init__(self, core: CoordinatorCore, now: float):
         self.core = core
         self.leases: dict[int, Lease] = {}
-        self.leased_by: dict[Prompt, int] = {}  # training prompts only
+        self.leased_by: dict[tuple[str, int, int], int] = {}  # (source, data_epoch, index) -> lease
         self.held: dict[int, Lease] = {}
-        """Training leases of agents presumed dead, kept for them (oldest first); not in ``leases``."""
-        self.eval_leases = 0  # leases in ``leases`` of evaluation prompts (coordinator/evaluation.py)
+        """Bounded leases of agents presumed dead, kept for them (oldest first); not in ``leases``."""
+        self.sources: dict[str, PromptSource] = {}
+        """Every prompt source by key; a lease's ``source`` names one."""
+        self.in_flight: dict[str, int] = {}
+        """Leases in ``leases`` by source."""
+        self.training = self.add_source(TrainingSource(self))
         self._lease_counter = 0
         self.failures: dict[Prompt, int] = {}  # prompts whose generation failed, by count
         self.filtered_total = 0
@@ -85,14 +91,22 @@ class Admission:
 
     # ------------------------------------------------------------------ leases
 
+    def add_source(self, source: PromptSource) -> PromptSource:
+        if source.key in self.sources:
+            raise ValueError(f"two prompt sources named {source.key!r}")
+        self.sources[source.key] = source
+        self.in_flight[source.key] = 0
+        return source
+
+    def source_of(self, lease: Lease) -> PromptSource:
+        return self.sources[lease.source]
+
     def hold(self, lease: Lease, rec: AgentRecord) -> None:
         self.leases[lease.lease_id] = lease
         rec.leases.add(lease.lease_id)
         rec.max_granted = max(rec.max_granted, lease.lease_id)
-        if lease.eval:
-            self.eval_leases += 1
-        else:
-            self.leased_by[lease.prompt] = lease.lease_id
+        self.in_flight[lease.source] += 1
+        self.leased_by[(lease.source, *lease.prompt)] = lease.lease_id
 
     def next_lease_id(self) -> int:
         """A lease id no earlier start used: ``generation << 32 | n``."""
@@ -100,25 +114,31 @@ class Admission:
         return (self.core.membership.generation << 32) | self._lease_counter
 
     @property
+    def lease_hwm(self) -> int:
+        """The highest lease id granted so far (``next_lease_id``'s last)."""
+        return (self.core.membership.generation << 32) | self._lease_counter
+
+    @property
     def training_leases(self) -> int:
-        """Leases of training prompts in flight (evaluation leases are not in the training bound)."""
-        return len(self.leases) - self.eval_leases
+        """Leases of bounded sources in flight (the training bound; evaluation leases are not in it)."""
+        return sum(n for key, n in self.in_flight.items() if self.sources[key].bounded)
+
+    def bounded_leases(self):
+        """The leases in flight whose source is bounded (staleness and over-sampling see only these)."""
+        return (lease for lease in self.leases.values() if self.sources[lease.source].bounded)
 
     def give_back(self, lease: Lease) -> None:
-        """An ended lease's prompt is pending again, first in line: training or evaluation."""
-        if lease.eval:
-            self.core.evaluations.release(lease)
-        else:
-            self.core.frontier.release(lease.data_epoch, lease.index)
+        """An ended lease's prompt is pending again in its source, first in line."""
+        self.source_of(lease).give_back(lease)
 
     def end_lease(self, lease_id: int) -> Lease | None:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return None
-        if lease.eval:
-            self.eval_leases -= 1
-        elif self.leased_by.get(lease.prompt) == lease_id:
-            del self.leased_by[lease.prompt]
+        self.in_flight[lease.source] -= 1
+        key = (lease.source, *lease.prompt)
+        if self.leased_by.get(key) == lease_id:
+            del self.leased_by[key]
         rec = self.core.membership.agents.get(lease.agent_id)
         if rec is not None:
             rec.leases.discard(lease_id)
@@ -142,7 +162,7 @@ class Admission:
             lease = self.end_lease(lease_id)
             if lease is None:
                 continue
-            if keep and not lease.eval:
+            if keep and self.source_of(lease).bounded:
                 self.held[lease_id] = lease
             else:
                 self.give_back(lease)
@@ -157,7 +177,7 @@ class Admission:
         self.core.counters.lease_ended("held_released", len(gone))
         return len(gone)
 
-    def _take_held(self) -> tuple[int, int] | None:
+    def take_held(self) -> tuple[int, int] | None:
         """Nothing else of the open epochs is pending: the oldest held prompt goes to a live agent
         (it stays LEASED; a receipt of the silent agent for it is then refused as a duplicate)."""
         if not self.held:
@@ -166,34 +186,28 @@ class Admission:
         self.core.counters.lease_ended("held_reassigned")
         return lease.prompt
 
-    def grant(self, budget: int, rollout_id: int, now: float) -> list[Send]:
-        """Lease up to ``budget`` pending prompts to agents with free capacity: one Grant per agent."""
-        membership, frontier = self.core.membership, self.core.frontier
+    def grant(self, source: PromptSource, budget: int, rollout_id: int, now: float) -> list[Send]:
+        """Lease up to ``budget`` prompts of ``source`` to agents with free capacity: one Grant per agent.
+        The one grant loop, for every source."""
+        membership = self.core.membership
         granted: list[Send] = []
-        split = membership.distribute(budget)
-        for agent_id, n in split.items():
+        for agent_id, n in membership.distribute(budget).items():
             rec = membership.agents[agent_id]
             leases = []
             for _ in range(n):
-                # A prompt held for a silent agent goes to another only once the open epochs have
-                # nothing else pending, before a new epoch opens.
-                taken = frontier.take(now, open_new=not self.held) or self._take_held() or frontier.take(now)
+                taken = source.take(now)
                 if taken is None:
                     break
-                lease = Lease(self.next_lease_id(), agent_id, *taken, rollout_id, self.core.weights.log.updates)
-                self.hold(lease, rec)
-                leases.append(
-                    {
-                        "lease": lease.lease_id,
-                        "data_epoch": lease.data_epoch,
-                        "index": lease.index,
-                        "rollout_id": rollout_id,
-                    }
+                lease = Lease(
+                    self.next_lease_id(), agent_id, *taken, rollout_id, self.core.weights.log.updates, source.key
                 )
+                self.hold(lease, rec)
+                entry = {"lease": lease.lease_id, "data_epoch": lease.data_epoch, "index": lease.index}
+                leases.append({**entry, "rollout_id": rollout_id, **source.grant_fields(lease)})
             if leases:
                 self.core.counters.leases_granted += len(leases)
-                granted.append(Send(agent_id, p.Grant(rec.session, leases), with_rows=not rec.local_dataset))
-            membership.note_room(rec)  # the frontier ran out before its share: it still has room
+                granted.append(Send(agent_id, p.Grant(rec.session, leases), with_rows=source.with_rows(rec)))
+            membership.note_room(rec)  # the source ran out before its share: it still has room
         return granted
 
     # ------------------------------------------------------------------ agent messages
@@ -300,22 +314,23 @@ class Admission:
         welcome = dataclasses.replace(rec.welcome, config=config, paused=self.core.trainer.paused)
         return [Send(rec.agent_id, welcome)]
 
-    def _agent(self, peer: bytes, session: int, now: float) -> AgentRecord | None:
+    def session_agent(self, peer: bytes, session: int, now: float) -> AgentRecord | None:
+        """The agent of a current ``session`` (its last-seen time and peer noted), or None: then ``fence``."""
         rec = self.core.membership.by_session(session)
         if rec is not None:
             rec.last_seen = now
             rec.peer = peer
         return rec
 
-    def _fence(self, peer: bytes, msg: p.Message) -> list:
+    def fence(self, peer: bytes, msg: p.Message) -> list:
         """Refuse a message of a dead or superseded session: it changes nothing, the sender must register."""
         self.fenced[msg.TYPE] = self.fenced.get(msg.TYPE, 0) + 1
         return [Send(peer, p.Fence(f"session {msg.session} is not current; register again"))]
 
     def on_heartbeat(self, peer: bytes, msg: p.Heartbeat, now: float) -> list:
-        rec = self._agent(peer, msg.session, now)
+        rec = self.session_agent(peer, msg.session, now)
         if rec is None:
-            return self._fence(peer, msg)
+            return self.fence(peer, msg)
         engines = msg.stats.get("engines")
         if isinstance(engines, list):  # states, tp and weight versions (docs/weights.md: the update group)
             rec.engines = [e for e in engines if isinstance(e, dict)]
@@ -341,8 +356,7 @@ class Admission:
         elif lease is not None and lease.agent_id == rec.agent_id:
             self.end_lease(lease_id)
             self.core.counters.lease_ended("receipt")
-            if lease.eval:  # a receipt for an evaluation lease (a broken agent): refused below, prompt pending
-                self.give_back(lease)
+            self.source_of(lease).committed(lease)
         if isinstance(epoch, int) and frontier.is_closed(epoch):
             return False, "duplicate: its data epoch is complete"
         if not frontier.valid(epoch, index):
@@ -357,7 +371,7 @@ class Admission:
             return False, "duplicate: prompt already accepted from another group"
         if state == FILTERED:
             return False, "duplicate: prompt already filtered"
-        other = self.leased_by.get((epoch, index))
+        other = self.leased_by.get((TRAIN, epoch, index))
         if other is not None:
             self.end_lease(other)
         frontier.set(epoch, index, READY)
@@ -366,9 +380,9 @@ class Admission:
         return True, ""
 
     def on_receipt(self, peer: bytes, msg: p.Receipt, now: float) -> list:
-        rec = self._agent(peer, msg.session, now)
+        rec = self.session_agent(peer, msg.session, now)
         if rec is None:
-            return self._fence(peer, msg)
+            return self.fence(peer, msg)
         ops: list = []
         accepted, reason = self._accept(rec, msg.lease, msg.data_epoch, msg.index, msg.key, msg.stats, ops)
         self._count_receipt(accepted)
@@ -385,39 +399,32 @@ class Admission:
             self.core.counters.receipts_refused += 1
 
     def on_filtered(self, peer: bytes, msg: p.Filtered, now: float) -> list:
-        rec = self._agent(peer, msg.session, now)
+        rec = self.session_agent(peer, msg.session, now)
         if rec is None:
-            return self._fence(peer, msg)
+            return self.fence(peer, msg)
         self.starvation.ok()  # a filter verdict: reward and filter ran
         lease = self.leases.get(msg.lease)
         if lease is None or lease.agent_id != rec.agent_id:
             return self.core.pump(now)  # lease was reissued; the successor accounts for the prompt
         self.end_lease(msg.lease)
         self.core.counters.lease_ended("filtered")
-        if lease.eval:  # evaluation groups are not filtered (a broken agent): generated again
-            self.give_back(lease)
-            return self.core.pump(now)
         # The lease's prompt, whatever the message claims.
-        out = self._filter(lease.prompt, rec.agent_id, msg.reason)
-        if out:
-            self.starvation.dropped(msg.reason)  # a streak of them starves the rollout (coordinator/starvation.py)
-        return out + self.core.pump(now)
+        return self.source_of(lease).filtered(lease, rec.agent_id, msg.reason) + self.core.pump(now)
 
     def on_eval_result(self, peer: bytes, msg: p.EvalResult, now: float) -> list:
-        rec = self._agent(peer, msg.session, now)
+        rec = self.session_agent(peer, msg.session, now)
         if rec is None:
-            return self._fence(peer, msg)
+            return self.fence(peer, msg)
         lease = self.leases.get(msg.lease)
-        if lease is not None and lease.agent_id == rec.agent_id and lease.eval:
+        if lease is not None and lease.agent_id == rec.agent_id:
             self.end_lease(msg.lease)
             self.core.counters.lease_ended("evaluated")
-            if (lease.eval, lease.index) != (msg.name, msg.index):  # the lease's prompt, whatever the message says
-                self.give_back(lease)
-                return self.core.pump(now)
+            return self.source_of(lease).result(lease, msg) + self.core.pump(now)
         # A result for a lease this coordinator does not know (granted before a restart) still counts, once.
         return self.core.evaluations.on_result(msg) + self.core.pump(now)
 
-    def _filter(self, prompt: Prompt, agent_id: str, reason: str) -> list:
+    def filter_prompt(self, prompt: Prompt, agent_id: str, reason: str) -> list:
+        """The training prompt ``prompt`` is filtered (``reason``), unless it is accounted for already."""
         core = self.core
         if core.frontier.state_of(*prompt) not in (PENDING, LEASED):
             return []
@@ -429,9 +436,9 @@ class Admission:
         return [core.persist([PutPrompt(*prompt, PromptState(FILTERED, agent_id, reason=reason))], [])]
 
     def on_release(self, peer: bytes, msg: p.Release, now: float) -> list:
-        rec = self._agent(peer, msg.session, now)
+        rec = self.session_agent(peer, msg.session, now)
         if rec is None:
-            return self._fence(peer, msg)
+            return self.fence(peer, msg)
         failure = p.parse_failure(msg.reason)
         out: list = []
         for lease_id in msg.leases:
@@ -444,13 +451,11 @@ class Admission:
                     self.core.counters.lease_ended("released" if failure is None else "failed")
                 if failure is None:
                     self.give_back(lease)
-                elif lease.eval:
-                    out += self.core.evaluations.failed(lease, *failure)
                 else:
-                    out += self._failed(lease.prompt, rec.agent_id, *failure)
+                    out += self.source_of(lease).failed(lease, rec.agent_id, *failure)
         return out + self.core.pump(now)
 
-    def _failed(self, prompt: Prompt, agent_id: str, kind: str, detail: str) -> list:
+    def prompt_failed(self, prompt: Prompt, agent_id: str, kind: str, detail: str) -> list:
         """A group of ``prompt`` failed (``kind``: reward_error, filter_error, generation_failed)."""
         starvation, frontier = self.starvation, self.core.frontier
         if starvation.starved:
@@ -461,7 +466,7 @@ class Admission:
         out: list = []
         self.failures[prompt] = self.failures.get(prompt, 0) + 1
         if self.failures[prompt] >= MAX_FAILURES:
-            out += self._filter(prompt, agent_id, kind)
+            out += self.filter_prompt(prompt, agent_id, kind)
             starvation.filtered(prompt, kind)
         else:
             frontier.release(*prompt)
@@ -494,9 +499,9 @@ class Admission:
         return max(0, samples) // self.core.config.n_samples_per_prompt
 
     def on_capacity(self, peer: bytes, msg: p.Capacity, now: float) -> list:
-        rec = self._agent(peer, msg.session, now)
+        rec = self.session_agent(peer, msg.session, now)
         if rec is None:
-            return self._fence(peer, msg)
+            return self.fence(peer, msg)
         rec.engines = [e for e in msg.engines if isinstance(e, dict)]
         rec.capacity = self._capacity(msg.capacity, rec.engines)
         self.core.membership.note_room(rec)

@@ -358,7 +358,7 @@ class Batches:
             n = min(size, len(self.ready_info))
             if n < size and not (n and deadline_due(self.pending[0], self.core.now)):
                 break
-            leased = (lease.start for lease in self.core.admission.leases.values() if not lease.eval)
+            leased = (lease.start for lease in self.core.admission.bounded_leases())
             ready = (st.start for st in self.ready_info.values())
             if self.core.staleness.holds_batch(self.pending[0].rollout_id, leased, ready):
                 break  # leases in flight need this batch's places (staleness rule 2)

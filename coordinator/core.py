@@ -240,7 +240,7 @@ class CoordinatorCore:
             budget = min(budget, allowed)
         if budget <= 0:
             return out
-        granted = self.admission.grant(budget, self.batches.current_rollout_id, now)
+        granted = self.admission.grant(self.admission.training, budget, self.batches.current_rollout_id, now)
         if granted:
             # Write-ahead: the cursor covering these leases is durable before they leave.
             out.append(self.persist([], granted))

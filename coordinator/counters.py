@@ -75,7 +75,7 @@ class CoreCounters:
         ``--max-staleness``; its other leases are held for it), held_released (held for a silent
         agent that was then retired or came back without it), held_reassigned (held, and given to
         another agent because nothing else was pending), reregistered (the agent no longer held it),
-        stopped (over-sampled, given back after a Stop)."""
+        stopped (over-sampled, given back after a Stop), evaluated (an evaluation prompt's result came)."""
         self.drops: dict[str, int] = {}
         """Groups filtered (dynamic filter verdicts and prompts given up after repeated failures), by reason."""
         self.batches = 0

@@ -6,7 +6,8 @@ runs one pass over it and is answered with its metrics (``eval_metrics``). Pure:
 effects out, like the rest of the core.
 
 How a pass runs:
-- Its prompts are leased like training prompts, to agents with free capacity, before any
+- Its prompts are a prompt source of the lease book (``EvalSource``, ``coordinator/sources.py``),
+  leased through the same grant loop as training prompts, to agents with free capacity, before any
   training prompt (the trainer waits on it). An evaluation lease has data epoch ``EVAL_EPOCH``
   (-1), which no training epoch has: nothing an agent says about it can touch the training
   frontier, and an agent that re-registers with one in flight has it cancelled (its prompt is
@@ -45,6 +46,7 @@ from common import protocol as p
 from coordinator.effects import Persist, Send
 from coordinator.frontier import DELIVERED, LEASED, PENDING, EpochFrontier
 from coordinator.records import DropEvalResults, EvalRecord, Lease, LedgerSnapshot, PutEvalResult, SetEvalPass
+from coordinator.sources import EVAL_PREFIX
 
 if TYPE_CHECKING:
     from coordinator.core import CoordinatorCore
@@ -183,12 +185,78 @@ class EvalPass:
                 "leased": self.prompts.tally[LEASED], "waiting": len(self.waiters)}  # fmt: skip
 
 
+class EvalSource:
+    """The prompts of one evaluation dataset's running pass, as a prompt source of the lease book
+    (``coordinator/sources.py``): leased while a trainer waits on the pass, outside the training bound."""
+
+    bounded = False
+
+    def __init__(self, evaluations: Evaluations, name: str):
+        self.evaluations = evaluations
+        self.name = name
+        self.key = EVAL_PREFIX + name
+
+    @property
+    def run(self) -> EvalPass | None:
+        return self.evaluations.passes.get(self.name)
+
+    @property
+    def wanted(self) -> int:
+        """Prompts waiting for a lease while a trainer waits on the pass."""
+        run = self.run
+        return run.pending if run is not None and run.waiters else 0
+
+    def take(self, now: float) -> tuple[int, int] | None:
+        run = self.run
+        if run is None or not run.waiters:
+            return None
+        index = run.take()
+        return None if index is None else (EVAL_EPOCH, index)
+
+    def grant_fields(self, lease: Lease) -> dict:
+        run = self.run
+        return {"eval": self.name, "eval_pass": run.record.pass_id, "n_samples": run.spec.n_samples,
+                "sampling": dict(run.spec.sampling)}  # fmt: skip
+
+    def with_rows(self, rec) -> bool:
+        return True  # read from the evaluation file, which agents do not have
+
+    def give_back(self, lease: Lease) -> None:
+        run = self.run
+        if run is not None and 0 <= lease.index < run.spec.size:
+            run.release(lease.index)
+
+    def committed(self, lease: Lease) -> None:
+        self.give_back(lease)  # a receipt for an evaluation lease (a broken agent): refused, prompt pending
+
+    def filtered(self, lease: Lease, agent_id: str, reason: str) -> list:
+        self.give_back(lease)  # evaluation groups are not filtered (a broken agent): generated again
+        return []
+
+    def failed(self, lease: Lease, agent_id: str, kind: str, detail: str) -> list:
+        """Recorded as failed after ``MAX_FAILURES`` tries."""
+        run = self.run
+        if run is None or not 0 <= lease.index < run.spec.size:
+            return []
+        return self.evaluations.fail(run, lease.index, f"{kind}: {detail}")
+
+    def result(self, lease: Lease, msg: p.EvalResult) -> list:
+        if (self.name, lease.index) != (msg.name, msg.index):  # the lease's prompt, whatever the message says
+            self.give_back(lease)
+            return []
+        return self.evaluations.on_result(msg)
+
+
 class Evaluations:
     """Every declared evaluation dataset, its current pass, and the trainers waiting on it."""
 
     def __init__(self, core: CoordinatorCore, specs: list[EvalSpec], restored: LedgerSnapshot):
         self.core = core
         self.specs = {s.name: s for s in specs}
+        self.sources = [
+            core.admission.add_source(EvalSource(self, s.name)) for s in sorted(specs, key=lambda s: s.name)
+        ]
+        """One prompt source per dataset, in name order (the order passes are granted in)."""
         self.records: dict[str, EvalRecord] = {}
         self.passes: dict[str, EvalPass] = {}  # the unfinished ones
         results: dict[str, dict[int, dict]] = {}
@@ -252,71 +320,18 @@ class Evaluations:
     @property
     def wanted(self) -> int:
         """Prompts waiting for a lease, over every running pass with a trainer waiting on it."""
-        return sum(run.pending for run in self.passes.values() if run.waiters)
+        return sum(source.wanted for source in self.sources)
 
     def grant(self, now: float) -> list:
-        """Lease pending evaluation prompts to agents with free capacity: one Grant per agent, rows added."""
-        wanted = self.wanted
-        if not wanted:
-            return []
+        """Lease pending evaluation prompts to agents with free capacity, pass by pass (the lease book's grant)."""
         core = self.core
-        membership, admission = core.membership, core.admission
         granted: list[Send] = []
-        for agent_id, n in membership.distribute(wanted).items():
-            rec = membership.agents[agent_id]
-            leases = []
-            for _ in range(n):
-                taken = self._take()
-                if taken is None:
-                    break
-                run, index = taken
-                lease_id = admission.next_lease_id()
-                rollout_id = core.batches.current_rollout_id
-                lease = Lease(
-                    lease_id, agent_id, EVAL_EPOCH, index, rollout_id, core.weights.log.updates, run.spec.name
-                )
-                admission.hold(lease, rec)
-                leases.append(
-                    {
-                        "lease": lease_id,
-                        "data_epoch": EVAL_EPOCH,
-                        "index": index,
-                        "rollout_id": rollout_id,
-                        "eval": run.spec.name,
-                        "eval_pass": run.record.pass_id,
-                        "n_samples": run.spec.n_samples,
-                        "sampling": dict(run.spec.sampling),
-                    }
-                )
-            if leases:
-                core.counters.leases_granted += len(leases)
-                granted.append(Send(agent_id, p.Grant(rec.session, leases), with_rows=True))
-            membership.note_room(rec)
+        for source in self.sources:
+            if source.wanted:
+                granted += core.admission.grant(source, source.wanted, core.batches.current_rollout_id, now)
         return [Persist([], granted)] if granted else []
 
-    def _take(self) -> tuple[EvalPass, int] | None:
-        for name in sorted(self.passes):
-            run = self.passes[name]
-            if run.waiters:
-                index = run.take()
-                if index is not None:
-                    return run, index
-        return None
-
-    def release(self, lease: Lease) -> None:
-        """A lease ended without a result: its prompt is pending again, first in line."""
-        run = self.passes.get(lease.eval)
-        if run is not None and 0 <= lease.index < run.spec.size:
-            run.release(lease.index)
-
-    def failed(self, lease: Lease, kind: str, detail: str) -> list:
-        """A group of an evaluation prompt failed; recorded as failed after ``MAX_FAILURES`` tries."""
-        run = self.passes.get(lease.eval)
-        if run is None or not 0 <= lease.index < run.spec.size:
-            return []
-        return self._fail(run, lease.index, f"{kind}: {detail}")
-
-    def _fail(self, run: EvalPass, index: int, reason: str) -> list:
+    def fail(self, run: EvalPass, index: int, reason: str) -> list:
         n = run.failures[index] = run.failures.get(index, 0) + 1
         if n < MAX_FAILURES:
             run.release(index)
@@ -330,7 +345,7 @@ class Evaluations:
             return []  # a pass that ended, or another one: nothing to count
         why = check_result(msg.result, run.spec.n_samples)
         if why:  # generated again, a bounded number of times (a reward that returns NaN on this row)
-            return self._fail(run, msg.index, f"bad_result: {why}")
+            return self.fail(run, msg.index, f"bad_result: {why}")
         result = {
             k: msg.result[k] for k in ("rewards", "lengths", "truncated", "versions", "failed") if k in msg.result
         }

@@ -13,7 +13,7 @@ Metric names (all ``rollfleet_``; counters end in ``_total``):
     leases_granted_total
     registrations_total{outcome}      new (a session made) | resent (a resend answered with its session)
     lease_ends_total{reason}          receipt, filtered, released, failed, lost, expired, held_released,
-                                      held_reassigned, reregistered, stopped
+                                      held_reassigned, reregistered, stopped, evaluated
     stops_sent_total                  over-sampled leases a Stop was sent for
     leases_in_flight, leases_held, groups_ready
     groups_dropped_total{reason}      filter verdicts and prompts given up, by reason

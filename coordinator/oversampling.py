@@ -96,7 +96,7 @@ class OverSampling:
             return []
         core = self.core
         leases = core.admission.leases
-        self.stopping &= leases.keys()  # ended meanwhile (receipt, filtered, released, expired)
+        self.stopping &= leases.keys()  # ended meanwhile (receipt, filtered, released, failed, lost, expired)
         # Training leases only: an evaluation pass is never stopped and is outside the training bound.
         outstanding = core.admission.training_leases - len(self.stopping) + len(core.batches.ready_info)
         excess = outstanding - core.batches.demand(core.trainer.prefetch)
@@ -107,7 +107,9 @@ class OverSampling:
         def reachable(lease_id: int) -> bool:
             lease = leases[lease_id]
             rec = agents.get(lease.agent_id)
-            return not lease.eval and rec is not None and rec.status == ALIVE and rec.session != 0
+            return (
+                core.admission.source_of(lease).bounded and rec is not None and rec.status == ALIVE and rec.session != 0
+            )
 
         chosen = select_stops(filter(reachable, leases), self.stopping, excess)
         by_agent: dict[str, list[int]] = {}

@@ -64,6 +64,10 @@ class GroupRef:
         return cls(data_epoch, index, agent_id, key, address)
 
 
+TRAIN = "train"
+"""The training dataset's prompt source (``coordinator/sources.py``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Lease:
     lease_id: int
@@ -74,8 +78,8 @@ class Lease:
     """The rollout being collected when the prompt was leased."""
     start: int = 0
     """Weight updates pushed when it was granted (docs/weights.md, staleness)."""
-    eval: str = ""
-    """The evaluation dataset it belongs to (``coordinator/evaluation.py``); "" for a training prompt."""
+    source: str = TRAIN
+    """The prompt source it was leased from (``coordinator/sources.py``): ``TRAIN`` or ``eval/<name>``."""
 
     @property
     def prompt(self) -> Prompt:

@@ -469,9 +469,9 @@ class WeightUpdates:
         return Send(agent_id, msg)
 
     def on_report(self, peer: bytes, msg: p.WeightsReport, now: float) -> list:
-        rec = self.core.admission._agent(peer, msg.session, now)
+        rec = self.core.admission.session_agent(peer, msg.session, now)
         if rec is None:
-            return self.core.admission._fence(peer, msg)
+            return self.core.admission.fence(peer, msg)
         lock = self.lock
         if lock is None or msg.update_id != lock.update_id or msg.step == "abort":
             return []  # a report of an update already over
@@ -570,7 +570,7 @@ class WeightUpdates:
         return self._complete(now)
 
     def _lease_hwm(self) -> int:
-        return (self.core.membership.generation << 32) | self.core.admission._lease_counter
+        return self.core.admission.lease_hwm
 
     def _complete(self, now: float) -> list:
         lock, self.lock = self.lock, None

@@ -177,6 +177,9 @@ def test_agent_killed_between_commit_and_receipt_has_every_group_recovered_at_re
         recovered_expected.append(len(outbox))
     survivor = cluster.start_agent("a1", concurrency=16, sim_args=FAST)
     procs.append(survivor)
+    # The coordinator lists the agent once it handles the Register; the agent logs its registration when
+    # the Welcome comes back, a moment later (on a loaded machine, after the check below had read the log).
+    wait_for(lambda: registrations(survivor), 30, "the survivor to log its registration")
     assert fault_kills >= 3 and external_kills >= 1 and unacked_at_kill
 
     # Each start recovered at registration exactly the receipts the previous process died with.

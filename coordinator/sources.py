@@ -1,0 +1,110 @@
+"""Prompt sources: what the lease book (``coordinator/admission.py``) leases to agents.
+
+The lease book keeps one table of leases in flight, whatever source they came from, and one
+grant loop (``Admission.grant``). A source supplies the prompts and decides what each outcome of
+its leases means; a lease names its source (``Lease.source``), and the lease book hands every
+outcome to that source: a prompt given back, a group filtered, a group failed, a group committed
+where none was asked for, an evaluation result. Two kinds exist today:
+
+- **The training dataset** (``TrainingSource``, key ``TRAIN``): prompts from the data-epoch
+  frontier (``coordinator/frontier.py``), exactly once per ``(data_epoch, index)``. Its leases are
+  *bounded*: they count in the training bound (``leased + ready <= demand + prefetch``), in bounded
+  staleness and in over-sampling, and an agent presumed dead keeps them (``Admission.held``). Its
+  groups are committed, filtered or failed toward the trainer's batches.
+- **An evaluation dataset** (``coordinator/evaluation.py``'s ``EvalSource``, key ``eval/<name>``):
+  prompts of the running pass, leased only while a trainer waits on it; not bounded (released at
+  once when the agent goes silent); a prompt ends with a result (``EvalResult``), never a group.
+
+Every method is pure (events in, effects out), as in the rest of the core.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from common import protocol as p
+from coordinator.records import TRAIN, Lease
+
+if TYPE_CHECKING:
+    from coordinator.admission import Admission
+    from coordinator.membership import AgentRecord
+
+__all__ = ["EVAL_PREFIX", "TRAIN", "PromptSource", "TrainingSource"]
+
+EVAL_PREFIX = "eval/"
+"""Evaluation datasets' source keys: ``eval/<name>``."""
+
+
+class PromptSource(Protocol):
+    key: str
+    """The name leases carry (``Lease.source``), unique in the lease book."""
+    bounded: bool
+    """Its leases count in the training bound, staleness and over-sampling, and are kept for a silent agent."""
+
+    def take(self, now: float) -> tuple[int, int] | None:
+        """The next prompt to lease, ``(data_epoch, index)``, marked leased; None when it has none now."""
+
+    def grant_fields(self, lease: Lease) -> dict:
+        """What a ``Grant`` entry carries for ``lease`` beside its id, prompt and rollout id."""
+
+    def with_rows(self, rec: AgentRecord) -> bool:
+        """Whether the shell adds the prompts' rows to the agent's ``Grant``."""
+
+    def give_back(self, lease: Lease) -> None:
+        """``lease`` ended without an outcome (released, lost, reassigned): its prompt is pending again, first."""
+
+    def committed(self, lease: Lease) -> None:
+        """A receipt came for ``lease`` (its group committed); the lease book has ended the lease."""
+
+    def filtered(self, lease: Lease, agent_id: str, reason: str) -> list:
+        """The agent's filter dropped ``lease``'s group; the lease is ended."""
+
+    def failed(self, lease: Lease, agent_id: str, kind: str, detail: str) -> list:
+        """``lease``'s group failed (``kind``: reward_error, filter_error, generation_failed); the lease is ended."""
+
+    def result(self, lease: Lease, msg: p.EvalResult) -> list:
+        """An evaluation result came for ``lease``; the lease is ended."""
+
+
+class TrainingSource:
+    """The training dataset's prompts (module docstring). Its outcome rules (filter, repeated failures,
+    starvation) are the lease book's (``Admission``), which it calls."""
+
+    key = TRAIN
+    bounded = True
+
+    def __init__(self, admission: Admission):
+        self.admission = admission
+        self.frontier = admission.core.frontier
+
+    def take(self, now: float) -> tuple[int, int] | None:
+        # A prompt held for a silent agent goes to another only once the open epochs have nothing
+        # else pending, before a new epoch opens.
+        held = self.admission.held
+        return self.frontier.take(now, open_new=not held) or self.admission.take_held() or self.frontier.take(now)
+
+    def grant_fields(self, lease: Lease) -> dict:
+        return {}
+
+    def with_rows(self, rec: AgentRecord) -> bool:
+        return not rec.local_dataset
+
+    def give_back(self, lease: Lease) -> None:
+        self.frontier.release(lease.data_epoch, lease.index)
+
+    def committed(self, lease: Lease) -> None:
+        pass  # the receipt is accepted or refused on its own prompt (``Admission._accept``)
+
+    def filtered(self, lease: Lease, agent_id: str, reason: str) -> list:
+        admission = self.admission
+        out = admission.filter_prompt(lease.prompt, agent_id, reason)
+        if out:
+            admission.starvation.dropped(reason)  # a streak of them starves the rollout (coordinator/starvation.py)
+        return out
+
+    def failed(self, lease: Lease, agent_id: str, kind: str, detail: str) -> list:
+        return self.admission.prompt_failed(lease.prompt, agent_id, kind, detail)
+
+    def result(self, lease: Lease, msg: p.EvalResult) -> list:
+        self.give_back(lease)  # an evaluation result for a training lease (a broken agent): generated again
+        return []
