@@ -217,7 +217,7 @@ def serve(args) -> int:
     from common.filters import load_filter
     from common.rewards import load_reward
     from coordinator.eval_datasets import load_eval_datasets
-    from coordinator.server import CoordinatorServer
+    from coordinator.server import CoordinatorServer, ServeSettings
 
     config = RolloutConfig(
         extra_sampling_params=_sampling_params(args.sampling_params),
@@ -261,10 +261,7 @@ def serve(args) -> int:
         _check_chat_rows(
             args.tokenizer, args.data_dir, [("dataset", dataset)] + [(f"eval-{n}", d) for n, (d, _) in evals.items()]
         )
-    server = CoordinatorServer(
-        dataset=dataset,
-        config=config,
-        liveness=liveness,
+    settings = ServeSettings(
         data_dir=args.data_dir,
         bind=args.bind,
         seed=args.shuffle_seed,
@@ -277,9 +274,9 @@ def serve(args) -> int:
         metrics_port=args.metrics_port,
         map_size=args.map_size,
         curve=curve,
-        eval_datasets=evals,
         over_sampling=args.over_sampling,
     )
+    server = CoordinatorServer(settings, dataset=dataset, config=config, liveness=liveness, eval_datasets=evals)
     if exposed:
         logging.getLogger("rollfleet.coordinator").warning("%s", exposed)
     logging.getLogger("coordinator").info("effective config: %s", json.dumps(args.effective_config, sort_keys=True))

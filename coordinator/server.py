@@ -41,6 +41,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import zmq
 
@@ -74,28 +75,40 @@ TURN_MESSAGES = 256
 is still shared by up to this many messages."""
 
 
+@dataclass(frozen=True)
+class ServeSettings:
+    """How ``coordinator serve`` runs its process (the flags that are not the rollout's ``RolloutConfig`` or
+    ``Liveness``): where it binds and stores, what it may change on restart, its limits and metrics."""
+
+    data_dir: str
+    bind: str
+    seed: int | None = None
+    """``--shuffle-seed``: epochs in a seeded permutation; None: file order."""
+    sync: bool = True
+    max_message_bytes: int = p.DEFAULT_MAX_MESSAGE_BYTES
+    allow_config_change: bool = False
+    starve_after: int | None = None
+    starve_after_drops: int | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+    map_size: int = MAP_SIZE
+    curve: CoordinatorKeys | None = None
+    over_sampling: float = 1.0
+
+
 class CoordinatorServer:
     def __init__(
         self,
+        settings: ServeSettings,
         *,
         dataset: Dataset,
         config: RolloutConfig,
         liveness: Liveness,
-        data_dir: str,
-        bind: str,
-        seed: int | None = None,
-        sync: bool = True,
-        max_message_bytes: int = p.DEFAULT_MAX_MESSAGE_BYTES,
-        allow_config_change: bool = False,
-        starve_after: int | None = None,
-        starve_after_drops: int | None = None,
-        metrics_host: str = "127.0.0.1",
-        metrics_port: int | None = None,
-        map_size: int = MAP_SIZE,
-        curve: CoordinatorKeys | None = None,
         eval_datasets: dict[str, tuple[Dataset, EvalSpec]] | None = None,
-        over_sampling: float = 1.0,
     ):
+        s = self.settings = settings
+        data_dir, bind, seed, curve = s.data_dir, s.bind, s.seed, s.curve
+        metrics_host, metrics_port, max_message_bytes = s.metrics_host, s.metrics_port, s.max_message_bytes
         self.dataset = dataset
         self.eval_datasets = {name: ds for name, (ds, _) in (eval_datasets or {}).items()}
         self.metrics_host, self.metrics_port = metrics_host, metrics_port
@@ -121,12 +134,12 @@ class CoordinatorServer:
             self.sock, self.endpoint = router(
                 self.ctx, bind, max_bytes=max_message_bytes, curve=curve.pair if curve else None
             )
-            self.ledger = Ledger(data_dir, sync=sync, map_size=map_size)
+            self.ledger = Ledger(data_dir, sync=s.sync, map_size=s.map_size)
             # The shuffle algorithm is part of the shape: positions in one order name other rows in another.
             order = SHUFFLE_ORDER if seed is not None else None
             shape = {**config.batch_shape(), "shuffle_seed": seed, "shuffle_order": order}
             restored = self.ledger.open_run(
-                len(dataset), dataset.fingerprint, config=shape, allow_change=allow_config_change
+                len(dataset), dataset.fingerprint, config=shape, allow_change=s.allow_config_change
             )
         except BaseException:
             if self.ledger is not None:
@@ -143,11 +156,11 @@ class CoordinatorServer:
             order_for_epoch=lambda n, e: epoch_permutation(n, e, seed),
             restored=restored,
             now=time.monotonic(),
-            starve_after=starve_after,
-            starve_after_drops=starve_after_drops,
+            starve_after=s.starve_after,
+            starve_after_drops=s.starve_after_drops,
             trainer_keys=sorted(k.decode("ascii") for k in curve.trainers) if curve else (),
             eval_specs=[spec for _, spec in (eval_datasets or {}).values()],
-            over_sampling=over_sampling,
+            over_sampling=s.over_sampling,
         )
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
         # One thread: the dataset's file handle is used from it alone.
