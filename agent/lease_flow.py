@@ -24,7 +24,16 @@ from agent.events import (
     ReportEngineFailure,
     StartLease,
 )
-from agent.leases import NOT_ON_ENGINE, LeaseRecord, LeaseState, group_size
+from agent.leases import (
+    ABORT_PAUSE,
+    ABORT_SHUTDOWN,
+    ABORT_STOP,
+    NOT_ON_ENGINE,
+    LeaseRecord,
+    LeaseState,
+    abort_no_engine,
+    group_size,
+)
 from common import protocol as p
 
 
@@ -43,7 +52,7 @@ class LeaseFlow:
             grants.append((lease, epoch, index, grant))
         if self.stopping:
             if grants:
-                self._send(p.Release(self.session, [g[0] for g in grants], "agent shutting down"), out)
+                self._send(p.Release(self.session, [g[0] for g in grants], ABORT_SHUTDOWN), out)
             return
         for lease, epoch, index, grant in grants:
             if lease in self.leases:
@@ -51,7 +60,7 @@ class LeaseFlow:
             if self.paused:
                 # Generating now would stall a pause(drain=True); the coordinator reissues it on resume.
                 self.counters.groups_released += 1
-                self._send(p.Release(self.session, [lease], "aborted by pause"), out)
+                self._send(p.Release(self.session, [lease], ABORT_PAUSE), out)
                 continue
             rec = self.leases.add(lease, epoch, index)
             rec.n_samples = group_size(grant, self.config.n_samples_per_prompt)
@@ -68,21 +77,23 @@ class LeaseFlow:
             return  # a pause has its own say over in-flight work (and a resume brings admission back)
         for lease in msg.leases:
             rec = self.leases.get(lease)
-            if rec is None or rec.stopped:
+            if rec is None or rec.abort == ABORT_STOP:
                 continue  # not ours (any more), or stopped already
             if rec.state in NOT_ON_ENGINE:
-                self._release(rec, p.STOPPED, out)
+                self._release(rec, ABORT_STOP, out)
             elif rec.state is LeaseState.GENERATING:
-                rec.stopped = True  # released when its aborted generation comes back (_next_engine)
+                # Given back when its aborted generation comes back (_next_engine). A stop outranks a
+                # pause's abort still under way: the lease is counted as over-sampled.
+                rec.abort = ABORT_STOP
                 out.append(AbortRequests(rec.url, rec.request_ids))
             # SCORING/COMMITTING: finished generating; its receipt (or Filtered) ends the lease.
 
     def _next_engine(self, rec: LeaseRecord, out: list) -> None:
-        if rec.stopped:
-            self._release(rec, p.STOPPED, out)
-        elif rec.aborting or self.paused:
+        if rec.abort is not None:
+            self._release(rec, rec.abort, out)
+        elif self.paused:
             # Not on an engine while paused: give it back, a pause(drain=True) must not wait for it.
-            self._release(rec, "aborted by pause", out)
+            self._release(rec, ABORT_PAUSE, out)
         elif self.weights.updating:
             rec.state = LeaseState.WAITING  # assigned when the update is over
         else:
@@ -93,7 +104,7 @@ class LeaseFlow:
         if assignment is not None:
             out.append(assignment)
         elif self.leases.all_retired:
-            self._release(rec, f"no engine left on agent {self.agent_id}", out)
+            self._release(rec, abort_no_engine(self.agent_id), out)
         else:
             rec.state = LeaseState.WAITING
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from agent.events import AssignEngine
 from agent.pool import GenerationPool
+from common import protocol as p
 
 
 class LeaseState(enum.Enum):
@@ -33,6 +34,19 @@ class LeaseState(enum.Enum):
 
 
 NOT_ON_ENGINE = (LeaseState.STARTING, LeaseState.WAITING, LeaseState.RETRYING)
+
+
+ABORT_PAUSE = "aborted by pause"
+"""A pause (with abort, or arriving before the lease reached an engine) gave the lease back."""
+ABORT_STOP = p.STOPPED
+"""The coordinator stopped the lease (over-sampling: the batch was full)."""
+ABORT_SHUTDOWN = "agent shutting down"
+"""The agent is stopping: leases still generating or just granted are given back."""
+
+
+def abort_no_engine(agent_id: str) -> str:
+    """Every engine of the agent is retired (its restart budget spent): the lease cannot run here."""
+    return f"no engine left on agent {agent_id}"
 
 
 @dataclass(slots=True)
@@ -48,8 +62,8 @@ class LeaseRecord:
     request_ids: tuple[str, ...] = ()
     samples: int = 0  # pool slots held on ``engine``
     attempts: int = 0  # engine assignments so far (they name the request ids)
-    aborting: bool = False  # a pause-with-abort aborted its requests
-    stopped: bool = False  # the coordinator stopped it (over-sampling): given back once its requests end
+    abort: str | None = None
+    """Why its requests were aborted (``ABORT_PAUSE``, ``ABORT_STOP``): given back with it once they end."""
     epoch: int = 0  # weight updates begun when it was last put on an engine
     resume: bool = False  # a weight update interrupted it: the next assignment keeps what it generated
     n_samples: int = 0  # its group's size: the fleet's, or an evaluation lease's own (``group_size``)

@@ -90,7 +90,7 @@ from agent.events import (
     WeightsStepDone,
 )
 from agent.lease_flow import LeaseFlow
-from agent.leases import NOT_ON_ENGINE, LeaseState, LeaseTable
+from agent.leases import ABORT_PAUSE, ABORT_SHUTDOWN, NOT_ON_ENGINE, LeaseState, LeaseTable
 from agent.outbox import Outbox
 from agent.weight_state import OPENS, WeightState
 from common import protocol as p
@@ -388,9 +388,9 @@ class AgentSession(LeaseFlow):
             return
         for rec in self.leases.records():
             if rec.state in NOT_ON_ENGINE:
-                self._release(rec, "aborted by pause", out)
-            elif abort and rec.state is LeaseState.GENERATING:
-                rec.aborting = True
+                self._release(rec, ABORT_PAUSE, out)
+            elif abort and rec.state is LeaseState.GENERATING and rec.abort is None:
+                rec.abort = ABORT_PAUSE
                 out.append(AbortRequests(rec.url, rec.request_ids))
 
     def _on_engines_started(self, ev: EnginesStarted, now: float, out: list) -> None:
@@ -430,7 +430,7 @@ class AgentSession(LeaseFlow):
         for lease in generating:
             self._forget(lease, out)
         if generating:
-            self._send(p.Release(self.session, generating, "agent shutting down"), out)
+            self._send(p.Release(self.session, generating, ABORT_SHUTDOWN), out)
 
     # ------------------------------------------------------------------ receipts
 
