@@ -37,8 +37,8 @@ from array import array
 from typing import Any
 
 from agent.engine_client import sample_status
-from agent.events import EngineFailed, EngineWanted, GenerationEnded
-from agent.retry_policy import MAX_ENGINE_FAILURES, MAX_REJECTED, RETRY_DELAY, busy_backoff
+from agent.events import EngineWanted, GenerationEnded
+from agent.retry_policy import GroupRetries, busy_backoff
 from agent.spans import continuation, join
 from common.errors import EngineBusy, EngineRejected, EngineUnavailable, RolloutError
 from common.generation import Generation, RolloutTask, Trajectory
@@ -307,7 +307,7 @@ async def generate_group(runner, fn, tasks: list[RolloutTask]) -> list[Trajector
     """Every sample of ``runner``'s group made by ``fn``, on engines the core assigns."""
     ctx = runner.ctx
     assignment = await runner._ask(EngineWanted(runner.lease))
-    rejected = failures = 0
+    retries = GroupRetries(runner)
     while True:
         gate = _Gate(runner, assignment)
         handles = [
@@ -325,20 +325,9 @@ async def generate_group(runner, fn, tasks: list[RolloutTask]) -> list[Trajector
             runner._dispatch(GenerationEnded(runner.lease))
             return [j.result() for j in jobs]
         if restart.engine_failed:
-            failures += 1
-            runner._dispatch(EngineFailed(runner.lease, str(restart)))
-            if failures >= MAX_ENGINE_FAILURES:
-                raise EngineUnavailable(f"engines failed {failures} times under this group, last: {restart}")
-            await asyncio.sleep(RETRY_DELAY)
-            assignment = await runner._ask(EngineWanted(runner.lease))
+            assignment = await retries.engine_failed(restart)
         elif restart.rejected is not None:
-            rejected += 1
-            if rejected >= MAX_REJECTED:
-                exc = restart.rejected
-                raise EngineRejected(f"refused {rejected} times, last: {exc}", status=exc.status)
-            log.warning("lease %x: %s; starting the group over (try %d/%d)", runner.lease, restart, rejected + 1,
-                        MAX_REJECTED)  # fmt: skip
-            assignment = await runner._ask(GenerationEnded(runner.lease, aborted=True))
+            assignment = await retries.engine_refused(restart.rejected, str(restart))
         else:
             assignment = gate.assignment  # the core's answer to the abort: start over on it
 

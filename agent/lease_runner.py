@@ -45,7 +45,6 @@ from agent import custom_rollout
 from agent.engine_client import EngineClient, sample_status
 from agent.events import (
     AssignEngine,
-    EngineFailed,
     EngineWanted,
     GenerationEnded,
     LeaseCommitted,
@@ -56,7 +55,7 @@ from agent.events import (
     PendingReceipt,
 )
 from agent.leases import group_size
-from agent.retry_policy import MAX_ENGINE_FAILURES, MAX_REJECTED, RETRY_DELAY, busy_backoff
+from agent.retry_policy import GroupRetries, busy_backoff
 from agent.spans import continuation, held_tokens
 from agent.spans import join as spans_join
 from agent.store import GroupStore
@@ -279,7 +278,7 @@ class LeaseRunner:
         assignment = await self._ask(EngineWanted(self.lease))
         answers: list[list[dict]] = [[] for _ in assignment.request_ids]
         todo = list(range(len(answers)))  # samples without a final answer
-        rejected = failures = busy_rounds = 0
+        retries, busy_rounds = GroupRetries(self), 0
         while True:
             calls = {
                 i: asyncio.ensure_future(
@@ -291,22 +290,12 @@ class LeaseRunner:
             }
             results, busy, failure = await _round(calls)
             if isinstance(failure, EngineRejected):
-                rejected += 1
-                if rejected >= MAX_REJECTED:
-                    raise EngineRejected(f"refused {rejected} times, last: {failure}", status=failure.status)
-                tries = f"{rejected + 1}/{MAX_REJECTED}"
-                log.warning("lease %x: %s; starting the group over (try %s)", self.lease, failure, tries)
-                assignment = await self._ask(GenerationEnded(self.lease, aborted=True))
+                assignment = await retries.engine_refused(failure)
                 answers, todo = [[] for _ in answers], list(range(len(answers)))
                 continue
             if failure is not None:
                 # The engine is (maybe) down: the supervisor checks it; the group goes elsewhere, boundedly often.
-                failures += 1
-                self._dispatch(EngineFailed(self.lease, str(failure)))
-                if failures >= MAX_ENGINE_FAILURES:
-                    raise EngineUnavailable(f"engines failed {failures} times under this group, last: {failure}")
-                await asyncio.sleep(RETRY_DELAY)
-                assignment = await self._ask(EngineWanted(self.lease))
+                assignment = await retries.engine_failed(failure)
                 answers, todo = [[] for _ in answers], list(range(len(answers)))
                 continue
             aborted = []
