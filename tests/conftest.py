@@ -38,3 +38,26 @@ def hf_model_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("hf") / "tiny"
     make_model(str(path), context_length=8192)
     return str(path)
+
+
+HEAVY_FILES = {
+    "tests/cluster/test_chaos.py",
+    "tests/cluster/test_grpo_example.py",
+    "tests/cluster/test_trl.py",
+    "tests/cluster/test_hf_cluster.py",
+    "tests/cluster/test_record_replay.py",
+    "tests/cluster/test_netfault.py",
+    "tests/cluster/test_catch_up.py",
+    "tests/cluster/test_weight_failures.py",
+    "tests/integration/test_hf_engine.py",
+}
+"""Files whose tests are marked ``heavy``: CPU-bound (models training, chaos) or bounded in seconds on a loaded
+machine (silent partitions, weight updates under faults). ``scripts/test.sh`` runs them alone, after the rest has
+run on several workers."""
+
+
+def pytest_collection_modifyitems(config, items):
+    root = config.rootpath
+    for item in items:
+        if item.path.relative_to(root).as_posix() in HEAVY_FILES:
+            item.add_marker(pytest.mark.heavy)

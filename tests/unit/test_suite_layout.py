@@ -1,0 +1,15 @@
+"""The suite's own layout: the files ``scripts/test.sh`` runs alone exist (a renamed one would join the
+parallel phase silently)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.conftest import HEAVY_FILES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_heavy_file_exists():
+    missing = sorted(f for f in HEAVY_FILES if not (ROOT / f).is_file())
+    assert not missing, f"tests/conftest.py HEAVY_FILES names files that are not there: {missing}"
