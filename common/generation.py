@@ -91,6 +91,8 @@ class Trajectory:
         self.reward = reward
         self.metadata: dict = dict(metadata or {})
         self.status: str | None = None
+        self.prompt_tokens: list[int] | None = None
+        """The sample's prompt if not the task's (the OpenAI endpoint's first rendered call); None: the task's."""
 
     def add(self, generation: Generation) -> Trajectory:
         offset = len(self.tokens)
