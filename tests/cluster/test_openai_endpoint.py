@@ -195,7 +195,11 @@ def test_a_wrong_key_a_bad_request_and_an_ended_lease_are_refused(make_cluster):
         batch = client.generate(0)
     for sample in batch.samples:
         probes = sample.metadata["probes"]
-        assert probes["wrong_key"] == [401, "AuthenticationError", "wrong API key for this sample's endpoint"]
+        assert probes["wrong_key"] == [
+            401,
+            "AuthenticationError",
+            "wrong API key for this sample's endpoint (use engine.openai_api_key)",
+        ]
         assert probes["unknown"][:2] == [404, "NotFoundError"]
         assert probes["n"] == [400, "BadRequestError", "n must be 1 (one sample is one conversation), got 2"]
         assert (
