@@ -8,7 +8,12 @@ The others misbehave on purpose.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 from common.generation import RolloutTask, Trajectory
+
+log = logging.getLogger("rollfleet.harness")
 
 TOOL_TEXT = " [tool: done] "  # no digits: the math reward reads the last number in the response
 
@@ -138,15 +143,21 @@ async def openai_tools(task: RolloutTask, engine, *, stream: bool = False, tempe
     messages = _first_messages(task)
     seen: list[list[float]] = []  # per turn
     extra = {} if temperature is None else {"temperature": temperature}
-    async with openai.AsyncOpenAI(base_url=engine.openai_base_url, api_key=engine.openai_api_key) as client:
-        for _ in range(4):
-            response = await client.chat.completions.create(
-                model="policy", messages=messages, tools=CALC_TOOLS, logprobs=True, stream=stream, **extra
-            )
-            message, logprobs, reason = _stream_to_message([c async for c in response]) if stream else _reply(response)
-            seen.append(logprobs)
-            if not _tool_loop_step(messages, message, reason):
-                break
+    try:
+        async with openai.AsyncOpenAI(base_url=engine.openai_base_url, api_key=engine.openai_api_key) as client:
+            for _ in range(4):
+                response = await client.chat.completions.create(
+                    model="policy", messages=messages, tools=CALC_TOOLS, logprobs=True, stream=stream, **extra
+                )
+                message, logprobs, reason = (
+                    _stream_to_message([c async for c in response]) if stream else _reply(response)
+                )
+                seen.append(logprobs)
+                if not _tool_loop_step(messages, message, reason):
+                    break
+    except asyncio.CancelledError:
+        log.warning("openai harness of row %d sample %d cancelled after %d call(s)", task.index, task.sample, len(seen))
+        raise
     return {"metadata": {"messages": messages, "client_logprobs": seen, "stream": stream, "sync": False}}
 
 

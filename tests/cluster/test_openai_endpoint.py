@@ -13,6 +13,7 @@ delivered twice, and a sample's endpoint refuses a wrong key and anything after 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 
@@ -30,6 +31,7 @@ from tests.cluster.test_weights import running
 
 EOS = ByteTokenizer.EOS
 BUDGET = 400
+FAILED = re.compile(r"lease \w+ \(index \d+\) failed|generate_error")  # the agent's line for a failed prompt
 SHORT = "--output-len-median 40 --output-len-sigma 0.2"  # answers well inside the budget: turns end at EOS
 
 
@@ -171,7 +173,10 @@ def test_a_killed_engine_mid_conversation_starts_the_samples_over(make_cluster):
         trainer.join(120)
         assert len(pulling) == 3
     check_batches(pulling, seen)
-    assert "retrying on another engine" in agent.text()
+    log = agent.text()
+    assert "retrying on another engine" in log
+    assert "openai harness of row" in log, "no conversation was cut: the test did not test it"
+    assert not FAILED.search(log), "a sample failed instead of starting over"
 
 
 def test_a_pause_with_abort_cancels_the_harness_and_the_prompts_are_made_again_once(make_cluster):
@@ -187,6 +192,9 @@ def test_a_pause_with_abort_cancels_the_harness_and_the_prompts_are_made_again_o
         client.resume()
         check_batches([client.generate(1), client.generate(2)], seen)
     assert cluster.status()["prompts"]["delivered"] == 24
+    log = cluster.agents["a0"].text()
+    assert "openai harness of row" in log and "cancelled after" in log  # the harness itself was cancelled
+    assert not FAILED.search(log)
 
 
 def test_a_wrong_key_a_bad_request_and_an_ended_lease_are_refused(make_cluster):
