@@ -221,3 +221,27 @@ def test_a_wrong_key_a_bad_request_and_an_ended_lease_are_refused(make_cluster):
     with openai.OpenAI(base_url=sample.metadata["base_url"], api_key=sample.metadata["api_key"], max_retries=0) as c:
         with pytest.raises(openai.NotFoundError, match="this sample's endpoint has ended"):
             c.chat.completions.create(model="m", messages=[{"role": "user", "content": "1+1"}])
+
+
+def test_the_chaos_runs_function_makes_half_the_samples_through_the_openai_client_in_two_turns(make_cluster):
+    """``chaos_turns`` with the chaos run's budget and sim: odd samples through the endpoint, two turns each (the
+    first cut at a quarter of the budget, a follow-up or a tool's result, then the rest), within the budget."""
+    from harness.chaos import SIM_ARGS
+
+    cluster = make_cluster(generate="harness.generate_fns:chaos_turns", dynamic_filter="none", max_new_tokens=48)
+    cluster.start_coordinator()
+    cluster.start_agent("a0", concurrency=16, sim_args=SIM_ARGS)
+    with cluster.client() as client:
+        batches = [client.generate(i) for i in range(2)]
+    for batch in batches:
+        for group in batch.groups:
+            for i, sample in enumerate(group.samples):
+                mask = sample.loss_mask.tolist()
+                assert len(mask) == len(sample.response_tokens) == len(sample.response_logprobs)
+                assert sum(mask) <= 48 and mask[0] == 1 and (0 in mask) is (sample.metadata["turns"] == 2)
+                assert sample.metadata.get("openai", False) is bool(i % 2)
+                if i % 2:
+                    assert sample.metadata["openai_calls"] == 2
+                    # Two runs of the model's tokens (the turns), the template's and the follow-up's between them.
+                    runs = [m for j, m in enumerate(mask) if j == 0 or mask[j - 1] != m]
+                    assert runs in ([1, 0, 1], [1, 0])  # a second turn cut at 0 tokens left is empty
