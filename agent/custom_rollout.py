@@ -350,9 +350,10 @@ async def _run_with_endpoint(fn, task: RolloutTask, handle: EngineHandle, sessio
 def _result(out: Any, conversation: Conversation) -> Trajectory:
     """What the function returned; None, or a dict of ``reward`` (and ``metadata``) only: the recording."""
     own = isinstance(out, dict) and set(out) <= {"reward", "metadata"}
-    if out is None or (own and conversation.calls):
+    if out is None or own:
         if not conversation.calls:
-            raise GenerateError("generate function returned None and made no call on its OpenAI endpoint")
+            what = "None" if out is None else f"only {sorted(out)}"
+            raise GenerateError(f"generate function returned {what} and made no call on its OpenAI endpoint")
         traj = conversation.trajectory()
         if own:
             traj.reward = out.get("reward")

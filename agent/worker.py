@@ -16,7 +16,8 @@ leased prompt; ``abort-<request id>`` per request a pause-with-abort cancels;
 ``payloads`` (the data-plane endpoint trainers fetch groups from);
 ``weights`` (weight-update steps, one at a time: agent/weights.py);
 ``engines`` (the supervisor's monitor: restart, health, retirement);
-``stop-signal``.
+``stop-signal``. Beside them, aiohttp's own tasks serve generate functions' OpenAI endpoint
+(agent/openai_server.py: loopback, any port), started with the engines and closed first at the end.
 
 Nothing here decides what to generate: the coordinator's leases do. The
 agent's own bound is the pool's capacity, which the coordinator respects.

@@ -4,6 +4,12 @@
 budget, a tool's output inserted (loss mask 0), and a second turn continuing after it with what is
 left of the budget. ``two_turns_sync`` is the same as a plain function (it runs in a worker thread).
 The others misbehave on purpose.
+
+``openai_*`` are harnesses written against the ``openai`` package, run on the sample's OpenAI endpoint
+(``engine.openai_base_url``): a calculator tool loop (async, sync, streamed or not), the same at temperature 0
+checked against the engine's own logprobs, the refusals the endpoint must give (``openai_probes``), and
+``openai_two_turns``, ``two_turns`` through the client. ``chaos_turns`` (the chaos run's) makes even samples
+with ``two_turns`` and odd ones with ``openai_two_turns``.
 """
 
 from __future__ import annotations
