@@ -7,7 +7,7 @@ template made and which the model did; engines only ever see ``/generate`` with 
   the chat format of ``agent make-model``'s template (agent/hf/model.py ``CHAT_TEMPLATE``) in ids:
   ``<|ROLE|>`` and a newline as bytes, the content, then EOS (257) and a newline; the generation prompt
   is ``<|assistant|>`` and a newline. With ``tools``, a first system message lists them between
-  ``<tools>`` and ``</tools>`` (one JSON object a line, keys sorted) and says how to call one; an
+  ``<tools>`` and ``</tools>`` (one JSON object a line) and says how to call one; an
   assistant message's ``tool_calls`` are rendered after its content as
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (``json.dumps``), the form
   agent/tool_parsers.py reads back and the sim engine writes.
@@ -59,7 +59,8 @@ def content_text(message: dict, i: int) -> str:
 
 def tool_call_text(call: dict) -> str:
     """One tool call as the byte format (and the ``hermes`` parser) writes it."""
-    return "<tool_call>" + json.dumps({"name": call["name"], "arguments": call["arguments"]}) + "</tool_call>"
+    body = json.dumps({"name": call["name"], "arguments": call["arguments"]}, ensure_ascii=False)
+    return "<tool_call>" + body + "</tool_call>"
 
 
 def render_bytes(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> list[int]:
@@ -70,7 +71,7 @@ def render_bytes(messages: list[dict], tools: list[dict] | None, add_generation_
         system = ""
         if messages and messages[0]["role"] == "system":
             system = messages.pop(0)["content"] + "\n\n"
-        listing = "\n".join(json.dumps(t, sort_keys=True) for t in tools)
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
         ids += _turn("system", f"{system}{TOOLS_PREAMBLE}<tools>\n{listing}\n</tools>")
     for message in messages:
         text = message["content"]

@@ -272,3 +272,18 @@ async def openai_probes(task: RolloutTask, engine):
         except openai.BadRequestError as exc:
             probes["rewritten"] = _refusal(exc)
     return {"metadata": {"probes": probes, "base_url": url, "api_key": key}}
+
+
+async def openai_completions(task: RolloutTask, engine):
+    """Two ``/completions`` calls, the second streamed, its prompt the first's with the completion and a follow-up."""
+    import openai
+
+    prompt = str(task.prompt)
+    async with openai.AsyncOpenAI(base_url=engine.openai_base_url, api_key=engine.openai_api_key) as client:
+        first = (await client.completions.create(model="policy", prompt=prompt, max_tokens=8, logprobs=0)).choices[0]
+        stream = await client.completions.create(
+            model="policy", prompt=prompt + first.text + FOLLOW_UP, max_tokens=16, logprobs=0, stream=True
+        )
+        chunks = [c.choices[0] async for c in stream if c.choices]
+    logprobs = [first.logprobs.token_logprobs, [lp for c in chunks for lp in c.logprobs.token_logprobs]]
+    return {"metadata": {"texts": [first.text, "".join(c.text for c in chunks)], "client_logprobs": logprobs}}

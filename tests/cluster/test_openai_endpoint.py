@@ -23,7 +23,7 @@ import pytest
 from agent.chat_render import render_bytes
 from agent.openai_session import normalize
 from common.tokenizer import ByteTokenizer
-from harness.generate_fns import CALC_TOOLS
+from harness.generate_fns import CALC_TOOLS, FOLLOW_UP
 from harness.polling import wait_for
 from tests.cluster.test_faults_agent import engines_of, running_requests
 from tests.cluster.test_generate_fns import _versions_of_generated_tokens
@@ -245,3 +245,18 @@ def test_the_chaos_runs_function_makes_half_the_samples_through_the_openai_clien
                     # Two runs of the model's tokens (the turns), the template's and the follow-up's between them.
                     runs = [m for j, m in enumerate(mask) if j == 0 or mask[j - 1] != m]
                     assert runs in ([1, 0, 1], [1, 0])  # a second turn cut at 0 tokens left is empty
+
+
+def test_completions_extend_the_recorded_text(make_cluster):
+    cluster = openai_cluster(make_cluster, "openai_completions")
+    with cluster.client() as client:
+        batch = client.generate(0)
+    for sample in batch.samples:
+        first, second = sample.metadata["texts"]
+        assert len(first) == 8 and len(second) == 16  # the sim's answers are longer: both cut at max_tokens
+        assert sample.prompt_tokens.tolist() == list(sample.metadata["prompt"].encode())
+        assert sample.response_tokens.tolist() == list((first + FOLLOW_UP + second).encode())
+        assert sample.loss_mask.tolist() == [1] * 8 + [0] * len(FOLLOW_UP) + [1] * 16
+        lps = sample.metadata["client_logprobs"]
+        assert list(sample.response_logprobs) == lps[0] + [0.0] * len(FOLLOW_UP) + lps[1]
+        assert sample.status == "truncated"
