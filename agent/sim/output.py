@@ -113,7 +113,10 @@ def find_tool_call(ids: list[int]) -> bytes | None:
     parameter: ``<tool_call>{"name": ..., "arguments": {PARAM: "a+b"}}</tool_call>``, then EOS.
     After a tool's result it answers as usual.
     """
-    data = bytes(i for i in ids if 0 <= i < 256)
+    try:
+        data = bytes(ids)  # a plain prompt: all bytes, and no tools
+    except ValueError:  # specials (a chat prompt's EOS): only the bytes matter
+        data = bytes(i for i in ids if 0 <= i < 256)
     start = data.find(b"<tools>\n")
     if start < 0 or data.rfind(b"<|tool|>\n") > data.rfind(b"<|user|>\n"):
         return None
