@@ -45,8 +45,9 @@ def task_module(name: str):
     return {"add": task, "calculator": tool_task, "openai-calculator": openai_tool_task}[name]
 
 
-def prepare_model(out: Path, *, warmup_steps: int, seed: int, log=print, task: str = "add") -> Path:
-    """``out/model``: a fresh tiny model after ``warmup_steps`` supervised steps (the engines' version 0)."""
+def prepare_model(out: Path, *, warmup_steps: int, seed: int, log=print, task: str = "add", device="cpu") -> Path:
+    """``out/model``: a fresh tiny model after ``warmup_steps`` supervised steps (the engines' version 0), made on
+    ``device`` (the trainer's)."""
     import torch
 
     from agent.hf.model import load_model, make_model
@@ -55,7 +56,9 @@ def prepare_model(out: Path, *, warmup_steps: int, seed: int, log=print, task: s
     make_model(str(out / "model-init"), preset="tiny", seed=seed)
     model, tokenizer = load_model(str(out / "model-init"))
     t0 = time.monotonic()
+    model.to(device)
     loss = warm_up(model, steps=warmup_steps, seed=seed, task_module=task_module(task))
+    model.to("cpu")
     line = f"warm-up: {warmup_steps} supervised steps in {time.monotonic() - t0:.1f}s, loss {loss:.3f}"
     if task == "add":  # the local sampler has no tool: the calculator tasks are measured by the fleet's first steps
         quality = evaluate(model, seed=seed)
@@ -259,7 +262,9 @@ def main(argv=None) -> int:
         args.max_new_tokens = {"add": 16, "calculator": 32}.get(args.task, task_module(args.task).MAX_NEW_TOKENS)
     if args.warmup_steps is None:
         args.warmup_steps = {"add": 90, "calculator": 75}.get(args.task, 120)
-    model_dir = prepare_model(out, warmup_steps=args.warmup_steps, seed=args.seed, task=args.task)
+    model_dir = prepare_model(
+        out, warmup_steps=args.warmup_steps, seed=args.seed, task=args.task, device=resolve_device(args.trainer_device)
+    )
     dataset = task_module(args.task).write_dataset(out / "data.jsonl", seed=args.seed)
     address = f"tcp://127.0.0.1:{free_port()}"
     procs = Processes(out / "logs")

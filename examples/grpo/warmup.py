@@ -47,7 +47,7 @@ def warm_up(model, *, steps: int, batch_size: int = 32, lr: float = 1e-3, seed: 
         prompts = [prompt_ids(a, b, task_module) for a, b in batch]
         taught = [teacher(a, b, task_module) for a, b in batch]
         logprobs, mask = response_logprobs(model, prompts, [t for t, _ in taught])
-        mask = mask * _pad_mask([m for _, m in taught], mask.shape[1])
+        mask = mask * _pad_mask([m for _, m in taught], mask.shape[1]).to(mask.device)
         loss = -(logprobs * mask).sum() / mask.sum()
         optimizer.zero_grad()
         loss.backward()
