@@ -23,6 +23,12 @@ in between:
 - **Cancellation** (the lease given back, the agent stopping): every sample's task is cancelled; a
   sync function's next engine call raises ``CancelledError``. Nothing it made is kept.
 
+**The OpenAI endpoint** (agent/openai_server.py): while a sample's function runs, its handle
+carries ``openai_base_url`` / ``openai_api_key``, and the endpoint's calls go through the same
+``generate``. What would end the sample (a restart, a failure) reaches the function there only as
+an HTTP error, so it is handed to :func:`_sample` instead, which cancels the function and acts on it
+as if ``generate`` had raised it. The function's None (or ``{reward, metadata}``) is the recording.
+
 Invariant: the core is asked about an abort only when none of the group's calls is in flight, as
 for single-turn groups, so a new assignment never races an old request.
 """
@@ -303,54 +309,51 @@ async def _call(fn, task: RolloutTask, handle: EngineHandle):
 async def _sample(fn, task: RolloutTask, handle: EngineHandle) -> Trajectory:
     ctx = handle._gate.runner.ctx
     while True:
-        if ctx.openai is None:
-            try:
-                out = await _call(fn, task, handle)
-            except _SampleRestart:
-                continue
-            except RolloutError:
-                raise  # names its step already (restarts and cancellation are BaseExceptions: they pass through)
-            except Exception as exc:
-                raise GenerateError(f"generate function raised {type(exc).__name__}: {exc}") from exc
-            return as_trajectory(out)
-        conversation = Conversation(ctx.chat_renderer, ctx.tool_parser, task.sampling["max_new_tokens"])
-        session = handle._session = ctx.openai.open(conversation, handle._endpoint_generate)
+        conversation = session = None
+        if ctx.openai is not None:  # the sample's OpenAI endpoint, open while its function runs
+            conversation = Conversation(ctx.chat_renderer, ctx.tool_parser, task.sampling["max_new_tokens"])
+            session = handle._session = ctx.openai.open(conversation, handle._endpoint_generate)
         try:
-            out = await _run_with_endpoint(fn, task, handle, session)
+            out = await _run(fn, task, handle, session)
         except _SampleRestart:
             continue
         finally:
-            handle._session = None
-            ctx.openai.end(session, "its generate function returned")
+            if session is not None:
+                handle._session = None
+                ctx.openai.end(session, "its generate function is over")
         return _result(out, conversation)
 
 
-async def _run_with_endpoint(fn, task: RolloutTask, handle: EngineHandle, session):
-    """The function's result, or what its endpoint's generation ended the sample with (the function cancelled)."""
+async def _run(fn, task: RolloutTask, handle: EngineHandle, session):
+    """The function's result, or what a call on its endpoint ended the sample with (the function cancelled).
+
+    Restarts and cancellation pass through (BaseExceptions); a RolloutError names its step already;
+    anything else the function raised is a ``GenerateError``.
+    """
     job = asyncio.ensure_future(_call(fn, task, handle))
     try:
-        await asyncio.wait({job, session.failed}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({job} if session is None else {job, session.failed}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not job.done():
             job.cancel()  # a failure on the endpoint, or this sample cancelled: the harness goes with it
             await asyncio.gather(job, return_exceptions=True)
-    if session.failed.done():
+    if session is not None and session.failed.done():
         failure = session.failed.result()
         if isinstance(failure, (_Restart, _SampleRestart, RolloutError)):
             raise failure
         raise GenerateError(f"a call on the OpenAI endpoint failed: {type(failure).__name__}: {failure}")
     try:
         return job.result()
-    except (_SampleRestart, RolloutError):
+    except RolloutError:
         raise
     except Exception as exc:
         raise GenerateError(f"generate function raised {type(exc).__name__}: {exc}") from exc
 
 
-def _result(out: Any, conversation: Conversation) -> Trajectory:
+def _result(out: Any, conversation: Conversation | None) -> Trajectory:
     """What the function returned; None, or a dict of ``reward`` (and ``metadata``) only: the recording."""
     own = isinstance(out, dict) and set(out) <= {"reward", "metadata"}
-    if out is None or own:
+    if conversation is not None and (out is None or own):
         if not conversation.calls:
             what = "None" if out is None else f"only {sorted(out)}"
             raise GenerateError(f"generate function returned {what} and made no call on its OpenAI endpoint")
