@@ -257,3 +257,11 @@ def _normalized(messages: list[dict]) -> list[dict]:
     from agent.openai_session import normalize
 
     return normalize(messages)
+
+
+def test_the_rollout_config_names_a_bad_tool_parser():
+    from common.config import RolloutConfig
+
+    assert RolloutConfig(tool_parser="my_module:parse").tool_parser == "my_module:parse"
+    with pytest.raises(ConfigError, match="tool_parser must be one of \\['hermes', 'none'\\] or module:function"):
+        RolloutConfig(tool_parser="qwen")
