@@ -23,6 +23,12 @@ in between:
 - **Cancellation** (the lease given back, the agent stopping): every sample's task is cancelled; a
   sync function's next engine call raises ``CancelledError``. Nothing it made is kept.
 
+**The OpenAI endpoint** (agent/openai_server.py): while a sample's function runs, its handle
+carries ``openai_base_url`` / ``openai_api_key``, and the endpoint's calls go through the same
+``generate``. What would end the sample (a restart, a failure) reaches the function there only as
+an HTTP error, so it is handed to :func:`_sample` instead, which cancels the function and acts on it
+as if ``generate`` had raised it. The function's None (or ``{reward, metadata}``) is the recording.
+
 Invariant: the core is asked about an abort only when none of the group's calls is in flight, as
 for single-turn groups, so a new assignment never races an old request.
 """
@@ -38,6 +44,7 @@ from typing import Any
 
 from agent.engine_client import sample_status
 from agent.events import EngineWanted, GenerationEnded
+from agent.openai_session import Conversation
 from agent.retry_policy import GroupRetries, busy_backoff
 from agent.spans import continuation, join
 from common.errors import EngineBusy, EngineRejected, EngineUnavailable, RolloutError
@@ -150,6 +157,40 @@ class EngineHandle:
         self._sampling = sampling
         self._partial = partial
         self._tokenizer = tokenizer
+        self._session = None  # the sample's OpenAI endpoint while its function runs (agent/openai_server.py)
+
+    @property
+    def openai_base_url(self) -> str:
+        """This sample's OpenAI-compatible endpoint (``http://HOST:PORT/v1/s/<token>``) while its function runs."""
+        return self._endpoint().base_url
+
+    @property
+    def openai_api_key(self) -> str:
+        """The key ``openai_base_url`` wants (``Authorization: Bearer ...``)."""
+        return self._endpoint().api_key
+
+    def _endpoint(self):
+        if self._session is None:
+            raise GenerateError("this agent serves no OpenAI endpoint to generate functions")
+        return self._session
+
+    async def _endpoint_generate(self, input_ids: list[int], params: dict) -> Generation:
+        """``generate`` for a call on the OpenAI endpoint: what ends the sample is handed to its owner.
+
+        A restart (weight update without partial rollout, failed or refusing engine) or a failure
+        would reach the function as an exception from ``engine.generate``; through the endpoint it
+        reaches the harness only as an HTTP error, so the owner (:func:`_sample`) acts on it instead.
+        """
+        from agent.openai_server import SessionEnded
+
+        session = self._session
+        try:
+            return await self.generate(input_ids, **params)
+        except (_Restart, _SampleRestart, Exception) as exc:
+            if session is not None:
+                session.fail(exc)
+            why = "the sample starts over" if isinstance(exc, (_Restart, _SampleRestart)) else "the sample failed"
+            raise SessionEnded(f"{why}: {exc}" if str(exc) else why) from None
 
     async def encode(self, text: Any) -> list[int]:
         """Token ids of ``text`` (a string or chat messages) with the agent's tokenizer (or the engines')."""
@@ -209,6 +250,14 @@ class SyncEngineHandle:
     def decode(self, ids: list[int]) -> str:
         return self._handle.decode(ids)
 
+    @property
+    def openai_base_url(self) -> str:
+        return self._handle.openai_base_url
+
+    @property
+    def openai_api_key(self) -> str:
+        return self._handle.openai_api_key
+
     def generate(self, input_ids: list[int], **params: Any) -> Generation:
         return self._run(self._handle.generate(input_ids, **params))
 
@@ -258,16 +307,62 @@ async def _call(fn, task: RolloutTask, handle: EngineHandle):
 
 
 async def _sample(fn, task: RolloutTask, handle: EngineHandle) -> Trajectory:
+    ctx = handle._gate.runner.ctx
     while True:
+        conversation = session = None
+        if ctx.openai is not None:  # the sample's OpenAI endpoint, open while its function runs
+            conversation = Conversation(ctx.chat_renderer, ctx.tool_parser, task.sampling["max_new_tokens"])
+            session = handle._session = ctx.openai.open(conversation, handle._endpoint_generate)
         try:
-            out = await _call(fn, task, handle)
+            out = await _run(fn, task, handle, session)
         except _SampleRestart:
             continue
-        except RolloutError:
-            raise  # names its step already (restarts and cancellation are BaseExceptions: they pass through)
-        except Exception as exc:
-            raise GenerateError(f"generate function raised {type(exc).__name__}: {exc}") from exc
-        return as_trajectory(out)
+        finally:
+            if session is not None:
+                handle._session = None
+                ctx.openai.end(session, "its generate function is over")
+        return _result(out, conversation)
+
+
+async def _run(fn, task: RolloutTask, handle: EngineHandle, session):
+    """The function's result, or what a call on its endpoint ended the sample with (the function cancelled).
+
+    Restarts and cancellation pass through (BaseExceptions); a RolloutError names its step already;
+    anything else the function raised is a ``GenerateError``.
+    """
+    job = asyncio.ensure_future(_call(fn, task, handle))
+    try:
+        await asyncio.wait({job} if session is None else {job, session.failed}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not job.done():
+            job.cancel()  # a failure on the endpoint, or this sample cancelled: the harness goes with it
+            await asyncio.gather(job, return_exceptions=True)
+    if session is not None and session.failed.done():
+        failure = session.failed.result()
+        if isinstance(failure, (_Restart, _SampleRestart, RolloutError)):
+            raise failure
+        raise GenerateError(f"a call on the OpenAI endpoint failed: {type(failure).__name__}: {failure}")
+    try:
+        return job.result()
+    except RolloutError:
+        raise
+    except Exception as exc:
+        raise GenerateError(f"generate function raised {type(exc).__name__}: {exc}") from exc
+
+
+def _result(out: Any, conversation: Conversation | None) -> Trajectory:
+    """What the function returned; None, or a dict of ``reward`` (and ``metadata``) only: the recording."""
+    own = isinstance(out, dict) and set(out) <= {"reward", "metadata"}
+    if conversation is not None and (out is None or own):
+        if not conversation.calls:
+            what = "None" if out is None else f"only {sorted(out)}"
+            raise GenerateError(f"generate function returned {what} and made no call on its OpenAI endpoint")
+        traj = conversation.trajectory()
+        if own:
+            traj.reward = out.get("reward")
+            traj.metadata.update(out.get("metadata") or {})
+        return as_trajectory(traj)
+    return as_trajectory(out)
 
 
 def as_trajectory(out: Any) -> Trajectory:
@@ -336,7 +431,7 @@ def to_sample(traj: Trajectory, prompt_tokens: array, label, metadata: dict) -> 
     meta = {**metadata, **traj.metadata} if traj.metadata else metadata
     spans = traj.weight_versions
     return Sample(
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=prompt_tokens if traj.prompt_tokens is None else array("i", traj.prompt_tokens),
         response_tokens=array("i", traj.tokens),
         response_logprobs=array("d", traj.logprobs),
         loss_mask=array("b", traj.loss_mask),

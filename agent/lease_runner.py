@@ -110,6 +110,12 @@ class LeaseContext:
     """The custom generate function (``--generate``), or None: one ``/generate`` per sample."""
     weights: Any = None
     """The agent core's ``WeightState`` (read only): a generate function's next turn waits out an update."""
+    openai: Any = None
+    """The agent's OpenAI endpoint (agent/openai_server.py) for generate functions, or None."""
+    chat_renderer: Any = None
+    """The endpoint's chat renderer (agent/chat_render.py), or why there is none (a string)."""
+    tool_parser: Any = None
+    """``--tool-parser``, loaded (agent/tool_parsers.py)."""
 
 
 class LeaseRunner:

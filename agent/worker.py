@@ -16,7 +16,8 @@ leased prompt; ``abort-<request id>`` per request a pause-with-abort cancels;
 ``payloads`` (the data-plane endpoint trainers fetch groups from);
 ``weights`` (weight-update steps, one at a time: agent/weights.py);
 ``engines`` (the supervisor's monitor: restart, health, retirement);
-``stop-signal``.
+``stop-signal``. Beside them, aiohttp's own tasks serve generate functions' OpenAI endpoint
+(agent/openai_server.py: loopback, any port), started with the engines and closed first at the end.
 
 Nothing here decides what to generate: the coordinator's leases do. The
 agent's own bound is the pool's capacity, which the coordinator respects.
@@ -33,6 +34,8 @@ from pathlib import Path
 
 import zmq.asyncio
 
+from agent import tool_parsers
+from agent.chat_render import ChatRenderer, RenderError
 from agent.custom_rollout import load_generate
 from agent.engine_client import EngineClient
 from agent.engine_tokenizer import EngineTokenizer
@@ -60,6 +63,7 @@ from agent.events import (
 )
 from agent.lease_runner import LeaseContext, LeaseRunner
 from agent.link import AgentExit, CoordinatorLink
+from agent.openai_server import OpenAIServer
 from agent.payload_server import PayloadServer
 from agent.session import AgentSession
 from agent.store import GroupStore
@@ -101,6 +105,8 @@ class Agent:
         metrics_port: int | None = None,
         map_size: int = MAP_SIZE,
         curve: ClientKeys | None = None,
+        openai_host: str = "127.0.0.1",
+        openai_port: int = 0,
     ):
         """``curve``: this agent's key pair and the coordinator's public key (docs/curve.md); the
         payload endpoint is then a CURVE server with the same pair, its public key in the address."""
@@ -126,6 +132,8 @@ class Agent:
         port = self.payloads.endpoint.rsplit(":", 1)[1]
         self.payload_address = with_server_key(f"tcp://{advertise_host}:{port}", curve.pair.public if curve else None)
         self.dataset = dataset
+        # Generate functions' OpenAI-compatible endpoint (agent/openai_server.py): loopback, any port.
+        self.openai = OpenAIServer(openai_host, openai_port)
         self.session = AgentSession(
             agent_id=self.agent_id,
             incarnation=self.store.incarnation,
@@ -190,6 +198,7 @@ class Agent:
             await self.supervisor.start()
             self.handle(EnginesStarted(tuple((spec.name, spec.url) for spec in self.supervisor.healthy())))
             await self._load_tokenizer()
+            log.info("agent %s: OpenAI endpoint for generate functions on %s", self.agent_id, await self.openai.start())
             # Engine responses are hundreds of thousands of small [logprob, id, text]
             # lists that die young; default GC thresholds make the collector rescan
             # everything live many times a second. Freeze start-up objects and
@@ -267,6 +276,7 @@ class Agent:
         log.info("agent %s: metrics on %s/metrics", self.agent_id, url)
 
     async def _close(self) -> None:
+        await self.openai.close()
         if self.observe is not None:
             await self.observe.close()
         try:
@@ -328,7 +338,17 @@ class Agent:
             self.tokens,
             generate=load_generate(config.generate),
             weights=self.session.weights,
+            openai=self.openai if config.generate else None,
+            chat_renderer=self._chat_renderer(),
+            tool_parser=tool_parsers.load(config.tool_parser),
         )
+
+    def _chat_renderer(self):
+        """The OpenAI endpoint's chat renderer for the agent's tokenizer, or why there is none (its calls say it)."""
+        try:
+            return ChatRenderer(self.tokenizer)
+        except RenderError as exc:
+            return str(exc)
 
     def _start_lease(self, ins: StartLease) -> None:
         runner = LeaseRunner(ins.grant, self._lease_ctx, self.handle)

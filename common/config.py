@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from common.errors import ConfigError
 from common.sampling import check_sampling_params
 
+TOOL_PARSERS = ("hermes", "none")
+"""The built-in tool-call parsers of the agent's OpenAI endpoint (agent/tool_parsers.py)."""
+
 
 @dataclass(frozen=True)
 class RolloutConfig:
@@ -42,6 +45,8 @@ class RolloutConfig:
     """Most weight updates a batch's groups may lag behind it (docs/weights.md); None: unbounded."""
     generate: str = ""
     """``module:function`` making each sample (multi-turn, tools: common/generation.py); "": one ``/generate``."""
+    tool_parser: str = "hermes"
+    """How the OpenAI endpoint reads tool calls from the model's output: ``hermes``, ``none`` or ``module:function``."""
 
     def __post_init__(self):
         _positive("rollout_batch_size", self.rollout_batch_size)
@@ -57,6 +62,10 @@ class RolloutConfig:
             raise ConfigError(f"max_staleness must be an integer >= 0 or None, got {self.max_staleness!r}")
         if self.prefetch < -1:
             raise ConfigError(f"prefetch must be >= 0 (or -1 for one batch), got {self.prefetch}")
+        if self.tool_parser not in TOOL_PARSERS and ":" not in self.tool_parser:
+            raise ConfigError(
+                f"tool_parser must be one of {list(TOOL_PARSERS)} or module:function, got {self.tool_parser!r}"
+            )
         for name in ("reward", "dynamic_filter"):
             if not getattr(self, name):
                 raise ConfigError(f"{name} must not be empty")

@@ -29,6 +29,11 @@ What the engine handle takes care of, so the function does not:
   another engine (the function is called again); errors an engine refuses a request with end the
   prompt as failed with the engine's message, as for single-turn samples.
 
+An agent harness written for the OpenAI API runs unchanged on ``engine.openai_base_url`` /
+``engine.openai_api_key`` (agent/openai_server.py): the sample's calls are rendered, generated
+through the same handle and recorded; returning None (or a dict of only ``reward`` / ``metadata``)
+makes that recording the sample.
+
 What the function returns is the response after the prompt, turn by turn: a :class:`Trajectory`
 (or a dict with the same fields). ``loss_mask`` marks the tokens the model generated with 1 and
 the ones it did not (tool outputs, environment turns) with 0; their logprobs are 0.0. ``reward``
@@ -91,6 +96,8 @@ class Trajectory:
         self.reward = reward
         self.metadata: dict = dict(metadata or {})
         self.status: str | None = None
+        self.prompt_tokens: list[int] | None = None
+        """The sample's prompt if not the task's (the OpenAI endpoint's first rendered call); None: the task's."""
 
     def add(self, generation: Generation) -> Trajectory:
         offset = len(self.tokens)

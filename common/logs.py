@@ -15,6 +15,7 @@ import time
 
 LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+QUIET_CLIENT_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "openai")
 
 
 class JsonFormatter(logging.Formatter):
@@ -39,6 +40,11 @@ def setup_logging(level: str, fmt: str = "text") -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level, handlers=[handler], force=True)
+    if logging.getLogger().level > logging.DEBUG:
+        # Generate functions' HTTP clients (the openai package on the agent's OpenAI endpoint) log every
+        # request at INFO: one line per call would drown the agent's own log. --log-level DEBUG keeps them.
+        for name in QUIET_CLIENT_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def add_log_flags(sp, default_level: str = "INFO") -> None:

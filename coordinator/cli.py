@@ -72,6 +72,13 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
         "default: one /generate call per sample",
     )
     sp.add_argument(
+        "--tool-parser",
+        default=d.tool_parser,
+        metavar="NAME|MODULE:FUNCTION",
+        help="how generate functions' OpenAI endpoint reads tool calls from the model's output: hermes "
+        "(<tool_call>{json}</tool_call>, the default), none, or module:function (README 'Generate functions')",
+    )
+    sp.add_argument(
         "--prefetch", type=number(int, min=-1), default=d.prefetch, help="ready groups beyond demand (-1: one batch)"
     )
     sp.add_argument(
@@ -233,6 +240,7 @@ def serve(args) -> int:
         max_staleness=args.max_staleness,
         partial_rollout=args.partial_rollout,
         generate=args.generate,
+        tool_parser=args.tool_parser,
     )
     liveness = Liveness(args.heartbeat_interval, args.agent_ttl, args.retire_after)
     validate_endpoint(args.bind, "--bind")
@@ -251,6 +259,10 @@ def serve(args) -> int:
         from common.plugins import import_callable
 
         import_callable(config.generate, kind="generate")
+    if ":" in config.tool_parser:
+        from common.plugins import import_callable
+
+        import_callable(config.tool_parser, kind="tool-parser")
     # The row index is cached beside the ledger: a restart on the same file skips validation.
     index = os.path.join(args.data_dir, "dataset.index")
     dataset = Dataset(args.dataset, input_key=args.input_key, label_key=args.label_key, index_path=index)

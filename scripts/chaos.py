@@ -35,8 +35,9 @@ def main() -> int:
     ap.add_argument("--workdir", default=None)
     ap.add_argument(
         "--generate",
-        default="harness.generate_fns:two_turns",
-        help="generate function for every sample (default: two turns with a tool's tokens between; '' for one call)",
+        default="harness.generate_fns:chaos_turns",
+        help="generate function for every sample (default: two turns with a tool's tokens between, half of the "
+        "samples through the OpenAI client; '' for one call)",
     )
     ap.add_argument("--evaluate-every", type=int, default=10, help="an evaluation pass every K batches (0: none)")
     args = ap.parse_args()

@@ -22,6 +22,7 @@ import json
 import os
 from typing import Any
 
+from agent.chat_render import TOOLS_PREAMBLE
 from common.errors import ConfigError
 from common.tokenizer import ByteTokenizer
 
@@ -33,29 +34,48 @@ DEFAULT_CONTEXT_LENGTH = 512
 SPECIAL_TOKENS = {"<|bos|>": ByteTokenizer.BOS, "<|eos|>": ByteTokenizer.EOS, "<|pad|>": ByteTokenizer.PAD}
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- set i = loop.index0 -%}"
+    "{%- set ns = namespace(first=0) -%}"
+    "{%- if tools -%}"
+    "{{ '<|system|>\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{{ messages[0]['content'] ~ '\\n\\n' }}{%- set ns.first = 1 -%}"
+    "{%- endif -%}"
+    "{{ TOOLS_PREAMBLE ~ '<tools>\\n' }}"
+    "{%- for tool in tools -%}{{ tool | tojson }}{%- if not loop.last -%}{{ '\\n' }}{%- endif -%}{%- endfor -%}"
+    "{{ '\\n</tools><|eos|>\\n' }}"
+    "{%- endif -%}"
+    "{%- for message in messages[ns.first:] -%}"
+    "{%- set i = loop.index0 + ns.first -%}"
     "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
     "{{ raise_exception('message ' ~ i ~ ' has role ' ~ message['role'] ~ ', which this template does not know "
     "(system, user, assistant, tool)') }}"
     "{%- endif -%}"
-    "{%- if message['content'] is not defined or message['content'] is none -%}"
+    "{%- set calls = message['tool_calls'] if message['tool_calls'] is defined and message['tool_calls'] else [] -%}"
+    "{%- if (message['content'] is not defined or message['content'] is none) and not calls -%}"
     "{{ raise_exception('message ' ~ i ~ ' has no content') }}"
     "{%- endif -%}"
     "{{ '<|' ~ message['role'] ~ '|>\\n' }}"
-    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- if message['content'] is not defined or message['content'] is none -%}"
+    "{%- elif message['content'] is string -%}{{ message['content'] }}"
     "{%- else -%}{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
     "{%- else -%}{{ raise_exception('message ' ~ i ~ ' has a content part of type ' ~ part['type'] ~ "
     "'; this template renders text parts only') }}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
+    "{%- for call in calls -%}{%- set fn = call['function'] if call['function'] is defined else call -%}"
+    "{{ '<tool_call>' ~ ({'name': fn['name'], 'arguments': fn['arguments']} | tojson) ~ '</tool_call>' }}"
+    "{%- endfor -%}"
     "{{ '<|eos|>\\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
-)
+).replace("TOOLS_PREAMBLE", json.dumps(TOOLS_PREAMBLE))
 """The chat template :func:`make_model` writes: each message is ``<|ROLE|>`` and a newline, its content
-(a string, or the ``text`` of its ``{"type": "text"}`` parts), then ``<|eos|>`` and a newline; the
-generation prompt is ``<|assistant|>`` and a newline. The role markers are plain bytes (only
+(a string, or the ``text`` of its ``{"type": "text"}`` parts) and an assistant's ``tool_calls`` (each
+``<tool_call>{"name": ..., "arguments": ...}</tool_call>``), then ``<|eos|>`` and a newline; the
+generation prompt is ``<|assistant|>`` and a newline. With ``tools``, a first system turn (the first
+system message's content, if any, then a blank line) says how to call them and lists them between
+``<tools>`` and ``</tools>``, one JSON object a line: the byte chat format of agent/chat_render.py,
+token for token. The role markers are plain bytes (only
 ``<|eos|>`` is a special token), and a role other than system, user, assistant or tool, a missing
 ``content`` or a non-text content part is an error naming the message."""
 

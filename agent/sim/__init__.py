@@ -11,7 +11,8 @@ Modules, one role each:
 
 - :mod:`~agent.sim.params`: sampling parameters and ``/generate`` validation; a call expands
   into samples (batch items x ``n``), :mod:`~agent.sim.sample`.
-- :mod:`~agent.sim.output`: the output model (arithmetic answers, lengths, logprobs) and the
+- :mod:`~agent.sim.output`: the output model (arithmetic answers, tool calls for chat prompts that
+  declare tools, lengths, logprobs) and the
   response object.
 - :mod:`~agent.sim.scheduler`: pause gate, weight-update lock (:mod:`~agent.sim.rwlock`),
   slots, waiting queue, timed decode, abort, pause, weight versions.

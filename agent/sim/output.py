@@ -16,6 +16,7 @@ The whole output (ids, text, logprobs) is built once, when the sample gets a slo
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
@@ -103,6 +104,38 @@ def find_answer(ids: list[int]) -> int | None:
     return a * b
 
 
+def find_tool_call(ids: list[int]) -> bytes | None:
+    """The tool call the sim makes for a chat prompt that declares tools, or None (answer as usual).
+
+    The prompt is in the byte chat format (agent/chat_render.py): tools between ``<tools>`` and
+    ``</tools>``, one JSON object a line. When the last message is the user's (no tool result yet)
+    and it holds an ``a + b`` expression, the sim calls the first tool with it as the tool's first
+    parameter: ``<tool_call>{"name": ..., "arguments": {PARAM: "a+b"}}</tool_call>``, then EOS.
+    After a tool's result it answers as usual.
+    """
+    try:
+        data = bytes(ids)  # a plain prompt: all bytes, and no tools
+    except ValueError:  # specials (a chat prompt's EOS): only the bytes matter
+        data = bytes(i for i in ids if 0 <= i < 256)
+    start = data.find(b"<tools>\n")
+    if start < 0 or data.rfind(b"<|tool|>\n") > data.rfind(b"<|user|>\n"):
+        return None
+    end = data.find(b"\n</tools>", start)
+    try:
+        fn = json.loads(data[start + 8 : end].split(b"\n")[0])["function"]
+        name = fn["name"]
+        param = next(iter((fn.get("parameters") or {}).get("properties") or {"expression": None}))
+    except (ValueError, KeyError, TypeError, StopIteration):
+        return None
+    last = None
+    for match in _ARITHMETIC.finditer(data, end):
+        last = match
+    if last is None:
+        return None
+    expression = last.group(0).decode()
+    return b"<tool_call>" + json.dumps({"name": name, "arguments": {param: expression}}).encode() + b"</tool_call>"
+
+
 @dataclass(slots=True)
 class SampleOutput:
     """The complete output of one sample; ``content[:k]`` and ``ids[:k]`` are what k tokens show."""
@@ -175,6 +208,10 @@ class OutputModel:
             if len(content) < max_new:
                 content += b" " + filler(rng, max_new - len(content) - 1)
             content = content[:max_new]
+
+        if prompt.tool_call is not None:
+            eos = not params.ignore_eos and len(prompt.tool_call) < max_new
+            content = prompt.tool_call[:max_new]
 
         out = SampleOutput()
         first_stop = None  # (end, start, matched)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from agent.sim.output import find_answer
+from agent.sim.output import find_answer, find_tool_call
 
 if TYPE_CHECKING:
     from agent.sim.output import SampleOutput
@@ -33,12 +33,13 @@ class SampleState(enum.IntEnum):
 class Prompt:
     """Prompt token ids, shared by the ``n`` samples of one batch item."""
 
-    __slots__ = ("ids", "key", "answer")
+    __slots__ = ("ids", "key", "answer", "tool_call")
 
     def __init__(self, ids: list[int]):
         self.ids = ids
         self.key = hash(tuple(ids))  # ints only: stable across processes (seeds and the prefix cache use it)
         self.answer = find_answer(ids)
+        self.tool_call = find_tool_call(ids)
 
 
 # emit(sample, tokens, final): writes one stream chunk showing the first ``tokens`` output tokens.

@@ -38,14 +38,16 @@ def free_port() -> int:
 
 
 def task_module(name: str):
-    """The task's module: ``add`` (single-digit sums, one turn) or ``calculator`` (two-digit sums with a tool)."""
-    from examples.grpo import task, tool_task
+    """The task's module: ``add`` (single-digit sums, one turn), ``calculator`` (two-digit sums with a tool) or
+    ``openai-calculator`` (the same through the OpenAI client: examples/tools/openai_calculator.py)."""
+    from examples.grpo import openai_tool_task, task, tool_task
 
-    return {"add": task, "calculator": tool_task}[name]
+    return {"add": task, "calculator": tool_task, "openai-calculator": openai_tool_task}[name]
 
 
-def prepare_model(out: Path, *, warmup_steps: int, seed: int, log=print, task: str = "add") -> Path:
-    """``out/model``: a fresh tiny model after ``warmup_steps`` supervised steps (the engines' version 0)."""
+def prepare_model(out: Path, *, warmup_steps: int, seed: int, log=print, task: str = "add", device="cpu") -> Path:
+    """``out/model``: a fresh tiny model after ``warmup_steps`` supervised steps (the engines' version 0), made on
+    ``device`` (the trainer's)."""
     import torch
 
     from agent.hf.model import load_model, make_model
@@ -54,9 +56,11 @@ def prepare_model(out: Path, *, warmup_steps: int, seed: int, log=print, task: s
     make_model(str(out / "model-init"), preset="tiny", seed=seed)
     model, tokenizer = load_model(str(out / "model-init"))
     t0 = time.monotonic()
+    model.to(device)
     loss = warm_up(model, steps=warmup_steps, seed=seed, task_module=task_module(task))
+    model.to("cpu")
     line = f"warm-up: {warmup_steps} supervised steps in {time.monotonic() - t0:.1f}s, loss {loss:.3f}"
-    if task == "add":  # the local sampler has no tool: the calculator task is measured by the fleet's first steps
+    if task == "add":  # the local sampler has no tool: the calculator tasks are measured by the fleet's first steps
         quality = evaluate(model, seed=seed)
         line += f"; sampled: reward {quality['reward']:.2f}, format {quality['format']:.2f}"
     log(line)
@@ -111,7 +115,7 @@ def coordinator_argv(dataset: Path, data_dir: Path, address: str, args) -> list[
         "--max-new-tokens", str(args.max_new_tokens), "--temperature", "1.0",
         "--max-staleness", str(args.max_staleness), "--shuffle-seed", str(args.seed),
         "--prefetch", str(prefetch_groups(args)),
-        *(["--generate", task_module(args.task).GENERATE] if args.task == "calculator" else []),
+        *(["--generate", task_module(args.task).GENERATE] if args.task != "add" else []),
         # Greedy (temperature 0), one sample per prompt: client.evaluate("greedy") is the greedy accuracy;
         # "sampled": the same prompts, 4 samples each at the training temperature, for pass@1 and pass@4.
         "--eval-dataset", f"greedy={eval_dataset(dataset)},n_samples=1,temperature=0",
@@ -180,12 +184,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--group-size", type=int, default=8, help="samples per prompt (default 8)")
     ap.add_argument(
         "--task",
-        choices=("add", "calculator"),
+        choices=("add", "calculator", "openai-calculator"),
         default="add",
         help="add: single-digit sums in one turn (default); calculator: two-digit sums with a calculator tool "
-        "called mid-generation (multi-turn, --generate examples.tools.calculator:rollout)",
+        "called mid-generation (multi-turn, --generate examples.tools.calculator:rollout); openai-calculator: "
+        "the same as a tool-using agent loop in plain openai client code (examples.tools.openai_calculator)",
     )
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="default 16 (add) or 32 (calculator)")
+    ap.add_argument(
+        "--max-new-tokens", type=int, default=None, help="default 16 (add), 32 (calculator) or 96 (openai-calculator)"
+    )
     ap.add_argument("--max-staleness", type=int, default=1, help="eta, in weight updates (default 1)")
     ap.add_argument(
         "--prefetch-batches",
@@ -252,10 +259,12 @@ def main(argv=None) -> int:
         f"trainer on {resolve_device(args.trainer_device)}"
     )
     if args.max_new_tokens is None:
-        args.max_new_tokens = 32 if args.task == "calculator" else 16
+        args.max_new_tokens = {"add": 16, "calculator": 32}.get(args.task, task_module(args.task).MAX_NEW_TOKENS)
     if args.warmup_steps is None:
-        args.warmup_steps = 75 if args.task == "calculator" else 90
-    model_dir = prepare_model(out, warmup_steps=args.warmup_steps, seed=args.seed, task=args.task)
+        args.warmup_steps = {"add": 90, "calculator": 75}.get(args.task, 120)
+    model_dir = prepare_model(
+        out, warmup_steps=args.warmup_steps, seed=args.seed, task=args.task, device=resolve_device(args.trainer_device)
+    )
     dataset = task_module(args.task).write_dataset(out / "data.jsonl", seed=args.seed)
     address = f"tcp://127.0.0.1:{free_port()}"
     procs = Processes(out / "logs")

@@ -21,6 +21,13 @@ def encode(text: str) -> list[int]:
     return list(text.encode())
 
 
+def prompt_ids(a: int, b: int, task_module=task) -> list[int]:
+    """The prompt's tokens: the task's own ``prompt_tokens`` (a rendered chat prompt), else its text's bytes."""
+    if hasattr(task_module, "prompt_tokens"):
+        return task_module.prompt_tokens(a, b)
+    return encode(task_module.prompt(a, b))
+
+
 def teacher(a: int, b: int, task_module=task) -> tuple[list[int], list[int]]:
     """A correct response and its loss mask: the task's own ``teacher`` (tool output masked), else the answer."""
     if hasattr(task_module, "teacher"):
@@ -37,10 +44,10 @@ def warm_up(model, *, steps: int, batch_size: int = 32, lr: float = 1e-3, seed: 
     loss = torch.tensor(0.0)
     for _ in range(steps):
         batch = [rng.choice(task_module.pairs()) for _ in range(batch_size)]
-        prompts = [encode(task_module.prompt(a, b)) for a, b in batch]
+        prompts = [prompt_ids(a, b, task_module) for a, b in batch]
         taught = [teacher(a, b, task_module) for a, b in batch]
         logprobs, mask = response_logprobs(model, prompts, [t for t, _ in taught])
-        mask = mask * _pad_mask([m for _, m in taught], mask.shape[1])
+        mask = mask * _pad_mask([m for _, m in taught], mask.shape[1]).to(mask.device)
         loss = -(logprobs * mask).sum() / mask.sum()
         optimizer.zero_grad()
         loss.backward()

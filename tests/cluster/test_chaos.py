@@ -4,10 +4,12 @@ quiesced fleet.
 Agent, engine, coordinator and trainer SIGKILLs, a partition of an agent's coordinator link past its TTL and a
 node lost for good, each at least once (``harness/chaos.py``), while the trainer pushes a weight update every
 3 batches, disk and gloo broadcast in turn, runs an evaluation pass every 15 batches, and every sample is made
-in two turns by a generate function with a tool's tokens inserted between them. Then: prompt accounting over
-every state, the ledger against the agents' stores, 0 lost, 0 duplicated, replays identical, every serving
-engine on the coordinator's weight version and versions never backwards (``harness/chaos_check.py``), and
-each evaluation pass counting every evaluation prompt once (``harness/chaos_eval.py``). ``scripts/chaos.py``
+in two turns by a generate function with a tool's tokens inserted between them: half of them with
+``engine.generate``, half through the OpenAI client on the agent's endpoint (``harness.generate_fns:chaos_turns``).
+Then: prompt accounting over every state, the ledger against the agents' stores, 0 lost, 0 duplicated, replays
+identical, every serving engine on the coordinator's weight version and versions never backwards
+(``harness/chaos_check.py``), and each evaluation pass counting every evaluation prompt once
+(``harness/chaos_eval.py``). ``scripts/chaos.py``
 runs the same thing longer and with other seeds; ``ROLLFLEET_CHAOS_SEED`` and ``ROLLFLEET_CHAOS_BATCHES``
 pick this one's.
 """
@@ -19,7 +21,7 @@ import pytest
 
 from harness.chaos import run_chaos
 
-MULTI_TURN = "harness.generate_fns:two_turns"
+MULTI_TURN = "harness.generate_fns:chaos_turns"
 
 
 @pytest.mark.chaos
@@ -27,7 +29,8 @@ MULTI_TURN = "harness.generate_fns:two_turns"
 def test_exactly_once_under_every_failure_kind(tmp_path):
     batches = int(os.environ.get("ROLLFLEET_CHAOS_BATCHES", "60"))
     seed = int(os.environ.get("ROLLFLEET_CHAOS_SEED", "1"))
-    # Every sample multi-turn: two engine calls with a tool's tokens between them (harness/generate_fns.py).
+    # Every sample multi-turn: two engine calls with a tool's tokens between them (harness/generate_fns.py), odd
+    # samples through the openai client on the agent's OpenAI endpoint.
     # An evaluation pass every 15 batches (harness/chaos_eval.py): each one counts every evaluation prompt once.
     report = run_chaos(tmp_path, batches=batches, seed=seed, weights_every=3, generate=MULTI_TURN, evaluate_every=15)
     assert {kind: report.kills[kind] for kind in report.kinds if report.kills[kind] < 1} == {}, report.actions

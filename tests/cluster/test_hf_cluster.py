@@ -71,3 +71,38 @@ def test_chat_rows_through_the_models_chat_template_reach_the_trainer_with_the_t
             assert list(s.prompt_tokens) == tokenizer.encode(text, add_special_tokens=False)
             worst = max(worst, recompute_gap(model, s))
     assert worst < 1e-3
+
+
+def test_an_openai_agent_loop_on_the_hf_engine_is_rendered_by_the_models_template_and_recorded(
+    make_cluster, hf_model_dir
+):
+    """examples/tools/openai_calculator.py (plain openai client code) on an hf engine: the agent renders with the
+    model's own chat template (its tool list included), and the recorded tokens' logprobs are the model's."""
+    from agent.chat_render import render_bytes
+    from agent.hf.model import load_model
+    from examples.tools.openai_calculator import TOOLS
+
+    cluster = make_cluster(
+        generate="examples.tools.openai_calculator:rollout",
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        max_new_tokens=24,
+        dynamic_filter="none",
+    )
+    cluster.start_coordinator()
+    cluster.start_agent("agent-hf", "--model-path", hf_model_dir, "--hf-args=--threads 1", engine="hf")
+    with cluster.client() as client:
+        batch = client.generate(0)
+    model, _ = load_model(hf_model_dir)
+    assert len(batch.samples) == 4
+    with torch.no_grad():
+        for s in batch.samples:
+            question = [{"role": "user", "content": s.metadata["prompt"]}]
+            assert s.prompt_tokens.tolist() == render_bytes(question, TOOLS, True)
+            assert s.metadata["openai_calls"] >= 1 and 0 < sum(s.loss_mask) <= 24
+            ids = list(s.prompt_tokens) + list(s.response_tokens)
+            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+            n = len(s.prompt_tokens)
+            ref = torch.log_softmax(logits[n - 1 : -1], -1).gather(1, torch.tensor(s.response_tokens)[:, None])[:, 0]
+            mask = torch.tensor(s.loss_mask.tolist(), dtype=torch.bool)
+            assert float((ref - torch.tensor(s.response_logprobs))[mask].abs().max()) < 1e-3

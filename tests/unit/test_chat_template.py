@@ -116,3 +116,32 @@ def test_the_byte_tokenizer_flattens_messages_and_needs_no_check(tmp_path):
     path = _write(tmp_path / "chat.jsonl", [[{"role": "anything", "content": "x"}]])
     with Dataset(path) as dataset:
         assert check_chat_rows(dataset, load_tokenizer("byte")) == 0
+
+
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "évaluer",
+          "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]  # fmt: skip
+TOOL_CONVERSATIONS = [
+    [{"role": "user", "content": "23+48="}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "23+48="},
+     {"role": "assistant", "content": None, "tool_calls": [
+         {"id": "c0", "type": "function", "function": {"name": "calc", "arguments": '{"expression": "23+48"}'}}]},
+     {"role": "tool", "tool_call_id": "c0", "content": "71"}, {"role": "assistant", "content": "\\boxed{71}"},
+     {"role": "user", "content": "and 1+1?"}],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS], ids=["no tools", "tools"])
+@pytest.mark.parametrize("messages", CONVERSATIONS + TOOL_CONVERSATIONS, ids=lambda m: f"{len(m)} messages")
+def test_the_openai_endpoint_renders_the_hf_template_and_the_byte_format_alike(tokenizers, messages, tools):
+    """The hf engine's tokenizer (make_model's template) and the sim's byte format give the same ids, tool calls
+    and tool lists included, so the endpoint records the same conversation on either engine."""
+    from agent.chat_render import ChatRenderer
+    from agent.openai_session import normalize
+    from common.tokenizer import ByteTokenizer
+
+    ours, _ = tokenizers
+    hf, byte = ChatRenderer(ours), ChatRenderer(ByteTokenizer())
+    norm = normalize(messages)
+    for generation_prompt in (True, False):
+        assert hf.render(norm, tools, generation_prompt) == byte.render(norm, tools, generation_prompt)
+    assert hf.end_of_turn() == byte.end_of_turn() == [257, 10]
