@@ -42,14 +42,9 @@ class LeaseFlow:
         if msg.session != self.session:
             return
         grants = []
-        for grant in msg.leases:
-            try:
-                lease, epoch, index = grant["lease"], grant["data_epoch"], grant["index"]
-            except (KeyError, TypeError):
-                out.append(Log(logging.ERROR, f"malformed grant from the coordinator: {grant!r}"))
-                continue
-            self.max_lease = max(self.max_lease, lease)
-            grants.append((lease, epoch, index, grant))
+        for grant in msg.leases:  # typed and checked as the message was decoded (protocol.LeaseGrant)
+            self.max_lease = max(self.max_lease, grant.lease)
+            grants.append((grant.lease, grant.data_epoch, grant.index, grant))
         if self.stopping:
             if grants:
                 self._send(p.Release(self.session, [g[0] for g in grants], ABORT_SHUTDOWN), out)

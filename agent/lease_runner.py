@@ -60,6 +60,7 @@ from agent.spans import continuation, held_tokens
 from agent.spans import join as spans_join
 from agent.store import GroupStore
 from common import faults
+from common import protocol as p
 from common.config import RolloutConfig
 from common.errors import (
     EngineBusy,
@@ -119,9 +120,9 @@ class LeaseContext:
 
 
 class LeaseRunner:
-    def __init__(self, grant: dict, ctx: LeaseContext, dispatch: Callable[[object], None]):
+    def __init__(self, grant: p.LeaseGrant, ctx: LeaseContext, dispatch: Callable[[object], None]):
         self.grant = grant
-        self.lease: int = grant["lease"]
+        self.lease: int = grant.lease
         self.ctx = ctx
         self._dispatch = dispatch
         self._assignment: asyncio.Future[AssignEngine] | None = None
@@ -155,20 +156,20 @@ class LeaseRunner:
             # Bad reward/filter code or a rejected request: give the prompt back and
             # say why, tagged by step (the coordinator filters a prompt that keeps
             # failing, and stops admission when every group fails); the agent keeps serving.
-            log.error("lease %x (index %d) failed: %s", self.lease, grant["index"], exc)
+            log.error("lease %x (index %d) failed: %s", self.lease, grant.index, exc)
             self._dispatch(LeaseFailed(self.lease, failure_reason(_failure_kind(exc), str(exc))))
         except Exception as exc:
             # Anything else (a chat template that rejects a row, a store error) is a
             # failure of this one prompt, not of the agent.
-            log.exception("lease %x (index %d) failed unexpectedly", self.lease, grant["index"])
+            log.exception("lease %x (index %d) failed unexpectedly", self.lease, grant.index)
             detail = f"{type(exc).__name__}: {exc}"
             self._dispatch(LeaseFailed(self.lease, failure_reason("generation_failed", detail)))
 
     async def _run(self) -> None:
         ctx, grant, lease = self.ctx, self.grant, self.lease
-        epoch, index = grant["data_epoch"], grant["index"]
-        if "prompt" in grant:
-            prompt, label, metadata = grant["prompt"], grant["label"], dict(grant.get("metadata") or {})
+        epoch, index = grant.data_epoch, grant.index
+        if grant.prompt is not None:
+            prompt, label, metadata = grant.prompt, grant.label, dict(grant.metadata)
         else:  # replicated dataset: the grant carries the index only
             row = ctx.dataset.row(index)
             prompt, label, metadata = row.prompt, row.label, dict(row.metadata)
@@ -189,7 +190,7 @@ class LeaseRunner:
         scores = await ctx.reward.score(samples) if None in given else given
         for sample, own, reward in zip(samples, given, scores, strict=True):
             sample.reward = float(reward if own is None else own)
-        if "eval" in grant:  # an evaluation prompt: no filter, nothing stored (coordinator/evaluation.py)
+        if grant.eval:  # an evaluation prompt: no filter, nothing stored (coordinator/evaluation.py)
             self._dispatch(LeaseScored(lease, len(samples)))
             result = {
                 "rewards": [s.reward for s in samples],
@@ -197,7 +198,7 @@ class LeaseRunner:
                 "truncated": sum(s.status == "truncated" for s in samples),
                 "versions": sorted({s.weight_version for s in samples}),
             }
-            self._dispatch(LeaseEvaluated(lease, grant["eval"], grant["eval_pass"], result))
+            self._dispatch(LeaseEvaluated(lease, grant.eval, grant.eval_pass, result))
             return
         verdict = await ctx.filter.check(samples)
         self._dispatch(LeaseScored(lease, len(samples)))
@@ -217,7 +218,7 @@ class LeaseRunner:
             index=index,
             samples=samples,
             data_epoch=epoch,
-            rollout_id=grant["rollout_id"],
+            rollout_id=grant.rollout_id,
             label=label,
             metadata=metadata,
             agent_id=ctx.agent_id,
@@ -243,7 +244,7 @@ class LeaseRunner:
     def _params(self) -> dict:
         """The fleet's sampling parameters, with an evaluation dataset's own over them."""
         params = self.ctx.config.sampling_params()
-        params.update(self.grant.get("sampling") or {})
+        params.update(self.grant.sampling)
         return params
 
     def _n_samples(self) -> int:

@@ -69,10 +69,9 @@ class LeaseRecord:
     n_samples: int = 0  # its group's size: the fleet's, or an evaluation lease's own (``group_size``)
 
 
-def group_size(grant: dict, default: int) -> int:
+def group_size(grant: p.LeaseGrant, default: int) -> int:
     """Samples a grant's group has: its own ``n_samples`` (an evaluation lease), else ``default``, the fleet's."""
-    n = grant.get("n_samples")
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else default
+    return grant.n_samples if grant.n_samples > 0 else default
 
 
 class LeaseTable:

@@ -18,14 +18,15 @@ import msgpack
 
 from common.errors import MessageTooLarge, ProtocolError, VersionMismatch
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """2: one message type per trainer request (was ``trainer_control``); ``BatchRefs`` refs in
 ``GroupRef`` order. 3: weight updates (``UpdateWeights`` ... ``WeightsReport``). 4: over-sampling
 (``Stop``, coordinator -> agent) and ``Generate.deadline`` (partial batches). 5: ``Register.req``
 (a resent Register gets the same session) and weight-update failures (``AbortWeights`` and
 ``WeightsAlive``, trainer -> coordinator; ``WeightsReport.members``, the engines an agent confirmed
 for a broadcast group). 6: catch-up updates (``UpdateWeights.kind`` ``catch_up``,
-``WeightsBegin.catch_up``, ``WeightsAbort.catch_up``)."""
+``WeightsBegin.catch_up``, ``WeightsAbort.catch_up``). 7: ``Grant.leases`` are typed records
+(``LeaseGrant``: the lease's prompt source, ``source``, instead of an ``eval`` key)."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """Application limit. Larger messages get a clear error reply. The ZeroMQ
@@ -34,20 +35,41 @@ socket limit (MAXMSGSIZE) is set above it so the peer is not silently cut."""
 _REGISTRY: dict[str, type[Message]] = {}
 
 
-def message(cls):
-    """Register a message dataclass under its ``TYPE``."""
-    cls = dataclass(cls)
-    if cls.TYPE in _REGISTRY:
-        raise RuntimeError(f"duplicate message type {cls.TYPE}")
+def _typed(cls) -> None:
+    """Compile ``cls``'s field checks once (decoding is the coordinator's per-message cost)."""
     hints = typing.get_type_hints(cls)
     cls._FIELDS = {
         f.name: (hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
         for f in dataclasses.fields(cls)
     }
     cls._NAMES = tuple(cls._FIELDS)
-    # Each field's type check compiled once (decoding is the coordinator's per-message cost).
     cls._CHECKS = tuple((name, hint, required, _compile(hint)) for name, (hint, required) in cls._FIELDS.items())
+    # Fields holding a list of records: decoded from maps into the record class, encoded back to maps.
+    cls._RECORD_LISTS = {
+        name: item
+        for name, (hint, _) in cls._FIELDS.items()
+        if typing.get_origin(hint) is list
+        for item in typing.get_args(hint)
+        if getattr(item, "_IS_RECORD", False)
+    }
+
+
+def message(cls):
+    """Register a message dataclass under its ``TYPE``."""
+    cls = dataclass(cls)
+    if cls.TYPE in _REGISTRY:
+        raise RuntimeError(f"duplicate message type {cls.TYPE}")
+    _typed(cls)
     _REGISTRY[cls.TYPE] = cls
+    return cls
+
+
+def record(cls):
+    """A typed record a message field carries as ``list[Record]``: on the wire a map whose fields are checked
+    like a message's (unknown, missing or mistyped ones refused with the message's name)."""
+    cls = dataclass(frozen=True)(cls)
+    cls._IS_RECORD = True
+    _typed(cls)
     return cls
 
 
@@ -56,9 +78,13 @@ class Message:
     _FIELDS: ClassVar[dict]
     _NAMES: ClassVar[tuple]
     _CHECKS: ClassVar[tuple]
+    _RECORD_LISTS: ClassVar[dict]
 
     def to_body(self) -> dict:
-        return {name: getattr(self, name) for name in self._NAMES}
+        body = {name: getattr(self, name) for name in self._NAMES}
+        for name in self._RECORD_LISTS:
+            body[name] = [{k: getattr(r, k) for k in r._NAMES} for r in body[name]]
+        return body
 
 
 def _check(value: Any, hint: Any) -> bool:
@@ -109,6 +135,8 @@ def _compile(hint: Any):
         return _is_number
     if hint is int:
         return _is_int
+    if getattr(hint, "_IS_RECORD", False):
+        return lambda v: isinstance(v, dict)  # its fields are checked as it is decoded (``_decode_fields``)
     if origin is list:
         (item,) = typing.get_args(hint) or (Any,)
         each = _compile(item)
@@ -147,20 +175,27 @@ def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Messa
         raise ProtocolError(f"unknown message type {mtype!r}")
     if not isinstance(body, dict):
         raise ProtocolError(f"malformed {mtype}: body must be a map")
+    return cls(**_decode_fields(cls, body, mtype))
+
+
+def _decode_fields(cls, body: dict, what: str) -> dict:
     unknown = set(body) - set(cls._FIELDS)
     if unknown:
-        raise ProtocolError(f"malformed {mtype}: unknown field(s) {sorted(unknown)}")
+        raise ProtocolError(f"malformed {what}: unknown field(s) {sorted(unknown)}")
     kwargs = {}
     for name, hint, required, check in cls._CHECKS:
         if name not in body:
             if required:
-                raise ProtocolError(f"malformed {mtype}: missing field {name!r}")
+                raise ProtocolError(f"malformed {what}: missing field {name!r}")
             continue
         value = body[name]
         if check is not None and not check(value):
-            raise ProtocolError(f"malformed {mtype}: field {name!r} has type {type(value).__name__}, expected {hint}")
+            raise ProtocolError(f"malformed {what}: field {name!r} has type {type(value).__name__}, expected {hint}")
+        item = cls._RECORD_LISTS.get(name)
+        if item is not None:
+            value = [item(**_decode_fields(item, v, f"{what}.{name}[{i}]")) for i, v in enumerate(value)]
         kwargs[name] = value
-    return cls(**kwargs)
+    return kwargs
 
 
 def peek_req(frame: bytes) -> int:

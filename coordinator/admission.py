@@ -202,8 +202,8 @@ class Admission:
                     self.next_lease_id(), agent_id, *taken, rollout_id, self.core.weights.log.updates, source.key
                 )
                 self.hold(lease, rec)
-                entry = {"lease": lease.lease_id, "data_epoch": lease.data_epoch, "index": lease.index}
-                leases.append({**entry, "rollout_id": rollout_id, **source.grant_fields(lease)})
+                fields = source.grant_fields(lease)
+                leases.append(p.LeaseGrant(lease.lease_id, *lease.prompt, rollout_id, source.key, **fields))
             if leases:
                 self.core.counters.leases_granted += len(leases)
                 granted.append(Send(agent_id, p.Grant(rec.session, leases), with_rows=source.with_rows(rec)))

@@ -215,8 +215,7 @@ class EvalSource:
 
     def grant_fields(self, lease: Lease) -> dict:
         run = self.run
-        return {"eval": self.name, "eval_pass": run.record.pass_id, "n_samples": run.spec.n_samples,
-                "sampling": dict(run.spec.sampling)}  # fmt: skip
+        return {"eval_pass": run.record.pass_id, "n_samples": run.spec.n_samples, "sampling": dict(run.spec.sampling)}
 
     def with_rows(self, rec) -> bool:
         return True  # read from the evaluation file, which agents do not have

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from common.protocol import TRAIN_SOURCE
 from coordinator.frontier import DELIVERED, FILTERED, READY, STATE_NAMES
 
 Prompt = tuple[int, int]
@@ -64,7 +65,7 @@ class GroupRef:
         return cls(data_epoch, index, agent_id, key, address)
 
 
-TRAIN = "train"
+TRAIN = TRAIN_SOURCE
 """The training dataset's prompt source (``coordinator/sources.py``)."""
 
 

@@ -41,7 +41,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import zmq
 
@@ -57,6 +57,7 @@ from common.transport import router, send_nowait, stop_on_signals
 from coordinator.core import CoordinatorCore, Persist, Send
 from coordinator.evaluation import EvalSpec
 from coordinator.ledger import Ledger
+from coordinator.sources import EVAL_PREFIX, TRAIN
 
 log = logging.getLogger("rollfleet.coordinator")
 
@@ -111,6 +112,8 @@ class CoordinatorServer:
         metrics_host, metrics_port, max_message_bytes = s.metrics_host, s.metrics_port, s.max_message_bytes
         self.dataset = dataset
         self.eval_datasets = {name: ds for name, (ds, _) in (eval_datasets or {}).items()}
+        self.source_datasets = {TRAIN: dataset, **{EVAL_PREFIX + n: ds for n, ds in self.eval_datasets.items()}}
+        """Each prompt source's dataset (coordinator/sources.py), by the key its leases carry."""
         self.metrics_host, self.metrics_port = metrics_host, metrics_port
         self.observe = None  # the /metrics and status page endpoint while serving (coordinator/observe.py)
         self.max_message_bytes = max_message_bytes
@@ -250,9 +253,8 @@ class CoordinatorServer:
             try:
                 leases = []
                 for lease in s.msg.leases:
-                    dataset = self.eval_datasets[lease["eval"]] if "eval" in lease else self.dataset
-                    row = dataset.row(lease["index"])
-                    leases.append({**lease, "prompt": row.prompt, "label": row.label, "metadata": row.metadata})
+                    row = self.source_datasets[lease.source].row(lease.index)
+                    leases.append(replace(lease, prompt=row.prompt, label=row.label, metadata=row.metadata))
                 out[id(s)] = p.Grant(s.msg.session, leases)
             except Exception:
                 log.exception("cannot read the dataset rows of a grant to %s; its leases will be released", s.to)

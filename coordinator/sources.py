@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["EVAL_PREFIX", "TRAIN", "PromptSource", "TrainingSource"]
 
-EVAL_PREFIX = "eval/"
+EVAL_PREFIX = p.EVAL_SOURCE
 """Evaluation datasets' source keys: ``eval/<name>``."""
 
 
@@ -45,7 +45,7 @@ class PromptSource(Protocol):
         """The next prompt to lease, ``(data_epoch, index)``, marked leased; None when it has none now."""
 
     def grant_fields(self, lease: Lease) -> dict:
-        """What a ``Grant`` entry carries for ``lease`` beside its id, prompt and rollout id."""
+        """``protocol.LeaseGrant`` fields of ``lease`` beside its id, prompt, rollout id and source."""
 
     def with_rows(self, rec: AgentRecord) -> bool:
         """Whether the shell adds the prompts' rows to the agent's ``Grant``."""

@@ -84,7 +84,7 @@ class Fleet:
             agent, session, lease = self.leases.popleft()
             key = f"{lease['data_epoch']}:{lease['index']}:{lease['lease']:x}"
             stats = {"n_samples": GROUP, "reward_sum": 2.0}
-            msg = p.Receipt(session, lease["lease"], lease["data_epoch"], lease["index"], key, GROUP, stats)
+            msg = p.Receipt(session, lease.lease, lease.data_epoch, lease.index, key, GROUP, stats)
             messages.append((agent.encode() if isinstance(agent, str) else agent, p.decode(p.encode(msg))))
         self.receipts += len(messages)
         self.turn(messages, now)

@@ -111,17 +111,7 @@ class Node:
             MessageReceived(
                 p.Grant(
                     self.session.session,
-                    [
-                        {
-                            "lease": lease,
-                            "data_epoch": 0,
-                            "index": lease,
-                            "rollout_id": 0,
-                            "prompt": "What is 2 + 3?",
-                            "label": "5",
-                            "metadata": {},
-                        }
-                    ],
+                    [p.LeaseGrant(lease, 0, lease, 0, prompt="What is 2 + 3?", label="5")],
                 )
             )
         )

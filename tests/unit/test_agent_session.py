@@ -84,16 +84,8 @@ def logs(instructions) -> str:
     return "\n".join(i.text for i in of(instructions, Log))
 
 
-def grant(lease, index=None, epoch=0) -> dict:
-    return {
-        "lease": lease,
-        "data_epoch": epoch,
-        "index": lease if index is None else index,
-        "rollout_id": 0,
-        "prompt": "1+1",
-        "label": 2,
-        "metadata": {},
-    }
+def grant(lease, index=None, epoch=0) -> p.LeaseGrant:
+    return p.LeaseGrant(lease, epoch, lease if index is None else index, 0, prompt="1+1", label=2)
 
 
 def start(s, *leases, now=0.0) -> list[AssignEngine]:
@@ -368,13 +360,6 @@ def test_max_lease_follows_grants_and_the_coordinators_heartbeat():
     assert s.max_lease == 4
     recv(s, p.Heartbeat(7, {"max_lease": 11}))
     assert heartbeat(s, 0.0).max_lease == 11
-
-
-def test_a_malformed_grant_is_logged_and_the_others_of_its_message_start():
-    s = make_session()
-    join(s)
-    out = recv(s, p.Grant(7, [{"lease": 1}, grant(2)]))
-    assert "malformed grant" in logs(out) and of(out, StartLease) == [StartLease(2, grant(2))]
 
 
 # ---------------------------------------------------------------------------- receipts

@@ -138,7 +138,7 @@ def test_grants_during_an_update_start_their_runners():
         s,
         p.Grant(
             s.session,
-            [{"lease": 3, "data_epoch": 0, "index": 3, "rollout_id": 0, "prompt": "x", "label": 1, "metadata": {}}],
+            [p.LeaseGrant(3, 0, 3, 0, prompt="x", label=1)],
         ),
     )
     assert [i.lease for i in of(out, StartLease)] == [3]

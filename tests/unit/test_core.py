@@ -58,10 +58,10 @@ def attach(core):
 
 
 def receipt(core, session, g, key=None, now=0.0, agent=b"a"):
-    key = key or f"{g['data_epoch']}:{g['index']}:{g['lease']:x}"
+    key = key or f"{g.data_epoch}:{g.index}:{g.lease:x}"
     eff = core.handle(
         agent,
-        p.Receipt(session, g["lease"], g["data_epoch"], g["index"], key, N, {"n_samples": N, "reward_sum": 2.0}),
+        p.Receipt(session, g.lease, g.data_epoch, g.index, key, N, {"n_samples": N, "reward_sum": 2.0}),
         now,
     )
     return eff, sends(eff, p.ReceiptAck)[0].msg
@@ -110,8 +110,8 @@ def test_batches_assemble_exactly_and_replay_identically():
     for g in gs:
         eff, _ = receipt(core, welcome.session, g)
     batch = sends(eff, p.BatchRefs)[0].msg
-    assert sorted(r[1] for r in batch.groups) == sorted(g["index"] for g in gs)
-    assert core.frontier.state_of(0, gs[0]["index"]) == DELIVERED
+    assert sorted(r[1] for r in batch.groups) == sorted(g.index for g in gs)
+    assert core.frontier.state_of(0, gs[0].index) == DELIVERED
     replay = sends(core.handle(b"trainer", p.Generate(session, 11, 0), 0.0), p.BatchRefs)[0].msg
     assert replay.groups == batch.groups and replay.metrics == batch.metrics
     err = sends(core.handle(b"trainer", p.Generate(session, 12, -5), 0.0), p.Error)
@@ -123,10 +123,10 @@ def test_filtered_groups_are_replaced_and_reported_in_the_next_batch():
     welcome, _ = register(core)
     session = attach(core)
     g = grants(core.handle(b"trainer", p.Generate(session, 1, 0), 0.0))[0]
-    eff = core.handle(b"a", p.Filtered(welcome.session, g["lease"], 0, g["index"], "zero_std_1"), 0.0)
-    assert core.frontier.state_of(0, g["index"]) == FILTERED
+    eff = core.handle(b"a", p.Filtered(welcome.session, g.lease, 0, g.index, "zero_std_1"), 0.0)
+    assert core.frontier.state_of(0, g.index) == FILTERED
     replacement = grants(eff)
-    assert len(replacement) == 1 and replacement[0]["index"] != g["index"]
+    assert len(replacement) == 1 and replacement[0].index != g.index
     eff, _ = receipt(core, welcome.session, replacement[0])
     m = sends(eff, p.BatchRefs)[0].msg.metrics
     assert m["rollout/dynamic_filter/drop_zero_std_1"] == 1
@@ -144,21 +144,21 @@ def test_silent_agent_is_fenced_and_its_leases_are_held_for_it_not_leased_again(
     # b gets the work the bound allows, but none of a's prompts: they stay leased, held for a.
     fresh = grants(eff)
     assert len(fresh) == 2 and all(s.to == "b" for s in sends(eff, p.Grant))
-    assert not {g["index"] for g in fresh} & {g["index"] for g in leased}
-    assert all(core.frontier.state_of(0, g["index"]) == LEASED for g in leased)
+    assert not {g.index for g in fresh} & {g.index for g in leased}
+    assert all(core.frontier.state_of(0, g.index) == LEASED for g in leased)
     stats = core.statistics()
     assert (stats.held, stats.leased) == (2, 2)
     # a's late receipt is fenced: it must register again.
-    late = core.handle(b"a", p.Receipt(w1.session, leased[0]["lease"], 0, leased[0]["index"], "k", N, {}), 4.0)
+    late = core.handle(b"a", p.Receipt(w1.session, leased[0].lease, 0, leased[0].index, "k", N, {}), 4.0)
     assert isinstance(sends(late)[0].msg, p.Fence)
     # Back: the group it committed meanwhile is accepted, the one it still generates stays its lease.
-    unacked = [{"lease": leased[0]["lease"], "data_epoch": 0, "index": leased[0]["index"], "key": "k", "stats": {}}]
-    in_flight = [[leased[1]["lease"], 0, leased[1]["index"]]]
+    unacked = [{"lease": leased[0].lease, "data_epoch": 0, "index": leased[0].index, "key": "k", "stats": {}}]
+    in_flight = [[leased[1].lease, 0, leased[1].index]]
     w1b, eff = register(core, "a", now=4.0, unacked=unacked, in_flight=in_flight)
     assert w1b.acks == [["k", True]] and w1b.cancel == []
-    assert core.frontier.state_of(0, leased[0]["index"]) == READY
-    assert core.admission.leases[leased[1]["lease"]].agent_id == "a"
-    assert leased[1]["index"] not in {g["index"] for g in grants(eff)}
+    assert core.frontier.state_of(0, leased[0].index) == READY
+    assert core.admission.leases[leased[1].lease].agent_id == "a"
+    assert leased[1].index not in {g.index for g in grants(eff)}
     _, ack = receipt(core, w1b.session, leased[1], now=4.5)
     assert ack.accepted
     stats = core.statistics()
@@ -175,18 +175,18 @@ def test_held_prompts_are_pending_again_when_their_agent_is_retired_or_returns_w
     tick(core, 1.5)
     assert core.statistics().held == 2
     # a comes back with only the first (say, restarted without the other): the second is pending again.
-    register(core, "a", now=2.0, in_flight=[[first["lease"], 0, first["index"]]])
+    register(core, "a", now=2.0, in_flight=[[first.lease, 0, first.index]])
     assert core.statistics().held == 0
-    assert core.frontier.state_of(0, second["index"]) == PENDING
-    assert core.admission.leases[first["lease"]].agent_id == "a"
+    assert core.frontier.state_of(0, second.index) == PENDING
+    assert core.admission.leases[first.lease].agent_id == "a"
     # Silent again, then retired: what is held for it is pending again, first in line.
     for t in [2.5 + 0.5 * i for i in range(11)]:
         core.handle(b"b", p.Heartbeat(w2.session), t)
         tick(core, t)
     assert core.membership.agents["a"].status == "retired"
     assert core.statistics().held == 0
-    assert core.frontier.state_of(0, first["index"]) == PENDING
-    assert core.frontier.take(8.0) == (0, second["index"])
+    assert core.frontier.state_of(0, first.index) == PENDING
+    assert core.frontier.take(8.0) == (0, second.index)
 
 
 def test_held_prompts_go_to_a_live_agent_before_a_new_epoch_opens():
@@ -198,14 +198,14 @@ def test_held_prompts_go_to_a_live_agent_before_a_new_epoch_opens():
     w2, eff = register(core, "b", slots=8 * N, now=1.5)
     got = grants(eff)
     # The two fresh prompts of epoch 0 first, then a's two held ones; no epoch 1 while they are held.
-    assert sorted(g["index"] for g in got if g["data_epoch"] == 0) == [0, 1, 2, 3]
-    assert {g["index"] for g in got if g["data_epoch"] == 1} <= set(range(4))
+    assert sorted(g.index for g in got if g.data_epoch == 0) == [0, 1, 2, 3]
+    assert {g.index for g in got if g.data_epoch == 1} <= set(range(4))
     assert core.statistics().held == 0
     # a returns with a group for one of them: first committer wins, b's copy is then refused.
-    unacked = [{"lease": leased[0]["lease"], "data_epoch": 0, "index": leased[0]["index"], "key": "k", "stats": {}}]
+    unacked = [{"lease": leased[0].lease, "data_epoch": 0, "index": leased[0].index, "key": "k", "stats": {}}]
     w1b, _ = register(core, "a", slots=2 * N, now=2.0, unacked=unacked)
     assert w1b.acks == [["k", True]]
-    mine = [g for g in got if (g["data_epoch"], g["index"]) == (0, leased[0]["index"])][0]
+    mine = [g for g in got if (g.data_epoch, g.index) == (0, leased[0].index)][0]
     _, ack = receipt(core, w2.session, mine, key="other", agent=b"b")
     assert not ack.accepted
 
@@ -236,13 +236,13 @@ def test_a_prompt_pending_again_is_not_parked_on_a_node_whose_engines_are_behind
     held = grants(eff)
     assert len(ours) == len(held) == 2  # both full
     for t in (0.5, 1.0, 1.5):
-        core.handle(b"a", p.Heartbeat(wa.session, {}, [g["lease"] for g in ours], ours[-1]["lease"]), t)
+        core.handle(b"a", p.Heartbeat(wa.session, {}, [g.lease for g in ours], ours[-1].lease), t)
         tick(core, t)
     assert core.statistics().held == 2  # c is silent past the TTL: its two prompts are held for it
     # c's new process: nothing in flight, engines on the launch weights (version 0), the fleet on version 3.
     wc2, eff = join("c", 2, 0, 1.6)
     assert core.statistics().held == 0
-    again = {g["index"] for g in held}
+    again = {g.index for g in held}
     assert grants(eff) == [], "c's engines cannot generate until they hold the fleet's weights"
     assert all(core.frontier.state_of(0, i) == PENDING for i in again)  # first in line
     # c takes its engines out of its pool one at a time to re-load them (from disk: seconds, the first time):
@@ -254,7 +254,7 @@ def test_a_prompt_pending_again_is_not_parked_on_a_node_whose_engines_are_behind
     eff = []
     for g in ours:
         eff += receipt(core, wa.session, g, now=1.7)[0]
-    assert {g["index"] for g in grants(eff)} == again
+    assert {g.index for g in grants(eff)} == again
     # Once c's engines hold the fleet's weights, its capacity counts again.
     core.handle(b"c", p.Capacity(wc2.session, 2 * N, engine(3)), 2.0)
     assert core.membership.agents["c"].free == 2
@@ -270,14 +270,14 @@ def test_under_max_staleness_a_silent_agents_leases_are_released_at_once():
         core.handle(b"b", p.Heartbeat(w2.session), t)
     eff = tick(core, 1.5)
     assert core.statistics().held == 0
-    assert sorted(g["index"] for g in grants(eff)) == sorted(g["index"] for g in leased)
+    assert sorted(g.index for g in grants(eff)) == sorted(g.index for g in leased)
 
 
 def test_reregistering_agent_keeps_its_in_flight_leases():
     core = make_core(prefetch=2)
     w, eff = register(core)
     leased = grants(eff)
-    in_flight = [[g["lease"], 0, g["index"]] for g in leased]
+    in_flight = [[g.lease, 0, g.index] for g in leased]
     w2, eff = register(core, in_flight=in_flight)
     assert w2.cancel == []
     assert core.statistics().leased == 2
@@ -289,10 +289,10 @@ def test_heartbeat_reconciles_leases_the_agent_no_longer_has():
     w, eff = register(core)
     leased = grants(eff)
     # The agent's Filtered for the first lease was lost: its heartbeat no longer lists it.
-    eff = core.handle(b"a", p.Heartbeat(w.session, {}, [leased[1]["lease"]], max(g["lease"] for g in leased)), 0.5)
-    assert core.frontier.state_of(0, leased[0]["index"]) in (PENDING, LEASED)
+    eff = core.handle(b"a", p.Heartbeat(w.session, {}, [leased[1].lease], max(g.lease for g in leased)), 0.5)
+    assert core.frontier.state_of(0, leased[0].index) in (PENDING, LEASED)
     assert len(core.admission.leases) == 2  # released, then granted again (to the same agent)
-    assert [g["index"] for g in grants(eff)] == [leased[0]["index"]]
+    assert [g.index for g in grants(eff)] == [leased[0].index]
 
 
 def test_retired_agent_ready_groups_are_generated_again():
@@ -374,12 +374,12 @@ def test_restore_keeps_accounted_prompts_and_delays_orphans():
     assert core.frontier.state_of(0, 2) == READY
     w, eff = register(core, now=100.0, slots=40 * N)
     first = [g for g in grants(eff)]
-    indices = [g["index"] for g in first]
+    indices = [g.index for g in first]
     assert 3 not in indices and 4 not in indices, "orphans wait a TTL for their agents to come back"
     assert 5 in indices
     # After the grace period, released work is reissued with the orphans first.
-    eff = core.handle(b"a", p.Release(w.session, [g["lease"] for g in first[:2]], "test"), 104.0)
-    assert sorted(g["index"] for g in grants(eff)) == [3, 4]
+    eff = core.handle(b"a", p.Release(w.session, [g.lease for g in first[:2]], "test"), 104.0)
+    assert sorted(g.index for g in grants(eff)) == [3, 4]
 
 
 def test_agent_reporting_an_orphan_adopts_it_after_restart():
@@ -406,7 +406,7 @@ def test_epochs_roll_over_and_every_prompt_is_accounted(size):
         eff = core.handle(b"trainer", p.Generate(session, rid, rid, 0), 0.0)
         g = grants(eff)[0]
         eff, _ = receipt(core, w.session, g)
-        seen.append((g["data_epoch"], g["index"]))
+        seen.append((g.data_epoch, g.index))
     assert len(set(seen)) == len(seen)
     for epoch in range(3):
         assert sorted(i for e, i in seen if e == epoch) == list(range(size))
@@ -428,13 +428,13 @@ def test_batch_on_a_retired_node_is_completed_with_replacements():
     core.handle(b"b", p.Heartbeat(wb.session), 5.9)
     tick(core, 6.0)  # a is retired with its payloads
     # Nothing changes until a trainer asks for batch 0 again (it could not fetch a's group).
-    assert core.frontier.state_of(0, ga[0]["index"]) == DELIVERED
+    assert core.frontier.state_of(0, ga[0].index) == DELIVERED
     eff = core.handle(b"trainer", p.Generate(session, 2, 0), 6.0)
     assert sends(eff, p.BatchRefs) == []
     # Batch 0 was never fetched, so a's prompt was never trained: it is generated again.
     replacement = grants(eff)
     assert core.statistics().batches_in_repair == (0,)
-    assert [g["index"] for g in replacement] == [ga[0]["index"]]
+    assert [g.index for g in replacement] == [ga[0].index]
     assert all(s.to == "b" for s in sends(eff, p.Grant))
     eff, _ = receipt(core, wb.session, replacement[0], agent=b"b", now=6.1)
     repaired = sends(eff, p.BatchRefs)[0].msg
@@ -477,11 +477,11 @@ def test_grants_leave_only_behind_the_cursor_that_covers_them():
     session = attach(core2)
     core2.handle(b"trainer", p.Generate(session, 1, 0), 100.0)
     _, eff = register(core2, "b", now=100.0)
-    assert not {g["index"] for g in grants(eff)} & {g["index"] for g in leased}, "a's in-flight prompts were given to b"
+    assert not {g.index for g in grants(eff)} & {g.index for g in leased}, "a's in-flight prompts were given to b"
     # a comes back within the TTL and adopts its own work.
-    w, _ = register(core2, "a", now=101.0, in_flight=[[g["lease"], 0, g["index"]] for g in leased])
+    w, _ = register(core2, "a", now=101.0, in_flight=[[g.lease, 0, g.index] for g in leased])
     assert w.cancel == []
-    assert all(core2.frontier.state_of(0, g["index"]) == LEASED for g in leased)
+    assert all(core2.frontier.state_of(0, g.index) == LEASED for g in leased)
 
 
 def test_pause_survives_a_coordinator_restart():
@@ -496,7 +496,7 @@ def test_pause_survives_a_coordinator_restart():
     assert SetPaused(True) in persist.ops
     assert any(isinstance(s.msg, p.Ok) for s in persist.then), "pause is acknowledged only once durable"
     core2 = make_core(prefetch=2, restored=ledger.restored(2))
-    w2, eff = register(core2, in_flight=[[g["lease"], 0, g["index"]] for g in grants(eff)])
+    w2, eff = register(core2, in_flight=[[g.lease, 0, g.index] for g in grants(eff)])
     assert w2.paused and grants(eff) == []
     assert core2.statistics().paused
     # Resuming is durable too.
@@ -539,15 +539,15 @@ def test_a_fetched_batch_that_loses_its_node_never_regenerates_its_prompts():
     tick(core, 2.0)
     core.handle(b"b", p.Heartbeat(wb.session), 5.9)
     tick(core, 6.0)  # a retired: batch 0 was trained on, so its prompt stays delivered
-    assert core.frontier.state_of(0, ga[0]["index"]) == DELIVERED
+    assert core.frontier.state_of(0, ga[0].index) == DELIVERED
     assert core.statistics().batches_in_repair == ()
     # A resumed trainer asking for batch 0 again gets it completed with a fresh prompt.
     eff = core.handle(b"trainer", p.Generate(session, 3, 0), 6.0)
     fresh = grants(eff)
-    assert len(fresh) == 1 and fresh[0]["index"] != ga[0]["index"]
+    assert len(fresh) == 1 and fresh[0].index != ga[0].index
     eff, _ = receipt(core, wb.session, fresh[0], agent=b"b", now=6.1)
     refs = sends(eff, p.BatchRefs)[0].msg
-    assert [g[1] for g in refs.groups] == [fresh[0]["index"]] and refs.metrics["rollout/replaced_groups"] == 1
+    assert [g[1] for g in refs.groups] == [fresh[0].index] and refs.metrics["rollout/replaced_groups"] == 1
 
 
 def _run_epoch(core, w, session, size, start_rid):
@@ -564,7 +564,7 @@ def test_a_closed_epoch_is_never_opened_again_by_a_late_agent():
     session = attach(core)
     _run_epoch(core, w, session, 3, 0)
     g = grants(core.handle(b"trainer", p.Generate(session, 3, 3, 0), 0.0))[0]
-    assert g["data_epoch"] == 1
+    assert g.data_epoch == 1
     receipt(core, w.session, g)
     core.handle(b"trainer", p.Consumed(session, 9, 3), 0.0)
     _run_epoch(core, w, session, 2, 4)  # epoch 1 complete: epoch 0 closes once a newer one is open
@@ -578,7 +578,7 @@ def test_a_closed_epoch_is_never_opened_again_by_a_late_agent():
     )
     assert w2.cancel == [12345] and w2.acks == [["late", False]]
     assert not core.frontier.is_open(0)
-    assert all(g["data_epoch"] >= 1 for g in grants(eff))
+    assert all(g.data_epoch >= 1 for g in grants(eff))
 
 
 def test_epoch_stays_open_until_its_batches_are_fetched():
@@ -598,12 +598,12 @@ def test_a_prompt_that_keeps_failing_is_filtered_not_retried_forever():
     w, eff = register(core)
     g = grants(eff)[0]
     for attempt in range(3):
-        eff = core.handle(b"a", p.Release(w.session, [g["lease"]], "failed: reward raised ValueError"), 0.0)
-        again = [x for x in grants(eff) if x["index"] == g["index"]]
+        eff = core.handle(b"a", p.Release(w.session, [g.lease], "failed: reward raised ValueError"), 0.0)
+        again = [x for x in grants(eff) if x.index == g.index]
         if attempt < 2:
             assert again, "a failed prompt is retried"
             g = again[0]
-    assert core.frontier.state_of(0, g["index"]) == FILTERED
+    assert core.frontier.state_of(0, g.index) == FILTERED
     # The next batch reports it with the other filter drops.
     assert core.batches.drops.metrics()["rollout/dynamic_filter/drop_generation_failed"] == 1
 
@@ -612,8 +612,8 @@ def test_filtered_report_counts_for_the_leased_prompt_only():
     core = make_core(prefetch=1)
     w, eff = register(core)
     g = grants(eff)[0]
-    core.handle(b"a", p.Filtered(w.session, g["lease"], 0, -1, "zero_std_0"), 0.0)
-    assert core.frontier.state_of(0, g["index"]) == FILTERED
+    core.handle(b"a", p.Filtered(w.session, g.lease, 0, -1, "zero_std_0"), 0.0)
+    assert core.frontier.state_of(0, g.index) == FILTERED
 
 
 def test_malformed_register_fields_are_ignored_not_fatal():
@@ -668,7 +668,7 @@ def test_registration_trims_stored_groups_nothing_refers_to():
     g = grants(core.handle(b"trainer", p.Generate(session, 1, 0), 0.0))[0]
     receipt(core, w.session, g, key="kept")
     g2 = grants(core.handle(b"trainer", p.Generate(session, 2, 1), 0.0))[0]
-    unacked = [{"lease": g2["lease"], "data_epoch": 0, "index": g2["index"], "key": "pending-receipt", "stats": {}}]
+    unacked = [{"lease": g2.lease, "data_epoch": 0, "index": g2.index, "key": "pending-receipt", "stats": {}}]
     eff = core.handle(
         b"a",
         p.Register(
@@ -696,7 +696,7 @@ def test_a_resent_register_gets_the_same_session_and_the_same_acks_not_a_new_ses
     session = attach(core)
     w, eff = register(core)
     g = grants(core.handle(b"trainer", p.Generate(session, 1, 1), 0.0))[0]
-    unacked = [{"lease": g["lease"], "data_epoch": 0, "index": g["index"], "key": "k", "stats": {}}]
+    unacked = [{"lease": g.lease, "data_epoch": 0, "index": g.index, "key": "k", "stats": {}}]
     # The agent lost its link and registers again; three copies of that Register arrive at the heal.
     copies = [core.handle(b"a2", _register_msg(req=7, unacked=unacked), 1.0 + i * 0.01) for i in range(3)]
     welcomes = [sends(eff, p.Welcome)[0].msg for eff in copies]
@@ -743,8 +743,8 @@ def test_a_state_dict_while_paused_waits_for_a_lease_an_agent_declared_after_the
     # The agent goes silent past its TTL: its lease ends, and the drain is answered.
     assert sends(tick(core, 5.0), p.Ok)[0].msg.req == 7 and not core.admission.leases
     # It comes back declaring the group it still works on: the lease is in flight again.
-    welcome, _ = register(core, now=5.0, in_flight=[[g["lease"], g["data_epoch"], g["index"]]])
-    assert list(core.admission.leases) == [g["lease"]]
+    welcome, _ = register(core, now=5.0, in_flight=[[g.lease, g.data_epoch, g.index]])
+    assert list(core.admission.leases) == [g.lease]
     eff = ctl(p.StateDict(session, 8, 0), 5.0)
     assert sends(eff, p.Error) == [] and sends(eff, p.Ok) == [], "neither refused nor answered while it runs"
     eff, _ = receipt(core, welcome.session, g, now=5.5)

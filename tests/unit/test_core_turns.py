@@ -10,8 +10,8 @@ from tests.unit.test_core import N, attach, grants, make_core, register, sends
 
 
 def _receipt(session, g):
-    key = f"{g['data_epoch']}:{g['index']}:{g['lease']:x}"
-    return p.Receipt(session, g["lease"], g["data_epoch"], g["index"], key, N, {"n_samples": N})
+    key = f"{g.data_epoch}:{g.index}:{g.lease:x}"
+    return p.Receipt(session, g.lease, g.data_epoch, g.index, key, N, {"n_samples": N})
 
 
 def test_a_turn_of_receipts_refills_each_agent_with_one_grant_behind_one_cursor_write():
@@ -41,7 +41,7 @@ def test_a_turn_of_receipts_refills_each_agent_with_one_grant_behind_one_cursor_
     assert carriers[0].ops[-1].cursors == core.frontier.cursors()
     assert len(sends(end, p.BatchRefs)) == 2
     for g in held["a"] + held["b"]:
-        assert core.frontier.state_of(g["data_epoch"], g["index"]) == DELIVERED
+        assert core.frontier.state_of(g.data_epoch, g.index) == DELIVERED
 
 
 def test_a_turn_gives_the_same_state_as_one_message_at_a_time():

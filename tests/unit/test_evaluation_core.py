@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -46,7 +47,7 @@ def setup(restored=None, slots=8 * N, prefetch=2):
 
 def result(core, session, g, rewards=(1.0, 0.0)):
     res = {"rewards": list(rewards), "lengths": [3] * len(rewards), "truncated": 1, "versions": ["v0"]}
-    return core.handle(b"a", p.EvalResult(session, g["lease"], g["eval"], g["eval_pass"], g["index"], res), 1.0)
+    return core.handle(b"a", p.EvalResult(session, g.lease, g.eval, g.eval_pass, g.index, res), 1.0)
 
 
 def test_pass_at_k_is_the_unbiased_estimator():
@@ -79,9 +80,9 @@ def test_a_pass_leases_every_prompt_once_outside_the_training_bound_and_answers_
     cursors = core.frontier.cursors()
     eff = core.handle(b"t", p.Evaluate(trainer, 7, "math", "tok"), 0.5)
     evals = leases(eff)
-    assert sorted(g["index"] for g in evals) == list(range(6))
-    assert {g["data_epoch"] for g in evals} == {EVAL_EPOCH}
-    assert all(g["n_samples"] == 2 and g["sampling"] == {"temperature": 0.0} for g in evals)
+    assert sorted(g.index for g in evals) == list(range(6))
+    assert {g.data_epoch for g in evals} == {EVAL_EPOCH}
+    assert all(g.n_samples == 2 and g.sampling == {"temperature": 0.0} for g in evals)
     assert all(s.with_rows for s in sends(eff, p.Grant))  # rows from the evaluation file, always
     assert core.frontier.cursors() == cursors  # the training frontier did not move
     assert core.statistics().prompts["leased"] == 2
@@ -91,7 +92,7 @@ def test_a_pass_leases_every_prompt_once_outside_the_training_bound_and_answers_
     assert not sends(out, p.Ok)
     # A second result for a prompt already counted changes nothing (a reissued lease, a restart).
     assert not ops(result(core, agent, evals[0], rewards=(0.0, 0.0)))
-    assert core.evaluations.passes["math"].results[evals[0]["index"]]["rewards"] == [1.0, 0.0]
+    assert core.evaluations.passes["math"].results[evals[0].index]["rewards"] == [1.0, 0.0]
     last = result(core, agent, evals[-1])
     (answer,) = sends(last, p.Ok)
     assert answer.msg.req == 7 and answer.msg.result["prompts"] == 6
@@ -110,18 +111,18 @@ def test_a_resend_gets_the_recorded_metrics_and_a_new_call_starts_the_next_pass(
     again = sends(core.handle(b"t", p.Evaluate(trainer, 2, "math", "tok"), 0.0), p.Ok)
     assert again and again[0].msg.result["pass"] == 1
     eff = core.handle(b"t", p.Evaluate(trainer, 3, "math", "other"), 0.0)
-    assert {g["eval_pass"] for g in leases(eff)} == {2}
+    assert {g.eval_pass for g in leases(eff)} == {2}
 
 
 def test_released_and_failed_prompts_are_generated_again_then_recorded_failed():
     core, agent, trainer, _ = setup()
     evals = leases(core.handle(b"t", p.Evaluate(trainer, 1, "math", "tok"), 0.0))
     g = evals[0]
-    again = leases(core.handle(b"a", p.Release(agent, [g["lease"]], "aborted by pause"), 0.0))
-    assert [x["index"] for x in again] == [g["index"]]
+    again = leases(core.handle(b"a", p.Release(agent, [g.lease], "aborted by pause"), 0.0))
+    assert [x.index for x in again] == [g.index]
     for _ in range(3):
         g = again[0]
-        eff = core.handle(b"a", p.Release(agent, [g["lease"]], "failed: reward_error: boom"), 0.0)
+        eff = core.handle(b"a", p.Release(agent, [g.lease], "failed: reward_error: boom"), 0.0)
         again = leases(eff)
     # The third failure records it as failed; the training rollout is not starved by it.
     assert not again
@@ -143,20 +144,20 @@ def test_a_restarted_core_resumes_the_pass_and_counts_recorded_prompts_once():
         snap.apply(ops(result(core, agent, g)))
     restarted, agent2, trainer2, _ = setup(restored=snap)
     eff = restarted.handle(b"t", p.Evaluate(trainer2, 1, "math", "tok"), 0.0)
-    assert sorted(g["index"] for g in leases(eff)) == sorted(g["index"] for g in evals[3:])
+    assert sorted(g.index for g in leases(eff)) == sorted(g.index for g in evals[3:])
     # A result from before the restart for a prompt already recorded is not counted again...
-    assert not ops(result(restarted, agent2, {**evals[0], "lease": 12345}))
+    assert not ops(result(restarted, agent2, replace(evals[0], lease=12345)))
     # ...and one for a prompt not yet recorded counts, whichever lease carried it.
-    assert ops(result(restarted, agent2, {**evals[3], "lease": 12346}))
+    assert ops(result(restarted, agent2, replace(evals[3], lease=12346)))
 
 
 def test_an_agent_reregistering_with_an_evaluation_lease_has_it_cancelled():
     core, agent, trainer, _ = setup()
     g = leases(core.handle(b"t", p.Evaluate(trainer, 1, "math", "tok"), 0.0))[0]
-    eff = core.handle(b"a", p.Register("a", 1, 8 * N, "tcp://a:1", [], [], [[g["lease"], EVAL_EPOCH, g["index"]]]), 1.0)
+    eff = core.handle(b"a", p.Register("a", 1, 8 * N, "tcp://a:1", [], [], [[g.lease, EVAL_EPOCH, g.index]]), 1.0)
     welcome = sends(eff, p.Welcome)[0].msg
-    assert g["lease"] in welcome.cancel
-    assert g["index"] in [x["index"] for x in leases(eff)]  # pending again, leased anew
+    assert g.lease in welcome.cancel
+    assert g.index in [x.index for x in leases(eff)]  # pending again, leased anew
 
 
 def test_unknown_dataset_is_an_error_naming_the_declared_ones():

@@ -64,17 +64,17 @@ def test_a_waiting_batch_oversamples_and_its_surplus_is_stopped_newest_first_onc
     eff, _ = receipt(core, w.session, gs[3])  # the second group completes the batch
     assert len(sends(eff, p.BatchRefs)[0].msg.groups) == 2
     [stop] = sends(eff, p.Stop)
-    assert stop.to == "a" and stop.msg == p.Stop(w.session, [gs[2]["lease"], gs[0]["lease"]])
+    assert stop.to == "a" and stop.msg == p.Stop(w.session, [gs[2].lease, gs[0].lease])
     # Kept until the agent answers: they still count as leased, and nothing new is admitted.
-    assert core.statistics().leased == 2 and core.frontier.state_of(0, gs[0]["index"]) == LEASED
+    assert core.statistics().leased == 2 and core.frontier.state_of(0, gs[0].index) == LEASED
     assert sends(core.tick(0.1), p.Stop) == [], "a lease is stopped once"
-    eff = release(core, w.session, [gs[2]["lease"], gs[0]["lease"]])
+    eff = release(core, w.session, [gs[2].lease, gs[0].lease])
     assert grants(eff) == [] and core.statistics().leased == 0
-    assert core.frontier.state_of(0, gs[0]["index"]) == PENDING
+    assert core.frontier.state_of(0, gs[0].index) == PENDING
     assert core.counters.lease_ends["stopped"] == 2 and core.counters.stops_sent == 2
     # First in line again, and counted in the next batch's metrics.
     again = grants(core.handle(b"trainer", p.Generate(session, 2, 1), 0.2))
-    assert [g["index"] for g in again[:2]] == [gs[2]["index"], gs[0]["index"]]
+    assert [g.index for g in again[:2]] == [gs[2].index, gs[0].index]
     for g in again[:2]:
         eff, _ = receipt(core, w.session, g)
     batch = sends(eff, p.BatchRefs)[0].msg
@@ -88,16 +88,16 @@ def test_a_stopped_group_that_finished_anyway_is_accepted_and_goes_into_the_next
     gs = grants(core.handle(b"trainer", p.Generate(session, 1, 0), 0.0))
     receipt(core, w.session, gs[0])
     eff, _ = receipt(core, w.session, gs[1])
-    assert {lease for s in sends(eff, p.Stop) for lease in s.msg.leases} == {gs[2]["lease"], gs[3]["lease"]}
+    assert {lease for s in sends(eff, p.Stop) for lease in s.msg.leases} == {gs[2].lease, gs[3].lease}
     _, ack = receipt(core, w.session, gs[3])  # the Stop came too late (or was lost): the group is kept
-    assert ack.accepted and core.frontier.state_of(0, gs[3]["index"]) == READY
-    release(core, w.session, [gs[2]["lease"]])
+    assert ack.accepted and core.frontier.state_of(0, gs[3].index) == READY
+    release(core, w.session, [gs[2].lease])
     eff = core.handle(b"trainer", p.Generate(session, 2, 1), 0.1)
     fresh = grants(eff)
-    assert fresh[0]["index"] == gs[2]["index"], "the stopped prompt is first in line"
+    assert fresh[0].index == gs[2].index, "the stopped prompt is first in line"
     eff, _ = receipt(core, w.session, fresh[0])
     batch = sends(eff, p.BatchRefs)[0].msg
-    assert {g[1] for g in batch.groups} == {gs[3]["index"], gs[2]["index"]}
+    assert {g[1] for g in batch.groups} == {gs[3].index, gs[2].index}
     assert batch.metrics["rollout/stopped_groups"] == 1
 
 
@@ -111,7 +111,7 @@ def test_the_prefetch_keeps_its_share_of_the_surplus():
     receipt(core, w.session, gs[0])
     eff, _ = receipt(core, w.session, gs[1])
     [stop] = sends(eff, p.Stop)
-    assert stop.msg.leases == [gs[4]["lease"], gs[3]["lease"]], "3 in flight, 1 kept for the prefetch"
+    assert stop.msg.leases == [gs[4].lease, gs[3].lease], "3 in flight, 1 kept for the prefetch"
 
 
 def test_without_oversampling_a_partial_batch_stops_nothing():
@@ -134,9 +134,9 @@ def test_a_lost_stop_leaks_nothing_the_heartbeat_reconciles_the_leases():
     eff, _ = receipt(core, w.session, gs[0])
     assert len(sends(eff, p.Stop)[0].msg.leases) == 2
     # The agent never got the Stop and dropped the leases some other way (its Release lost too).
-    core.handle(b"a", p.Heartbeat(w.session, {}, [], max_lease=gs[-1]["lease"]), 0.1)
+    core.handle(b"a", p.Heartbeat(w.session, {}, [], max_lease=gs[-1].lease), 0.1)
     assert core.statistics().leased == 0 and not core.oversampling.stopping & core.admission.leases.keys()
-    assert all(core.frontier.state_of(0, g["index"]) == PENDING for g in gs[1:])
+    assert all(core.frontier.state_of(0, g.index) == PENDING for g in gs[1:])
 
 
 # ---------------------------------------------------------------------------- deadline
@@ -157,20 +157,20 @@ def test_a_batch_not_full_at_its_deadline_is_partial_recorded_and_replayed():
     eff = tick(core, 5.25)
     ledger.apply(eff)
     [batch] = [s.msg for s in sends(eff, p.BatchRefs)]
-    assert [g[1] for g in batch.groups] == [gs[2]["index"]]
+    assert [g[1] for g in batch.groups] == [gs[2].index]
     assert batch.metrics["rollout/deficit"] == 3 and batch.metrics["rollout/groups"] == 1
     assert core.batches.recorded[0].size == 1 and core.counters.partial_batches == 1
     replay = sends(core.handle(b"trainer", p.Generate(session, 3, 0, -1, 5.0), 6.0), p.BatchRefs)[0].msg
     assert (replay.groups, replay.metrics) == (batch.groups, batch.metrics)
     # The prompts not in it are still in flight, and go into the next batch.
-    assert [core.frontier.state_of(0, g["index"]) for g in gs] == [LEASED, LEASED, DELIVERED, LEASED]
+    assert [core.frontier.state_of(0, g.index) for g in gs] == [LEASED, LEASED, DELIVERED, LEASED]
     for g in (gs[0], gs[1], gs[3]):
         receipt(core, w.session, g, now=6.1)
     eff = core.handle(b"trainer", p.Generate(session, 4, 1), 6.2)
     more = grants(eff)
     eff, _ = receipt(core, w.session, more[0], now=6.3)
     nxt = sends(eff, p.BatchRefs)[0].msg
-    assert {g[1] for g in nxt.groups} >= {gs[0]["index"], gs[1]["index"], gs[3]["index"]}
+    assert {g[1] for g in nxt.groups} >= {gs[0].index, gs[1].index, gs[3].index}
     assert nxt.metrics["rollout/deficit"] == 0
     # After a restart, the same id replays the same partial batch.
     ledger.apply(eff)
@@ -215,7 +215,7 @@ def test_a_partial_batch_that_loses_its_node_is_repaired_to_its_own_size():
     [partial] = [s.msg for s in sends(tick(core, 1.0), p.BatchRefs)]
     assert len(partial.groups) == 2
     for t in (1.9, 3.9, 5.9):
-        core.handle(b"b", p.Heartbeat(wb.session, {}, [g["lease"] for g in gb[1:]], gb[-1]["lease"]), t)
+        core.handle(b"b", p.Heartbeat(wb.session, {}, [g.lease for g in gb[1:]], gb[-1].lease), t)
         tick(core, t + 0.1)  # a is presumed dead, then retired with its payload
     eff = core.handle(b"trainer", p.Generate(session, 2, 0), 6.0)
     assert core.statistics().batches_in_repair == (0,)
@@ -258,7 +258,7 @@ def test_the_agent_aborts_a_stopped_generation_and_gives_the_lease_back_when_it_
 def test_the_agent_gives_back_a_stopped_lease_not_on_an_engine_at_once():
     s = make_session()
     join(s)
-    recv(s, p.Grant(7, [{"lease": 4, "data_epoch": 0, "index": 4, "rollout_id": 0}]))  # not on an engine yet
+    recv(s, p.Grant(7, [p.LeaseGrant(4, 0, 4, 0)]))  # not on an engine yet
     out = recv(s, p.Stop(7, [4]))
     assert sent(out) == [p.Release(7, [4], p.STOPPED)] and CancelLease(4) in out
 

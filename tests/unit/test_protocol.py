@@ -1,5 +1,7 @@
 """The wire protocol: typed decoding, clear errors."""
 
+import re
+
 import msgpack
 import pytest
 
@@ -116,3 +118,24 @@ def test_group_payload_round_trip_keeps_exact_logprobs():
     back = Group.from_wire(g.to_wire())
     assert back == g
     assert back.samples[0].response_logprobs.tolist() == [-0.1, -1e-9, -12.123456789]
+
+
+def test_a_grant_carries_typed_lease_records_and_a_malformed_one_is_refused_naming_it():
+    grant = p.Grant(
+        3,
+        [
+            p.LeaseGrant(1, 0, 5, 2, prompt="1+1", label=2),
+            p.LeaseGrant(2, -1, 3, 2, source="eval/math", eval_pass=1, n_samples=2, sampling={"temperature": 0.0}),
+        ],
+    )
+    back = p.decode(p.encode(grant))
+    assert back == grant and back.leases[0].eval == "" and back.leases[1].eval == "math"
+    for lease, why in (
+        ({"lease": 1, "data_epoch": 0, "index": "5", "rollout_id": 0}, "grant.leases[0]: field 'index' has type str"),
+        ({"lease": 1, "data_epoch": 0, "index": 5}, "grant.leases[0]: missing field 'rollout_id'"),
+        ({"lease": 1, "data_epoch": 0, "index": 5, "rollout_id": 0, "eval": "m"}, "unknown field(s) ['eval']"),
+        (7, "grant: field 'leases' has type list"),
+    ):
+        frame = msgpack.packb([p.PROTOCOL_VERSION, "grant", {"session": 3, "leases": [lease]}])
+        with pytest.raises(ProtocolError, match=re.escape(why)):
+            p.decode(frame)

@@ -31,14 +31,14 @@ def test_the_lease_book_counts_leases_by_source_and_only_bounded_ones_in_the_tra
     core, agent, trainer, training = setup()
     book = core.admission
     assert set(book.sources) == {TRAIN, "eval/math"}
-    assert training and all("eval" not in g for g in training)
+    assert training and all(g.eval == "" and g.source == TRAIN for g in training)
     evaluation = leases(core.handle(b"t", p.Evaluate(trainer, 7, "math", "tok"), 0.5))
-    assert evaluation and all(g["eval"] == "math" and g["data_epoch"] == EVAL_EPOCH for g in evaluation)
+    assert evaluation and all(g.eval == "math" and g.data_epoch == EVAL_EPOCH for g in evaluation)
     assert book.in_flight == {TRAIN: len(training), "eval/math": len(evaluation)}
     assert book.training_leases == len(training)  # the training bound sees training leases only
     assert {lease.source for lease in book.bounded_leases()} == {TRAIN}
     # A lease given back goes to its own source: the evaluation prompt is granted again, from its pass.
     first = evaluation[0]
-    again = leases(core.handle(b"a", p.Release(agent, [first["lease"]], "aborted by pause"), 1.0))
-    assert [(g["eval"], g["index"]) for g in again] == [("math", first["index"])]
+    again = leases(core.handle(b"a", p.Release(agent, [first.lease], "aborted by pause"), 1.0))
+    assert [(g.eval, g.index) for g in again] == [("math", first.index)]
     assert book.in_flight == {TRAIN: len(training), "eval/math": len(evaluation)}

@@ -100,11 +100,9 @@ def test_generate_fails_once_every_engine_is_stale_and_works_again_after_an_upda
     # The agents held their leases meanwhile; now their engines generate them and the batch comes.
     for agent, g in sorted(leases.items()):
         rec = core.membership.agents[agent]
-        key = f"{g['data_epoch']}:{g['index']}"
+        key = f"{g.data_epoch}:{g.index}"
         stats = {"n_samples": N, "reward_sum": 1.0}
-        eff = core.handle(
-            agent.encode(), p.Receipt(rec.session, g["lease"], g["data_epoch"], g["index"], key, N, stats), 0.0
-        )
+        eff = core.handle(agent.encode(), p.Receipt(rec.session, g.lease, g.data_epoch, g.index, key, N, stats), 0.0)
     [batch] = [s.msg for s in sends(eff, p.BatchRefs, to=b"trainer")]
     assert (batch.req, batch.rollout_id, len(batch.groups)) == (5, 0, 2)
 

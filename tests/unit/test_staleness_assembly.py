@@ -41,13 +41,13 @@ def test_a_batch_waits_rather_than_push_more_old_groups_into_later_batches_than_
     eff = core.handle(b"trainer", p.Generate(session, 5, 0), 0.0) + run_receipts(core, old[:2])
     assert batches_of(eff)[0].metrics["rollout/staleness_max"] == 0.0
     new = granted(one_update(core, session, 1, 6))
-    assert len(new) == 2 and all(core.admission.leases[g["lease"]].start == 1 for g in new)
+    assert len(new) == 2 and all(core.admission.leases[g.lease].start == 1 for g in new)
 
     eff = core.handle(b"trainer", p.Generate(session, 7, 1), 0.0) + run_receipts(core, old[2:3] + new[:1])
     assert not batches_of(eff), "taking the weights-1 group would leave 3 weights-0 groups for batch 2 alone"
     eff = run_receipts(core, old[3:4])
     batch = batches_of(eff)[0]
-    assert sorted(g[1] for g in batch.groups) == sorted(g["index"] for g in old[2:4])
+    assert sorted(g[1] for g in batch.groups) == sorted(g.index for g in old[2:4])
 
     eff = one_update(core, session, 2, 8)
     eff = core.handle(b"trainer", p.Generate(session, 9, 2), 0.0) + run_receipts(core, old[4:] + new[1:])
@@ -65,7 +65,7 @@ def drive(eta: int, batch: int, prefetch: int, steps: int, seed: int) -> list[fl
     rng = random.Random(seed)
     core = make_core(batch=batch, eta=eta, prefetch=prefetch, size=10_000)
     _, eff = register(core, "a", slots=4096)
-    in_flight = {g["lease"]: g for g in granted(eff)}
+    in_flight = {g.lease: g for g in granted(eff)}
     session, _ = attach(core)
     maxima = []
     req = 100
@@ -73,7 +73,7 @@ def drive(eta: int, batch: int, prefetch: int, steps: int, seed: int) -> list[fl
         req += 1
         eff = core.handle(b"trainer", p.Generate(session, req, t), 0.0)
         while True:
-            in_flight.update({g["lease"]: g for g in granted(eff)})
+            in_flight.update({g.lease: g for g in granted(eff)})
             done = batches_of(eff)
             if done:
                 maxima.append(done[0].metrics["rollout/staleness_max"])
@@ -83,7 +83,7 @@ def drive(eta: int, batch: int, prefetch: int, steps: int, seed: int) -> list[fl
             eff = run_receipts(core, [in_flight.pop(lease)])
         req += 1
         eff = one_update(core, session, t + 1, req)
-        in_flight.update({g["lease"]: g for g in granted(eff)})
+        in_flight.update({g.lease: g for g in granted(eff)})
     return maxima
 
 

@@ -56,12 +56,12 @@ def attach(core):
 def fail(core, session, g, kind="reward_error", detail=BOOM, agent=b"a"):
     """The agent reports that ``g``'s group failed in ``kind``."""
     reason = "failed: " + p.failure_reason(kind, detail)
-    return core.handle(agent, p.Release(session, [g["lease"]], reason), 0.0)
+    return core.handle(agent, p.Release(session, [g.lease], reason), 0.0)
 
 
 def accept(core, session, g, agent=b"a"):
-    key = f"{g['data_epoch']}:{g['index']}:{g['lease']:x}"
-    msg = p.Receipt(session, g["lease"], g["data_epoch"], g["index"], key, N, {"n_samples": N})
+    key = f"{g.data_epoch}:{g.index}:{g.lease:x}"
+    msg = p.Receipt(session, g.lease, g.data_epoch, g.index, key, N, {"n_samples": N})
     return core.handle(agent, msg, 0.0)
 
 
@@ -163,7 +163,7 @@ def play(core, agent, queue, outcomes):
         elif outcome == "ok":
             eff = accept(core, agent, g)
         else:
-            eff = core.handle(b"a", p.Filtered(agent, g["lease"], 0, g["index"], "zero_std_0"), 0.0)
+            eff = core.handle(b"a", p.Filtered(agent, g.lease, 0, g.index, "zero_std_0"), 0.0)
         queue += grants(eff)
 
 
@@ -192,7 +192,7 @@ def test_a_prompt_failing_on_its_own_is_filtered_with_its_failure_kind_and_stays
     queue = grants(eff)
     for _ in range(20):  # prompt 0's filter raises, every other prompt is fine
         g = queue.pop(0)
-        if g["index"] == 0:
+        if g.index == 0:
             queue += grants(fail(core, agent, g, kind="filter_error", detail="filter 'm:f' raised KeyError: 'x'"))
         else:
             queue += grants(accept(core, agent, g))
@@ -216,7 +216,7 @@ def test_errors_of_leases_granted_before_the_starvation_count_for_nothing():
     for _ in range(2):  # the same prompt failed before; it would be its third failure
         eff = fail(core, agent, leased.pop(0))
         assert not grants(eff)
-    assert core.frontier.state_of(0, late["index"]) == PENDING
+    assert core.frontier.state_of(0, late.index) == PENDING
     assert core.statistics().prompts["filtered"] == 0
     assert core.admission.failures == {}
 
@@ -255,7 +255,7 @@ def test_the_next_generate_after_a_fix_fails_again_only_after_another_full_windo
 
 
 def drop(core, session, g, reason="zero_std_0", agent=b"a"):
-    return core.handle(agent, p.Filtered(session, g["lease"], g["data_epoch"], g["index"], reason), 0.0)
+    return core.handle(agent, p.Filtered(session, g.lease, g.data_epoch, g.index, reason), 0.0)
 
 
 def test_drops_in_a_row_warn_once_then_starve_with_the_counts_by_reason(caplog):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+from types import SimpleNamespace
+
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
 from coordinator.core import CoordinatorCore, Persist
@@ -337,7 +340,7 @@ def test_weight_log_and_staleness_state_survive_a_restart():
     eff += report(core, "a", uid, "disk")
     more = core.handle(b"trainer", p.Generate(session, 11, 0), 0.0)
     after = granted(more)
-    assert len(after) == 1 and core.admission.leases[after[0]["lease"]].start == 1
+    assert len(after) == 1 and core.admission.leases[after[0].lease].start == 1
     more += run_receipts(core, before[:1]) + run_receipts(core, after)  # batch 0, then a group on the new weights
     eff += more
     snap = LedgerSnapshot(generation=2)
@@ -352,12 +355,12 @@ def test_weight_log_and_staleness_state_survive_a_restart():
         "tcp://a:1",
         engines("e0", version=5),
         [],
-        [[g["lease"], g["data_epoch"], g["index"]] for g in before[1:]],
+        [[g.lease, g.data_epoch, g.index] for g in before[1:]],
     )
     welcome = sends(restarted.handle(b"a", msg, 0.0), p.Welcome)[0].msg
     assert welcome.config["weights"] == {"version": 5, "kind": "disk", "path": "/ckpt"}
     # A lease granted before the update keeps its start across the restart, and so does a ready group.
-    assert {i: lease.start for i, lease in restarted.admission.leases.items()} == {before[1]["lease"]: 0}
+    assert {i: lease.start for i, lease in restarted.admission.leases.items()} == {before[1].lease: 0}
     assert [st.start for st in restarted.batches.ready_info.values()] == [1]
     assert restarted.statistics().weights["updates"] == 1
 
@@ -378,17 +381,17 @@ def run_receipts(core, leases, now=0.0):
     """Every lease's group is committed."""
     out = []
     for g in leases:
-        agent = g["agent"]
+        agent = g.agent
         session = core.membership.agents[agent].session
-        key = f"{g['data_epoch']}:{g['index']}:{g['lease']:x}"
+        key = f"{g.data_epoch}:{g.index}:{g.lease:x}"
         out += core.handle(
-            agent.encode(), p.Receipt(session, g["lease"], g["data_epoch"], g["index"], key, N, {"n_samples": N}), now
+            agent.encode(), p.Receipt(session, g.lease, g.data_epoch, g.index, key, N, {"n_samples": N}), now
         )
     return out
 
 
 def granted(effects):
-    return [{**g, "agent": s.to} for s in sends(effects, p.Grant) for g in s.msg.leases]
+    return [SimpleNamespace(**asdict(g), agent=s.to) for s in sends(effects, p.Grant) for g in s.msg.leases]
 
 
 def one_update(core, session, version, req):
@@ -421,7 +424,7 @@ def test_staleness_eta_1_keeps_oldest_first_and_holds_a_batch_for_a_lease_that_m
     assert [s.msg for s in sends(eff, p.BatchRefs)][0].metrics["rollout/staleness_max"] == 0.0
     eff = one_update(core, session, 1, 6)  # updates = 1: rule 1 allows (1 + 2) * 2 - 2 delivered - 2 leased
     new = granted(eff)
-    assert len(new) == 2 and all(core.admission.leases[g["lease"]].start == 1 for g in new)
+    assert len(new) == 2 and all(core.admission.leases[g.lease].start == 1 for g in new)
     # The new leases finish first, but batch 1 must take the old ones (start 0 <= 1 - 1): it waits for them.
     eff = core.handle(b"trainer", p.Generate(session, 7, 1), 0.0) + run_receipts(core, new)
     assert not sends(eff, p.BatchRefs)
@@ -429,7 +432,7 @@ def test_staleness_eta_1_keeps_oldest_first_and_holds_a_batch_for_a_lease_that_m
     assert not sends(eff, p.BatchRefs), "one lease with start 0 is still in flight"
     eff = run_receipts(core, old[3:])
     batch = [s.msg for s in sends(eff, p.BatchRefs)][0]
-    assert sorted(g[1] for g in batch.groups) == sorted(g["index"] for g in old[2:])
+    assert sorted(g[1] for g in batch.groups) == sorted(g.index for g in old[2:])
     assert batch.metrics["rollout/staleness_max"] == 1.0 and batch.metrics["rollout/staleness_mean"] == 1.0
 
 
