@@ -16,43 +16,21 @@ fi
 # House style first: a lint or format error fails the run before any test starts.
 .venv/bin/python -m ruff check . || exit 1
 .venv/bin/python -m ruff format --check . || { echo "run: .venv/bin/ruff format ." >&2; exit 1; }
-# ROLLFLEET_TEST_WORKERS=N (default 2; 1: everything in one process, in order) runs the suite in two phases:
-# first the tests not marked heavy on N workers (pytest-xdist, each file's tests on one worker, in order:
-# --dist loadfile), mostly cluster tests that wait on their processes; then the heavy ones (hf engines
-# training, the GRPO example, TRL, chaos: CPU-bound, and timing-sensitive when they share 2 cores) alone, in
-# one process. Arguments select tests (paths, -k, -m): then it is one plain run in one process.
+# ROLLFLEET_TEST_WORKERS=N (default 2; 1: one process, in order) runs the tests on N workers (pytest-xdist,
+# --dist loadgroup): each file's tests on one worker, in order, and the heavy files (models training, chaos,
+# silent partitions, weight updates under faults: tests/conftest.py HEAVY_FILES) one after another on a single
+# worker, so no two of them share the cores while the other worker runs the rest.
 workers="${ROLLFLEET_TEST_WORKERS:-2}"
-selective=0
-for arg in "$@"; do
-  case "$arg" in
-    -q | -qq | -v | -vv | -x | -ra | -rA | --tb=*) ;;
-    *) selective=1 ;;
-  esac
-done
-if [ "$selective" = 1 ] || ! [ "$workers" -gt 1 ] 2>/dev/null; then
-  .venv/bin/python -m pytest "$@"
-  rc=$?
-  if [ "$rc" -eq 5 ]; then
-    echo "error: pytest collected no tests" >&2
-    exit 1
-  fi
-  exit "$rc"
+parallel=()
+if [ "$workers" -gt 1 ] 2>/dev/null; then
+  parallel=(-n "$workers" --dist loadgroup)
 fi
 started=$(date +%s)
-echo "phase 1: tests not marked heavy, on $workers workers"
-.venv/bin/python -m pytest -n "$workers" --dist loadfile -m "not heavy" "$@"
-rc1=$?
-echo "phase 2: heavy tests, one at a time ($(( $(date +%s) - started )) s so far)"
-.venv/bin/python -m pytest -m heavy "$@"
-rc2=$?
-echo "both phases: $(( $(date +%s) - started )) s; exit codes $rc1 and $rc2"
-if [ "$rc1" -eq 5 ] && [ "$rc2" -eq 5 ]; then
+.venv/bin/python -m pytest "${parallel[@]}" "$@"
+rc=$?
+echo "tests ran for $(( $(date +%s) - started )) s on ${workers} worker(s)"
+if [ "$rc" -eq 5 ]; then
   echo "error: pytest collected no tests" >&2
   exit 1
 fi
-for rc in "$rc1" "$rc2"; do
-  if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
-    exit "$rc"
-  fi
-done
-exit 0
+exit "$rc"
