@@ -14,7 +14,9 @@ A pure core and a thin shell, as dask splits ``WorkerState`` from ``BaseWorker``
 Tasks (all owned by one TaskGroup, all named): ``link``; ``lease-<id>`` per
 leased prompt; ``abort-<request id>`` per request a pause-with-abort cancels;
 ``payloads`` (the data-plane endpoint trainers fetch groups from);
-``weights`` (weight-update steps, one at a time: agent/weights.py);
+``weights`` (weight-update steps, one at a time: agent/weights.py; each step runs in a child task
+of it, not of the TaskGroup, so that an abort can cancel the step alone; cancelling ``weights``
+cancels and awaits its step);
 ``engines`` (the supervisor's monitor: restart, health, retirement);
 ``stop-signal``. Beside them, aiohttp's own tasks serve generate functions' OpenAI endpoint
 (agent/openai_server.py: loopback, any port), started with the engines and closed first at the end.
