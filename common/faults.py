@@ -124,7 +124,7 @@ class Faults:
     def coordinator_drops(self, msg: p.Message) -> bool:
         """True if ``msg`` (about to leave the coordinator) is lost instead."""
         if isinstance(msg, p.Grant) and self._take("drop_grants"):
-            leases = [[g["lease"], g["data_epoch"], g["index"]] for g in msg.leases]
+            leases = [[g.lease, g.data_epoch, g.index] for g in msg.leases]
             log.warning("fault injected: dropped Grant (session %x) of leases %s", msg.session, leases)
             return True
         if isinstance(msg, p.Control) and msg.action == "pause" and self._take("drop_pauses"):
