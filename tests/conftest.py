@@ -49,6 +49,7 @@ HEAVY_FILES = {
     "tests/cluster/test_netfault.py",
     "tests/cluster/test_catch_up.py",
     "tests/cluster/test_weight_failures.py",
+    "tests/cluster/test_weights.py",
     "tests/integration/test_hf_engine.py",
 }
 """Files whose tests are marked ``heavy``: CPU-bound (models training, chaos) or bounded in seconds on a loaded

@@ -202,7 +202,7 @@ def test_to_tensors_versions_follow_the_spans_of_partial_rollouts(make_cluster, 
         ckpt.mkdir()
         client.update_weights_from_disk(str(ckpt), 1)
         caught = []
-        for rollout_id in range(1, 4):
+        for rollout_id in range(1, 7):
             batch = client.generate(rollout_id)
             check_spans(batch)
             caught += [s for s in batch.samples if len(s.weight_versions) == 2]
