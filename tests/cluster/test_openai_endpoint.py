@@ -187,7 +187,8 @@ def test_a_pause_with_abort_cancels_the_harness_and_the_prompts_are_made_again_o
         wait_for(lambda: running(cluster) > 0 and cluster.status()["leased"] > 0, 30, "conversations running")
         client.pause(drain=True, abort=True)
         status = cluster.status()
-        assert status["leased"] == 0 and status["ready"] == 0, status
+        # Nothing is leased; a group that finished before the abort reached it is kept, ready for a batch.
+        assert status["leased"] == 0, status
         assert running(cluster) == 0, "a cancelled harness's call still runs on the engine"
         client.resume()
         check_batches([client.generate(1), client.generate(2)], seen)
