@@ -71,10 +71,11 @@ from common.errors import (
     StateError,
     StorageFull,
 )
-from common.filters import FilterError
+from common.filters import FilterError, load_filter
 from common.generation import RolloutTask
+from common.mixture import DEFAULT, EPOCH_MASK
 from common.protocol import failure_reason
-from common.rewards import RewardError
+from common.rewards import RewardError, load_reward
 from common.types import Group, Sample
 
 _ONE = array("b", [1])
@@ -117,6 +118,24 @@ class LeaseContext:
     """The endpoint's chat renderer (agent/chat_render.py), or why there is none (a string)."""
     tool_parser: Any = None
     """``--tool-parser``, loaded (agent/tool_parsers.py)."""
+    loaded: dict = field(default_factory=dict)
+    """Training sources' own rewards and filters (``LeaseGrant.reward``, ``filter``), loaded once each."""
+
+    def reward_for(self, spec: str) -> Any:
+        """The reward of a grant whose source names ``spec`` ("": the fleet's)."""
+        if not spec:
+            return self.reward
+        if ("reward", spec) not in self.loaded:
+            self.loaded[("reward", spec)] = load_reward(spec)
+        return self.loaded[("reward", spec)]
+
+    def filter_for(self, spec: str) -> Any:
+        """The dynamic filter of a grant whose source names ``spec`` ("": the fleet's)."""
+        if not spec:
+            return self.filter
+        if ("filter", spec) not in self.loaded:
+            self.loaded[("filter", spec)] = load_filter(spec)
+        return self.loaded[("filter", spec)]
 
 
 class LeaseRunner:
@@ -187,7 +206,7 @@ class LeaseRunner:
             samples = [custom_rollout.to_sample(t, prompt_tokens, label, metadata) for t in trajectories]
             given = [t.reward for t in trajectories]
         gen_seconds = time.monotonic() - started
-        scores = await ctx.reward.score(samples) if None in given else given
+        scores = await ctx.reward_for(grant.reward).score(samples) if None in given else given
         for sample, own, reward in zip(samples, given, scores, strict=True):
             sample.reward = float(reward if own is None else own)
         if grant.eval:  # an evaluation prompt: no filter, nothing stored (coordinator/evaluation.py)
@@ -200,7 +219,7 @@ class LeaseRunner:
             }
             self._dispatch(LeaseEvaluated(lease, grant.eval, grant.eval_pass, result))
             return
-        verdict = await ctx.filter.check(samples)
+        verdict = await ctx.filter_for(grant.filter).check(samples)
         self._dispatch(LeaseScored(lease, len(samples)))
         stats = {
             "n_samples": len(samples),
@@ -217,7 +236,8 @@ class LeaseRunner:
         group = Group(
             index=index,
             samples=samples,
-            data_epoch=epoch,
+            data_epoch=epoch & EPOCH_MASK,  # the source's own epoch (common/mixture.py: epoch keys)
+            source=grant.dataset or DEFAULT,
             rollout_id=grant.rollout_id,
             label=label,
             metadata=metadata,

@@ -47,6 +47,9 @@ class RolloutConfig:
     """``module:function`` making each sample (multi-turn, tools: common/generation.py); "": one ``/generate``."""
     tool_parser: str = "hermes"
     """How the OpenAI endpoint reads tool calls from the model's output: ``hermes``, ``none`` or ``module:function``."""
+    mixture: list = field(default_factory=list)
+    """The training datasets mixed by weight (common/mixture.py ``SourceSpec.to_dict()`` each, in order);
+    empty: the one dataset ``default`` with the settings above."""
 
     def __post_init__(self):
         _positive("rollout_batch_size", self.rollout_batch_size)
@@ -70,6 +73,10 @@ class RolloutConfig:
             if not getattr(self, name):
                 raise ConfigError(f"{name} must not be empty")
         check_sampling_params(self.extra_sampling_params)
+        if self.mixture:
+            from common.mixture import SourceSpec, check_sources
+
+            check_sources([SourceSpec.from_dict(d) if isinstance(d, dict) else d for d in self.mixture])
 
     @property
     def effective_prefetch(self) -> int:

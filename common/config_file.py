@@ -75,8 +75,9 @@ def _convert(action: argparse.Action, value: Any, where: str) -> Any:
             return not value
         return value
     if isinstance(action, argparse._AppendAction):
-        items = value if isinstance(value, list) else None
-        if items is None:
+        # One value stands for a list of one (``dataset = "/data/p.jsonl"``).
+        items = value if isinstance(value, list) else [value] if isinstance(value, (str, int, float)) else None
+        if items is None or isinstance(value, bool):
             raise ConfigError(f"{where}: expected an array (the flag may be given several times), got {value!r}")
         return [_scalar(action, v, where) for v in items]
     if not isinstance(action, argparse._StoreAction):

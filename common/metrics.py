@@ -89,7 +89,13 @@ FILTER_PREFIX = "rollout/dynamic_filter"
 
 
 def batch_metrics(
-    stats: list[dict], data_epochs: list[int], drops: DropStats, prefix: str = FILTER_PREFIX
+    stats: list[dict],
+    data_epochs: list[int],
+    drops: DropStats,
+    prefix: str = FILTER_PREFIX,
+    *,
+    sources: list[str] | None = None,
+    source_drops: dict[str, int] | None = None,
 ) -> dict[str, float]:
     """The metrics of one trainer batch, from its groups' statistics and the filter drops behind it.
 
@@ -117,4 +123,30 @@ def batch_metrics(
     m["rollout/gen_seconds_mean"] = sum(gen) / n if n else 0.0
     m["rollout/gen_seconds_max"] = float(max(gen)) if gen else 0.0
     m["rollout/data_epoch"] = float(max(data_epochs) if data_epochs else 0)
+    if sources is not None:
+        m.update(source_metrics(stats, sources, source_drops or {}))
+    return m
+
+
+SOURCE_PREFIX = "rollout/source"
+
+
+def source_metrics(stats: list[dict], sources: list[str], drops: dict[str, int]) -> dict[str, float]:
+    """Per training source of a mixture (``sources``: each group's source name; ``drops``: groups the filter
+    dropped since the last batch, by source, every source named): ``rollout/source/<NAME>/groups``,
+    ``reward_mean``, ``response_len_mean`` and ``truncated_ratio`` (over its samples), ``dropped_groups``."""
+    m: dict[str, float] = {}
+    for name in sorted(set(sources) | set(drops)):
+        mine = [st for st, src in zip(stats, sources, strict=True) if src == name]
+        samples = float(sum(st.get("n_samples", 0) for st in mine))
+
+        def per_sample(key: str, mine=mine, samples=samples) -> float:
+            return float(sum(st.get(key, 0) for st in mine)) / samples if samples else 0.0
+
+        at = f"{SOURCE_PREFIX}/{name}"
+        m[f"{at}/groups"] = float(len(mine))
+        m[f"{at}/reward_mean"] = per_sample("reward_sum")
+        m[f"{at}/response_len_mean"] = per_sample("response_tokens")
+        m[f"{at}/truncated_ratio"] = per_sample("truncated")
+        m[f"{at}/dropped_groups"] = float(drops.get(name, 0))
     return m

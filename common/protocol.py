@@ -278,7 +278,13 @@ class LeaseGrant:
     n_samples: int = 0
     """Samples of its group; 0: the fleet's ``n_samples_per_prompt``."""
     sampling: dict = field(default_factory=dict)
-    """Sampling settings over the fleet's (an evaluation dataset's own)."""
+    """Sampling settings over the fleet's (an evaluation dataset's or a training source's own)."""
+    dataset: str = ""
+    """The training source's name in a mixture (common/mixture.py); "": the one dataset, ``default``."""
+    reward: str = ""
+    """The training source's own reward spec; "": the fleet's."""
+    filter: str = ""
+    """The training source's own dynamic filter spec; "": the fleet's."""
     prompt: Any = None
     """The dataset row (added by the coordinator's shell unless the agent reads its own copy)."""
     label: Any = None
@@ -419,6 +425,16 @@ class Resume(Message):
 
 
 @message
+class SetMixture(Message):
+    """trainer -> coordinator: the training datasets' weights from the next batch not yet recorded on (durably)."""
+
+    TYPE = "set_mixture"
+    session: int
+    req: int
+    weights: dict
+
+
+@message
 class StateDict(Message):
     """trainer -> coordinator: checkpoint the stream at ``consumed`` (highest batch trained on).
 
@@ -492,7 +508,7 @@ class Evaluate(Message):
     token: str
 
 
-TRAINER_REQUESTS = (Pause, Resume, StateDict, LoadStateDict, Consumed, Missing, Detach)
+TRAINER_REQUESTS = (Pause, Resume, SetMixture, StateDict, LoadStateDict, Consumed, Missing, Detach)
 """Trainer requests that carry a session and are refused for any but the current trainer's."""
 
 

@@ -129,6 +129,8 @@ class Group:
     agent_id: str = ""
     gen_seconds: float = 0.0
     """Wall time from the first request to the last response of the group."""
+    source: str = "default"
+    """The training dataset it came from (``--dataset NAME=PATH,...``; ``default`` for a plain ``--dataset PATH``)."""
 
     def to_wire(self) -> bytes:
         return msgpack.packb(
@@ -140,6 +142,7 @@ class Group:
                 "md": self.metadata,
                 "a": self.agent_id,
                 "g": self.gen_seconds,
+                "src": self.source,
                 "ss": [s.to_wire() for s in self.samples],
             },
             use_bin_type=True,
@@ -157,6 +160,7 @@ class Group:
             metadata=d["md"],
             agent_id=d["a"],
             gen_seconds=d["g"],
+            source=d.get("src", "default"),
             samples=[Sample.from_wire(s, label) for s in d["ss"]],
         )
 

@@ -18,7 +18,7 @@ import msgpack
 
 from common.errors import MessageTooLarge, ProtocolError, VersionMismatch
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """2: one message type per trainer request (was ``trainer_control``); ``BatchRefs`` refs in
 ``GroupRef`` order. 3: weight updates (``UpdateWeights`` ... ``WeightsReport``). 4: over-sampling
 (``Stop``, coordinator -> agent) and ``Generate.deadline`` (partial batches). 5: ``Register.req``

@@ -52,6 +52,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from common import protocol as p
+from common.mixture import EPOCH_BITS
 from coordinator.effects import Send
 from coordinator.frontier import DELIVERED, FILTERED, LEASED, PENDING, READY
 from coordinator.membership import AgentRecord
@@ -81,7 +82,8 @@ class Admission:
         """Every prompt source by key; a lease's ``source`` names one."""
         self.in_flight: dict[str, int] = {}
         """Leases in ``leases`` by source."""
-        self.training = self.add_source(TrainingSource(self))
+        self.training = TrainingSource(self, core.sources, core.mixture_schedule)
+        self.add_source(self.training)
         self._lease_counter = 0
         self.failures: dict[Prompt, int] = {}  # prompts whose generation failed, by count
         self.filtered_total = 0
@@ -107,6 +109,8 @@ class Admission:
         rec.max_granted = max(rec.max_granted, lease.lease_id)
         self.in_flight[lease.source] += 1
         self.leased_by[(lease.source, *lease.prompt)] = lease.lease_id
+        if lease.source == TRAIN:
+            self.training.note_lease(lease, 1)
 
     def next_lease_id(self) -> int:
         """A lease id no earlier start used: ``generation << 32 | n``."""
@@ -136,6 +140,8 @@ class Admission:
         if lease is None:
             return None
         self.in_flight[lease.source] -= 1
+        if lease.source == TRAIN:
+            self.training.note_lease(lease, -1)
         key = (lease.source, *lease.prompt)
         if self.leased_by.get(key) == lease_id:
             del self.leased_by[key]
@@ -177,12 +183,16 @@ class Admission:
         self.core.counters.lease_ended("held_released", len(gone))
         return len(gone)
 
-    def take_held(self) -> tuple[int, int] | None:
-        """Nothing else of the open epochs is pending: the oldest held prompt goes to a live agent
-        (it stays LEASED; a receipt of the silent agent for it is then refused as a duplicate)."""
+    def take_held(self, source: int = 0) -> tuple[int, int] | None:
+        """Nothing else of the open epochs of training source ``source`` is pending: its oldest held prompt
+        goes to a live agent (it stays LEASED; a receipt of the silent agent for it is then refused as a
+        duplicate)."""
         if not self.held:
             return None
-        lease = self.held.pop(next(iter(self.held)))
+        lease_id = next((i for i, held in self.held.items() if held.data_epoch >> EPOCH_BITS == source), None)
+        if lease_id is None:
+            return None
+        lease = self.held.pop(lease_id)
         self.core.counters.lease_ended("held_reassigned")
         return lease.prompt
 
@@ -214,6 +224,12 @@ class Admission:
 
     def on_register(self, peer: bytes, msg: p.Register, now: float) -> list:
         core = self.core
+        if msg.dataset_fingerprint and self.training.mixed:
+            why = (
+                f"agent {msg.agent_id} reads its own --dataset, but the coordinator mixes several training "
+                f"datasets ({', '.join(self.training.names)}): start the agent without --dataset (rows come in grants)"
+            )
+            return [Send(peer, p.Error("dataset_mismatch", why))]
         if msg.dataset_fingerprint and (
             msg.dataset_fingerprint != core.dataset_fingerprint or msg.dataset_size != core.dataset_size
         ):
@@ -429,7 +445,7 @@ class Admission:
         if core.frontier.state_of(*prompt) not in (PENDING, LEASED):
             return []
         core.frontier.set(*prompt, FILTERED)
-        core.batches.drops.record_dropped(reason)
+        core.batches.note_drop(prompt, reason)
         core.counters.dropped(reason)
         self.filtered_total += 1
         self.failures.pop(prompt, None)
@@ -482,7 +498,7 @@ class Admission:
                 frontier.reopen(epoch, index)
                 ops.append(DropPrompt(epoch, index))
                 self.filtered_total -= 1
-                self.core.batches.take_back_drop(reason)
+                self.core.batches.take_back_drop(reason, (epoch, index))
         return out + [self.core.persist(ops, [])]
 
     def _capacity(self, samples: int, engines: list) -> int:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from common import protocol as p
 from common.metrics import DropStats, batch_metrics
+from common.mixture import EPOCH_BITS, EPOCH_MASK
 from coordinator.effects import Persist, Send
 from coordinator.frontier import DELIVERED, READY
 from coordinator.membership import RETIRED
@@ -76,8 +77,11 @@ class PendingGenerate:
 class Batches:
     def __init__(self, core: CoordinatorCore, restored: LedgerSnapshot):
         self.core = core
-        self.ready: deque[Prompt] = deque()  # acceptance order; may hold prompts no longer ready
+        self.ready: dict[int, deque[Prompt]] = {}
+        """Each training source's ready groups in acceptance order (may hold prompts no longer ready)."""
         self.ready_info: dict[Prompt, PromptState] = {}
+        self.ready_count: list[int] = [0] * len(core.sources)
+        """Entries of ``ready_info`` by training source."""
         self._seq = 0
         self.recorded: dict[int, RecordedBatch] = dict(restored.batches)
         self.trimmed_upto = restored.trimmed_upto
@@ -90,6 +94,7 @@ class Batches:
         self.pending: list[PendingGenerate] = []
         self.repairs: dict[int, list[tuple[bytes, int]]] = {}  # batch -> trainers waiting for it
         self.drops = DropStats()  # filter verdicts since the last batch was assembled
+        self.source_drops: list[int] = [0] * len(core.sources)  # filter drops since then, by training source
         self.epoch_last_rollout: dict[int, int] = {}  # epoch -> last batch holding its prompts
         for rollout_id, batch in self.recorded.items():
             for g in batch.groups:
@@ -99,9 +104,22 @@ class Batches:
 
     def restore_ready(self, prompts: dict[Prompt, PromptState]) -> None:
         for prompt, st in sorted((kv for kv in prompts.items() if kv[1].ready), key=lambda kv: (kv[1].seq, kv[0])):
-            self.ready.append(prompt)
-            self.ready_info[prompt] = st
+            if prompt[0] >> EPOCH_BITS < len(self.ready_count):
+                self._put_ready(prompt, st)
             self._seq = max(self._seq, st.seq)
+
+    def _put_ready(self, prompt: Prompt, st: PromptState) -> None:
+        source = prompt[0] >> EPOCH_BITS
+        self.ready.setdefault(source, deque()).append(prompt)
+        self.ready_info[prompt] = st
+        self.ready_count[source] += 1
+
+    def _take_ready(self, prompt: Prompt) -> PromptState | None:
+        """``prompt``'s ready entry, removed (None if it has none)."""
+        st = self.ready_info.pop(prompt, None)
+        if st is not None:
+            self.ready_count[prompt[0] >> EPOCH_BITS] -= 1
+        return st
 
     def add_ready(
         self, epoch: int, index: int, agent_id: str, key: str, stats: dict, ops: list, start: int = 0
@@ -109,13 +127,19 @@ class Batches:
         """A group was accepted; ``start``: weight updates pushed when its lease was granted."""
         self._seq += 1
         st = PromptState(READY, agent_id, key, stats, self._seq, start=start)
-        self.ready.append((epoch, index))
-        self.ready_info[(epoch, index)] = st
+        self._put_ready((epoch, index), st)
         self.drops.record_kept()
         ops.append(PutPrompt(epoch, index, st))
 
-    def take_back_drop(self, reason: str) -> None:
+    def note_drop(self, prompt: Prompt, reason: str) -> None:
+        """The filter dropped ``prompt``'s group (or it was filtered for failures)."""
+        self.drops.record_dropped(reason)
+        self.source_drops[prompt[0] >> EPOCH_BITS] += 1
+
+    def take_back_drop(self, reason: str, prompt: Prompt) -> None:
         """A filter drop counted since the last batch was undone: its prompt is pending again."""
+        source = prompt[0] >> EPOCH_BITS
+        self.source_drops[source] = max(0, self.source_drops[source] - 1)
         n = self.drops.dropped.get(reason, 0)
         if n > 1:
             self.drops.dropped[reason] = n - 1
@@ -126,7 +150,7 @@ class Batches:
         """A retired node's payloads are gone: its ready groups are generated again, its batches lose them."""
         for prompt, st in list(self.ready_info.items()):
             if st.agent_id == agent_id:
-                del self.ready_info[prompt]
+                self._take_ready(prompt)
                 self.core.frontier.reopen(*prompt)
                 ops.append(DropPrompt(*prompt))
         # What happens to a batch's lost prompts is decided when a trainer asks for
@@ -169,34 +193,61 @@ class Batches:
         ops.append(PutPrompt(epoch, index, PromptState(DELIVERED, st.agent_id, st.key, rollout_id=rollout_id)))
         return GroupRef(epoch, index, st.agent_id, st.key)
 
-    def _pop_ready(self) -> tuple[Prompt, PromptState | None]:
+    def _pop_ready(self, source: int) -> tuple[Prompt, PromptState | None]:
+        """The next ready group of training source ``source`` (``ready_count[source]`` > 0)."""
+        queue = self.ready[source]
         if self.core.staleness.bounded:
             # Oldest weights first (docs/weights.md, staleness rule 2), then acceptance order.
-            oldest = min(self.ready_info.items(), key=lambda kv: (kv[1].start, kv[1].seq), default=None)
+            mine = (kv for kv in self.ready_info.items() if kv[0][0] >> EPOCH_BITS == source)
+            oldest = min(mine, key=lambda kv: (kv[1].start, kv[1].seq), default=None)
             if oldest is not None:
-                del self.ready_info[oldest[0]]
-                if len(self.ready) > 2 * len(self.ready_info) + 64:  # drop the entries popped out of order
-                    self.ready = deque(prompt for prompt in self.ready if prompt in self.ready_info)
+                self._take_ready(oldest[0])
+                if len(queue) > 2 * self.ready_count[source] + 64:  # drop the entries popped out of order
+                    self.ready[source] = deque(prompt for prompt in queue if prompt in self.ready_info)
                 return oldest
-        prompt = self.ready.popleft()
-        return prompt, self.ready_info.pop(prompt, None)  # None: reopened after its node was retired
+        prompt = queue.popleft()
+        return prompt, self._take_ready(prompt)  # None: reopened after its node was retired
+
+    def _fullest(self) -> int:
+        """The training source with the most ready groups (ties: the earlier)."""
+        return max(range(len(self.ready_count)), key=lambda s: (self.ready_count[s], -s))
+
+    def composition(self, rollout_id: int) -> list[int]:
+        """Groups of each training source a full batch ``rollout_id`` holds (the mixture's shares)."""
+        return self.core.admission.training.shares(rollout_id)
+
+    def available(self, rollout_id: int) -> list[int]:
+        """Of each source's share of batch ``rollout_id``, the groups ready for it now."""
+        return [min(n, ready) for n, ready in zip(self.composition(rollout_id), self.ready_count, strict=True)]
 
     def target(self, batch: RecordedBatch) -> int:
         """Groups ``batch`` holds when complete: a partial batch's own size, else ``rollout_batch_size``."""
         return batch.size or self.core.config.rollout_batch_size
 
-    def assemble(self, g: PendingGenerate, size: int | None = None) -> Persist:
-        """Record batch ``g.rollout_id`` from ``size`` ready groups (fewer than a full one: a partial batch)."""
+    def assemble(self, g: PendingGenerate, counts: list[int] | None = None) -> Persist:
+        """Record batch ``g.rollout_id`` from ``counts[s]`` ready groups of each training source (default: the
+        mixture's shares, a full batch; fewer: a partial batch)."""
         full = self.core.config.rollout_batch_size
-        size = full if size is None else size
+        counts = self.composition(g.rollout_id) if counts is None else counts
         chosen = []
-        while len(chosen) < size:
-            prompt, st = self._pop_ready()
-            if st is not None:
-                chosen.append((prompt, st))
+        for source, n in enumerate(counts):
+            taken = 0
+            while taken < n:
+                prompt, st = self._pop_ready(source)
+                if st is not None:
+                    chosen.append((prompt, st))
+                    taken += 1
         ops: list = []
         groups = tuple(self._deliver(prompt, st, g.rollout_id, ops) for prompt, st in chosen)
-        metrics = batch_metrics([st.stats for _, st in chosen], [prompt[0] for prompt, _ in chosen], self.drops)
+        names = self.core.admission.training.names
+        mixed = len(names) > 1
+        metrics = batch_metrics(
+            [st.stats for _, st in chosen],
+            [prompt[0] & EPOCH_MASK for prompt, _ in chosen],
+            self.drops,
+            sources=[names[prompt[0] >> EPOCH_BITS] for prompt, _ in chosen] if mixed else None,
+            source_drops=dict(zip(names, self.source_drops, strict=True)),
+        )
         metrics.update(self.core.staleness.metrics(g.rollout_id, [st.start for _, st in chosen], self.core.now))
         metrics.update(self.core.oversampling.batch_metrics(full, len(groups)))
         batch = RecordedBatch(groups, metrics, size=len(groups) if len(groups) < full else 0)
@@ -207,6 +258,7 @@ class Batches:
         ops.append(PutBatch(g.rollout_id, batch))
         ops.append(SetMark("last_rollout_id", self.last_rollout_id))
         self.drops = DropStats()
+        self.source_drops = [0] * len(names)
         self.close_epochs(ops)
         now = self.core.now
         self.core.counters.batch(g.rollout_id, now, max(0.0, now - g.since), len(groups), metrics)
@@ -290,10 +342,15 @@ class Batches:
             size = self.target(batch)
             ops: list = []
             added: list[GroupRef] = []
-            while len(batch.groups) + len(added) < size and self.ready:
-                prompt, st = self._pop_ready()
-                if st is not None:
-                    added.append(self._deliver(prompt, st, rollout_id, ops))
+            for source, n in self._missing(rollout_id, batch).items():
+                while n > 0:
+                    s = self._fullest() if source is None else source
+                    if not self.ready_count[s]:
+                        break
+                    prompt, st = self._pop_ready(s)
+                    if st is not None:
+                        added.append(self._deliver(prompt, st, rollout_id, ops))
+                        n -= 1
             if added:
                 batch = dataclasses.replace(batch, groups=batch.groups + tuple(added))
                 self.recorded[rollout_id] = batch
@@ -342,11 +399,46 @@ class Batches:
             return self.pending[0].rollout_id
         return self.last_rollout_id + 1
 
+    def _missing(self, rollout_id: int, batch: RecordedBatch) -> dict[int | None, int]:
+        """Groups a batch in repair lacks, by training source. A full batch keeps its mixture's shares;
+        a partial one (``batch.size``) of a mixture is filled from any source (key None)."""
+        lacking = self.target(batch) - len(batch.groups)
+        if lacking <= 0:
+            return {}
+        if len(self.ready_count) == 1:
+            return {0: lacking}
+        if batch.size:
+            return {None: lacking}
+        have = [0] * len(self.ready_count)
+        for group in batch.groups:
+            have[group.data_epoch >> EPOCH_BITS] += 1
+        return {s: n - h for s, (n, h) in enumerate(zip(self.composition(rollout_id), have, strict=True)) if n > h}
+
     def demand(self, prefetch: int) -> int:
         """Groups wanted in flight or ready: waiting batches (over-sampled), repairs and the prefetch."""
-        wanted = self.core.oversampling.demand(self.core.config.rollout_batch_size)
-        missing = sum(self.target(b) - len(b.groups) for b in map(self.recorded.get, self.repairs) if b is not None)
-        return wanted * len(self.pending) + missing + prefetch
+        return sum(self.wanted(prefetch))
+
+    def wanted(self, prefetch: int) -> list[int]:
+        """``demand`` by training source: each waiting batch's and the prefetch's by the mixture's shares at their
+        rollout ids, each repair's by what it lacks."""
+        training = self.core.admission.training
+        per_batch = self.core.oversampling.demand(self.core.config.rollout_batch_size)
+        wanted = [0] * len(self.ready_count)
+        for g in self.pending:
+            for s, n in enumerate(training.shares(g.rollout_id, per_batch)):
+                wanted[s] += n
+        for rollout_id in self.repairs:
+            batch = self.recorded.get(rollout_id)
+            if batch is not None:
+                for source, n in self._missing(rollout_id, batch).items():
+                    if source is None:
+                        for s, k in enumerate(training.shares(self.current_rollout_id, n)):
+                            wanted[s] += k
+                    else:
+                        wanted[source] += n
+        for s, n in enumerate(training.shares(self.current_rollout_id, prefetch)):
+            wanted[s] += n
+        return wanted
 
     def pump(self) -> list:
         """Complete repairs, then assemble waiting batches (partial ones past their deadline), then
@@ -355,14 +447,15 @@ class Batches:
         size = self.core.config.rollout_batch_size
         assembled = False
         while self.pending and not self.repairs:
-            n = min(size, len(self.ready_info))
+            counts = self.available(self.pending[0].rollout_id)
+            n = sum(counts)
             if n < size and not (n and deadline_due(self.pending[0], self.core.now)):
                 break
             leased = (lease.start for lease in self.core.admission.bounded_leases())
             ready = (st.start for st in self.ready_info.values())
             if self.core.staleness.holds_batch(self.pending[0].rollout_id, leased, ready):
                 break  # leases in flight need this batch's places (staleness rule 2)
-            out.append(self.assemble(self.pending.pop(0), n))
+            out.append(self.assemble(self.pending.pop(0), counts))
             assembled = True
         if assembled:
             out += self.core.oversampling.stop_excess()

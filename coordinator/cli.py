@@ -25,7 +25,15 @@ _COUNT = number(int, min=1)
 
 def _serve_args(sp: argparse.ArgumentParser) -> None:
     d = RolloutConfig()
-    sp.add_argument("--dataset", required=True, help="JSONL file, one prompt per line")
+    sp.add_argument(
+        "--dataset",
+        action="append",
+        required=True,
+        metavar="PATH | NAME=PATH,weight=W[,OPT=V]",
+        help="JSONL file, one prompt per line; or one training dataset of a mixture, repeatable: "
+        "NAME=PATH,weight=W with options reward, filter, n_samples, max_new_tokens, temperature, top_p, "
+        "input_key, label_key, shuffle_seed (README 'Mixing datasets')",
+    )
     sp.add_argument("--input-key", default="prompt", help="row key holding the prompt (string or chat messages)")
     sp.add_argument("--label-key", default="label", help="row key holding the label given to the reward")
     sp.add_argument(
@@ -222,11 +230,16 @@ def _check_chat_rows(name: str, data_dir: str, datasets: list) -> None:
 def serve(args) -> int:
     from common.dataset import Dataset
     from common.filters import load_filter
+    from common.mixture import DEFAULT, check_sources, parse_dataset
     from common.rewards import load_reward
     from coordinator.eval_datasets import load_eval_datasets
     from coordinator.server import CoordinatorServer, ServeSettings
 
+    dataset_args = [parse_dataset(text) for text in args.dataset]
+    named = len(dataset_args) > 1 or dataset_args[0].spec.name != DEFAULT
+    check_sources([d.spec for d in dataset_args])
     config = RolloutConfig(
+        mixture=[d.spec.to_dict() for d in dataset_args] if named else [],
         extra_sampling_params=_sampling_params(args.sampling_params),
         rollout_batch_size=args.rollout_batch_size,
         n_samples_per_prompt=args.n_samples_per_prompt,
@@ -255,6 +268,11 @@ def serve(args) -> int:
     # Fail here, with the spec named, rather than on every agent later.
     load_reward(config.reward)
     load_filter(config.dynamic_filter)
+    for d in dataset_args:
+        if d.spec.reward is not None:
+            load_reward(d.spec.reward)
+        if d.spec.filter is not None:
+            load_filter(d.spec.filter)
     if config.generate:
         from common.plugins import import_callable
 
@@ -264,14 +282,29 @@ def serve(args) -> int:
 
         import_callable(config.tool_parser, kind="tool-parser")
     # The row index is cached beside the ledger: a restart on the same file skips validation.
-    index = os.path.join(args.data_dir, "dataset.index")
-    dataset = Dataset(args.dataset, input_key=args.input_key, label_key=args.label_key, index_path=index)
+    mixture = None
+    if named:
+        from common.mixture import MixtureDatasets
+
+        mixture = []
+        for d in dataset_args:
+            index = os.path.join(args.data_dir, f"dataset-{d.spec.name}.index")
+            keys = {"input_key": d.input_key or args.input_key, "label_key": d.label_key or args.label_key}
+            source_seed = d.shuffle_seed if d.shuffle_seed is not None else args.shuffle_seed
+            mixture.append((Dataset(d.path, **keys, index_path=index), source_seed))
+        dataset = MixtureDatasets([d.spec.name for d in dataset_args], [ds for ds, _ in mixture])
+    else:
+        index = os.path.join(args.data_dir, "dataset.index")
+        dataset = Dataset(dataset_args[0].path, input_key=args.input_key, label_key=args.label_key, index_path=index)
     evals = load_eval_datasets(
         args.eval_dataset, config, input_key=args.input_key, label_key=args.label_key, data_dir=args.data_dir
     )
     if args.tokenizer:
+        training = [(f"dataset-{n}", ds) for n, (ds, _) in zip(dataset.names, mixture, strict=True)] if mixture else []
         _check_chat_rows(
-            args.tokenizer, args.data_dir, [("dataset", dataset)] + [(f"eval-{n}", d) for n, (d, _) in evals.items()]
+            args.tokenizer,
+            args.data_dir,
+            (training or [("dataset", dataset)]) + [(f"eval-{n}", d) for n, (d, _) in evals.items()],
         )
     settings = ServeSettings(
         data_dir=args.data_dir,
@@ -288,7 +321,9 @@ def serve(args) -> int:
         curve=curve,
         over_sampling=args.over_sampling,
     )
-    server = CoordinatorServer(settings, dataset=dataset, config=config, liveness=liveness, eval_datasets=evals)
+    server = CoordinatorServer(
+        settings, dataset=dataset, config=config, liveness=liveness, eval_datasets=evals, mixture=mixture
+    )
     if exposed:
         logging.getLogger("rollfleet.coordinator").warning("%s", exposed)
     logging.getLogger("coordinator").info("effective config: %s", json.dumps(args.effective_config, sort_keys=True))

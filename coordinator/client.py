@@ -368,6 +368,13 @@ class AsyncRolloutClient:
     async def resume(self) -> dict:
         return await self._request(lambda s, req: p.Resume(s, req), "resume")
 
+    async def set_mixture(self, weights: dict) -> dict:
+        """The training datasets' weights (``{"math": 0.7, "code": 0.3}``, names of ``--dataset NAME=PATH,...``;
+        a name left out weighs 0) from the next batch not generated yet on; returns ``{"from_rollout_id",
+        "weights"}``. Recorded in the ledger before the answer: a restart keeps it, and a batch generated
+        again for its rollout id is the same."""
+        return await self._request(lambda s, req: p.SetMixture(s, req, dict(weights)), "set_mixture")
+
     async def state_dict(self) -> dict:
         """The consumed frontier, as plain JSON data. Only while paused and drained."""
         return await self._request(lambda s, req: p.StateDict(s, req, self.consumed), "state_dict")
@@ -525,6 +532,9 @@ class RolloutClient:
 
     def resume(self) -> dict:
         return self._run(self._async.resume())
+
+    def set_mixture(self, weights: dict) -> dict:
+        return self._run(self._async.set_mixture(weights))
 
     def state_dict(self) -> dict:
         return self._run(self._async.state_dict())

@@ -76,13 +76,14 @@ from typing import Any
 
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
+from common.mixture import DEFAULT, SourceSpec
 from coordinator.admission import Admission
 from coordinator.batches import Batches
 from coordinator.counters import CoreCounters
 from coordinator.effects import Persist, Send
 from coordinator.evaluation import EvalSpec, Evaluations
-from coordinator.frontier import Frontier
 from coordinator.membership import Membership
+from coordinator.mix_frontier import MixFrontier
 from coordinator.oversampling import OverSampling
 from coordinator.records import AgentStats, CoordinatorStats, LedgerSnapshot, SetCursors
 from coordinator.staleness import Staleness
@@ -113,7 +114,11 @@ class CoordinatorCore:
         trainer_keys=(),
         eval_specs: list[EvalSpec] = (),
         over_sampling: float = 1.0,
+        source_sizes: list[int] | None = None,
+        source_orders: Callable[[int, int, int], Any] | None = None,
     ):
+        """``source_sizes``: each training source's prompts, in ``config.mixture``'s order (default: one source
+        of ``dataset_size``); ``source_orders(source, size, data_epoch)``: its order (default ``order_for_epoch``)."""
         self.config = config
         self.trainer_keys = list(trainer_keys)
         """The trainers' CurveZMQ public keys (Z85), handed to agents in the Welcome for their payload endpoints."""
@@ -128,7 +133,15 @@ class CoordinatorCore:
         self.counters = CoreCounters()
         """Events for observation (``coordinator/counters.py``); read only at scrape time."""
         self.membership = Membership(restored.generation)
-        self.frontier = Frontier(dataset_size, lambda e: order_for_epoch(dataset_size, e))
+        self.sources = [SourceSpec.from_dict(d) for d in config.mixture] or [SourceSpec(DEFAULT)]
+        """The training sources (common/mixture.py), in order: a source's number is its place here."""
+        sizes = list(source_sizes) if source_sizes is not None else [dataset_size]
+        if len(sizes) != len(self.sources):
+            raise ValueError(f"{len(sizes)} dataset sizes for {len(self.sources)} training sources")
+        self.mixture_schedule = list(restored.mixture) or [(0, [spec.weight for spec in self.sources])]
+        """``[(from rollout id, weights)]``: the mixture's weights from each rollout id on (``set_mixture``)."""
+        orders = source_orders or (lambda source, n, e: order_for_epoch(n, e))
+        self.frontier = MixFrontier(sizes, orders)
         self.staleness = Staleness(config.max_staleness, config.rollout_batch_size)
         self.oversampling = OverSampling(self, over_sampling)
         self.weights = WeightUpdates(self, restored)
@@ -233,7 +246,8 @@ class CoordinatorCore:
         if self.admission.starvation.starved:
             return out  # every recent group failed: leasing more prompts would only burn them
         outstanding = self.admission.training_leases + len(self.batches.ready_info)
-        budget = self.batches.demand(self.trainer.prefetch) - outstanding
+        wanted = self.batches.wanted(self.trainer.prefetch)
+        budget = self.admission.training.plan(wanted, self.batches.ready_count)
         allowed = self.staleness.budget(outstanding, self.batches.current_rollout_id, self.weights.log.updates)
         self.staleness.note_admission(budget, allowed, now)
         if allowed is not None:

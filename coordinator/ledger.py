@@ -57,6 +57,7 @@ from coordinator.records import (
     SetCursors,
     SetEvalPass,
     SetMark,
+    SetMixture,
     SetPaused,
     SetWeights,
     WeightLog,
@@ -160,6 +161,9 @@ def _snapshot(txn, meta, prompts, batches, evals=None) -> LedgerSnapshot:
     raw = txn.get(b"weights", db=meta)
     if raw is not None:
         snap.weights = _decode_weights(raw)
+    raw = txn.get(b"mixture", db=meta)
+    if raw is not None:
+        snap.mixture = [(int(start), [float(x) for x in w]) for start, w in _unpack(raw)]
     for name in MARKS:
         raw = txn.get(name.encode(), db=meta)
         if raw is not None:
@@ -336,6 +340,8 @@ class Ledger:
                     txn.put(op.name.encode(), _pack(op.rollout_id), db=self.meta)
                 elif isinstance(op, SetWeights):
                     txn.put(b"weights", _encode_weights(op.log), db=self.meta)
+                elif isinstance(op, SetMixture):
+                    txn.put(b"mixture", _pack([[start, list(w)] for start, w in op.schedule]), db=self.meta)
                 elif isinstance(op, CloseEpoch):
                     _delete_prefix(txn.cursor(db=self.prompts), _EPOCH.pack(op.data_epoch))
                 elif isinstance(op, PutEvalResult):

@@ -265,6 +265,13 @@ class SetWeights:
 
 
 @dataclass(frozen=True, slots=True)
+class SetMixture:
+    """Record the mixture's schedule (``client.set_mixture``): ``(from rollout id, weights)``, ascending."""
+
+    schedule: tuple
+
+
+@dataclass(frozen=True, slots=True)
 class SetEvalPass:
     """Record an evaluation dataset's current pass (a new one, a token added, or its result)."""
 
@@ -297,6 +304,7 @@ LedgerOp = (
     | SetMark
     | CloseEpoch
     | SetWeights
+    | SetMixture
     | SetEvalPass
     | PutEvalResult
     | DropEvalResults
@@ -331,6 +339,8 @@ class LedgerSnapshot:
     """Each evaluation dataset's current pass."""
     eval_results: dict[tuple[str, int], dict] = field(default_factory=dict)
     """``(name, index) -> result`` of the prompts the current passes have finished."""
+    mixture: list[tuple[int, list[float]]] = field(default_factory=list)
+    """``client.set_mixture``'s changes: ``(from rollout id, weights)``, ascending; empty: the configured weights."""
 
     def eval_results_of(self, name: str) -> dict[int, dict]:
         """``index -> result`` of evaluation dataset ``name``'s current pass."""

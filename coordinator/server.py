@@ -52,6 +52,7 @@ from common.curve import CoordinatorKeys
 from common.dataset import Dataset
 from common.errors import ProtocolError, StorageFull
 from common.lmdb_env import MAP_SIZE
+from common.mixture import EPOCH_BITS
 from common.shuffle import SHUFFLE_ORDER, epoch_permutation
 from common.transport import router, send_nowait, stop_on_signals
 from coordinator.core import CoordinatorCore, Persist, Send
@@ -106,7 +107,10 @@ class CoordinatorServer:
         config: RolloutConfig,
         liveness: Liveness,
         eval_datasets: dict[str, tuple[Dataset, EvalSpec]] | None = None,
+        mixture: list[tuple[Dataset, int | None]] | None = None,
     ):
+        """``mixture``: each training source's dataset and shuffle seed, in ``config.mixture``'s order (then
+        ``dataset`` is their combination, ``training_fingerprint``); None: ``dataset`` is the one source."""
         s = self.settings = settings
         data_dir, bind, seed, curve = s.data_dir, s.bind, s.seed, s.curve
         metrics_host, metrics_port, max_message_bytes = s.metrics_host, s.metrics_port, s.max_message_bytes
@@ -114,6 +118,9 @@ class CoordinatorServer:
         self.eval_datasets = {name: ds for name, (ds, _) in (eval_datasets or {}).items()}
         self.source_datasets = {TRAIN: dataset, **{EVAL_PREFIX + n: ds for n, ds in self.eval_datasets.items()}}
         """Each prompt source's dataset (coordinator/sources.py), by the key its leases carry."""
+        parts = mixture or [(dataset, seed)]
+        self.training_datasets = [ds for ds, _ in parts]
+        """Each training source's dataset, by source number (``data_epoch >> 32``: common/mixture.py)."""
         self.metrics_host, self.metrics_port = metrics_host, metrics_port
         self.observe = None  # the /metrics and status page endpoint while serving (coordinator/observe.py)
         self.max_message_bytes = max_message_bytes
@@ -141,6 +148,10 @@ class CoordinatorServer:
             # The shuffle algorithm is part of the shape: positions in one order name other rows in another.
             order = SHUFFLE_ORDER if seed is not None else None
             shape = {**config.batch_shape(), "shuffle_seed": seed, "shuffle_order": order}
+            if mixture:
+                shape["dataset_seeds"] = [source_seed for _, source_seed in mixture]
+                order = order or (SHUFFLE_ORDER if any(x is not None for _, x in mixture) else None)
+                shape["shuffle_order"] = order
             restored = self.ledger.open_run(
                 len(dataset), dataset.fingerprint, config=shape, allow_change=s.allow_config_change
             )
@@ -157,6 +168,8 @@ class CoordinatorServer:
             dataset_size=len(dataset),
             dataset_fingerprint=dataset.fingerprint,
             order_for_epoch=lambda n, e: epoch_permutation(n, e, seed),
+            source_sizes=[len(ds) for ds, _ in parts],
+            source_orders=lambda source, n, e: epoch_permutation(n, e, parts[source][1]),
             restored=restored,
             now=time.monotonic(),
             starve_after=s.starve_after,
@@ -253,7 +266,10 @@ class CoordinatorServer:
             try:
                 leases = []
                 for lease in s.msg.leases:
-                    row = self.source_datasets[lease.source].row(lease.index)
+                    if lease.source == TRAIN:
+                        row = self.training_datasets[lease.data_epoch >> EPOCH_BITS].row(lease.index)
+                    else:
+                        row = self.source_datasets[lease.source].row(lease.index)
                     leases.append(replace(lease, prompt=row.prompt, label=row.label, metadata=row.metadata))
                 out[id(s)] = p.Grant(s.msg.session, leases)
             except Exception:

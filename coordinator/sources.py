@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from common import protocol as p
+from common.mixture import EPOCH_BITS, SourceSpec, shares
 from coordinator.records import TRAIN, Lease
 
 if TYPE_CHECKING:
@@ -67,27 +68,93 @@ class PromptSource(Protocol):
 
 
 class TrainingSource:
-    """The training dataset's prompts (module docstring). Its outcome rules (filter, repeated failures,
-    starvation) are the lease book's (``Admission``), which it calls."""
+    """The training datasets' prompts (module docstring): one, or a mixture (common/mixture.py) whose
+    sources each run through their own epochs of the mix frontier (coordinator/mix_frontier.py).
+    Leases go to the source that most lacks groups for the waiting batches (``needs``). Its outcome
+    rules (filter, repeated failures, starvation) are the lease book's (``Admission``), which it calls."""
 
     key = TRAIN
     bounded = True
 
-    def __init__(self, admission: Admission):
+    def __init__(self, admission: Admission, specs: list[SourceSpec], schedule: list[tuple[int, list[float]]]):
         self.admission = admission
         self.frontier = admission.core.frontier
+        self.specs = specs
+        self.names = [spec.name for spec in specs]
+        self.schedule = schedule
+        """``[(from rollout id, weights)]``, ascending: the mixture in force from each rollout id on."""
+        self.in_flight = [0] * len(specs)
+        """Leases in the lease book by source (held ones not counted)."""
+        self._wanted: list[int] = [0] * len(specs)
+        """What ``take`` may still lease per source in this pump (``plan``)."""
+        self._fields = [self._spec_fields(spec) for spec in specs]
+
+    @property
+    def mixed(self) -> bool:
+        return len(self.specs) > 1
+
+    def _spec_fields(self, spec: SourceSpec) -> dict:
+        fields: dict = {}
+        if self.mixed:
+            fields["dataset"] = spec.name
+        if spec.n_samples is not None:
+            fields["n_samples"] = spec.n_samples
+        if spec.sampling():
+            fields["sampling"] = spec.sampling()
+        if spec.reward is not None:
+            fields["reward"] = spec.reward
+        if spec.filter is not None:
+            fields["filter"] = spec.filter
+        return fields
+
+    def weights_at(self, rollout_id: int) -> list[float]:
+        weights = self.schedule[0][1]
+        for start, w in self.schedule:
+            if start <= rollout_id:
+                weights = w
+        return weights
+
+    def shares(self, rollout_id: int, total: int | None = None) -> list[int]:
+        """Groups of each source in batch ``rollout_id`` (of ``total`` groups; default a full batch)."""
+        size = self.admission.core.config.rollout_batch_size if total is None else total
+        if not self.mixed:
+            return [size]
+        return shares(self.weights_at(rollout_id), size)
+
+    def plan(self, wanted: list[int], ready: list[int]) -> int:
+        """Set what each source may lease now: ``wanted`` groups in flight or ready, less what it has. Returns
+        the total. A source with more ready than wanted does not hold another's leases back."""
+        self._wanted = [max(0, w - self.in_flight[s] - ready[s]) for s, w in enumerate(wanted)]
+        return sum(self._wanted)
+
+    def note_lease(self, lease: Lease, delta: int) -> None:
+        self.in_flight[lease.data_epoch >> EPOCH_BITS] += delta
 
     def take(self, now: float) -> tuple[int, int] | None:
+        # The source that lacks most first (ties: the earlier); none past its plan.
+        wanted = self._wanted
+        order = sorted(range(len(wanted)), key=lambda s: (-wanted[s], s)) if self.mixed else [0]
+        for s in order:
+            if wanted[s] <= 0:
+                break
+            taken = self._take_from(s, now)
+            if taken is not None:
+                wanted[s] -= 1
+                return taken
+        return None
+
+    def _take_from(self, source: int, now: float) -> tuple[int, int] | None:
         # A prompt held for a silent agent goes to another only once the open epochs have nothing
         # else pending, before a new epoch opens.
-        held = self.admission.held
-        return self.frontier.take(now, open_new=not held) or self.admission.take_held() or self.frontier.take(now)
+        frontier, admission = self.frontier, self.admission
+        taken = frontier.take(now, open_new=not admission.held, source=source)
+        return taken or admission.take_held(source) or frontier.take(now, source=source)
 
     def grant_fields(self, lease: Lease) -> dict:
-        return {}
+        return self._fields[lease.data_epoch >> EPOCH_BITS]
 
     def with_rows(self, rec: AgentRecord) -> bool:
-        return not rec.local_dataset
+        return self.mixed or not rec.local_dataset
 
     def give_back(self, lease: Lease) -> None:
         self.frontier.release(lease.data_epoch, lease.index)

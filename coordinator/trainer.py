@@ -27,9 +27,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from common import protocol as p
+from common.errors import ConfigError
+from common.mixture import check_weights
 from coordinator.effects import Send
 from coordinator.membership import ALIVE
-from coordinator.records import LedgerSnapshot, SetPaused
+from coordinator.records import LedgerSnapshot, SetMixture, SetPaused
 
 if TYPE_CHECKING:
     from coordinator.core import CoordinatorCore
@@ -62,6 +64,7 @@ class TrainerSessions:
         self._requests = {
             p.Pause: self.on_pause,
             p.Resume: self.on_resume,
+            p.SetMixture: self.on_set_mixture,
             p.StateDict: self.on_state_dict,
             p.LoadStateDict: self.on_load_state_dict,
             p.Consumed: self.on_consumed,
@@ -194,6 +197,21 @@ class TrainerSessions:
 
     # ------------------------------------------------------------------ checkpoints
 
+    def on_set_mixture(self, peer: bytes, msg: p.SetMixture, now: float) -> list:
+        """The training datasets' weights from the next batch not recorded yet on, recorded before the answer."""
+        core = self.core
+        training = core.admission.training
+        try:
+            weights = check_weights(msg.weights, training.names)
+        except ConfigError as exc:
+            return [Send(peer, p.Error("bad_request", str(exc), msg.req))]
+        start = core.batches.last_rollout_id + 1
+        schedule = [(r, w) for r, w in training.schedule if r < start]
+        schedule.append((start, [weights[name] for name in training.names]))
+        training.schedule[:] = schedule
+        answer = Send(peer, p.Ok(msg.req, {"from_rollout_id": start, "weights": weights}))
+        return [core.persist([SetMixture(tuple(schedule))], [answer])] + core.pump(now)
+
     def on_state_dict(self, peer: bytes, msg: p.StateDict, now: float) -> list:
         core, batches = self.core, self.core.batches
         leased = len(core.admission.leases)
@@ -225,6 +243,7 @@ class TrainerSessions:
             "dataset_fingerprint": core.dataset_fingerprint,
             "dataset_size": core.dataset_size,
             "config": core.config.to_dict(),
+            "mixture": [[start, list(w)] for start, w in core.admission.training.schedule],
         }
         return [core.persist(ops, out + [Send(peer, p.Ok(msg.req, state))])]
 

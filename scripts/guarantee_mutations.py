@@ -142,8 +142,8 @@ MUTATIONS = [
         "prefetch-bound-ignored",
         "admission goes past demand + prefetch",
         "coordinator/core.py",
-        "        budget = self.batches.demand(self.trainer.prefetch) - outstanding\n",
-        "        budget = self.batches.demand(self.trainer.prefetch) - outstanding + 8\n",
+        "        budget = self.admission.training.plan(wanted, self.batches.ready_count)\n",
+        "        budget = self.admission.training.plan(wanted, self.batches.ready_count) + 8\n",
         "tests/cluster/test_e2e.py::test_trainer_that_stops_pulling_holds_work_at_the_bound",
     ),
     Mutation(
@@ -160,10 +160,10 @@ MUTATIONS = [
         "held-back-groups-dropped",
         "a ready group held back by backpressure is dropped from assembly",
         "coordinator/batches.py",
-        "        prompt = self.ready.popleft()\n        return prompt, self.ready_info.pop(prompt, None)",
-        "        prompt = self.ready.popleft()\n        if len(self.ready) >= 5:\n"
-        "            self.ready_info.pop(prompt, None)\n            prompt = self.ready.popleft()\n"
-        "        return prompt, self.ready_info.pop(prompt, None)",
+        "        prompt = queue.popleft()\n        return prompt, self._take_ready(prompt)",
+        "        prompt = queue.popleft()\n        if len(queue) >= 5:\n"
+        "            self._take_ready(prompt)\n            prompt = queue.popleft()\n"
+        "        return prompt, self._take_ready(prompt)",
         "tests/cluster/test_e2e.py::test_trainer_that_stops_pulling_holds_work_at_the_bound",
     ),
     Mutation(

@@ -27,9 +27,9 @@ def test_file_values_fill_flags_including_required_ones(tmp_path):
         'dataset = "/data/p.jsonl"\ndata_dir = "/var/lib/c"\nmax-new-tokens = 16\nno_sync = true\n'
         "partial_rollout = false\ntemperature = 0.7\n",
     )
-    assert (args.dataset, args.data_dir, args.max_new_tokens) == ("/data/p.jsonl", "/var/lib/c", 16)
+    assert (args.dataset, args.data_dir, args.max_new_tokens) == (["/data/p.jsonl"], "/var/lib/c", 16)
     assert args.no_sync is True and args.partial_rollout is False and args.temperature == 0.7
-    assert effective["max-new-tokens"] == 16 and effective["dataset"] == "/data/p.jsonl"
+    assert effective["max-new-tokens"] == 16 and effective["dataset"] == ["/data/p.jsonl"]
     assert effective["rollout-batch-size"] == 32  # the built-in default where the file says nothing
 
 
@@ -43,7 +43,7 @@ def test_command_line_flags_override_the_file(tmp_path):
         "--dataset",
         "b.jsonl",
     )
-    assert (args.max_new_tokens, args.partial_rollout, args.dataset) == (99, True, "b.jsonl")
+    assert (args.max_new_tokens, args.partial_rollout, args.dataset) == (99, True, ["b.jsonl"])
     assert effective["max-new-tokens"] == 99
 
 
