@@ -446,6 +446,7 @@ class Admission:
             return []
         core.frontier.set(*prompt, FILTERED)
         core.batches.note_drop(prompt, reason)
+        self.training.filtered_count[prompt[0] >> EPOCH_BITS] += 1
         core.counters.dropped(reason)
         self.filtered_total += 1
         self.failures.pop(prompt, None)
@@ -498,6 +499,7 @@ class Admission:
                 frontier.reopen(epoch, index)
                 ops.append(DropPrompt(epoch, index))
                 self.filtered_total -= 1
+                self.training.filtered_count[epoch >> EPOCH_BITS] -= 1
                 self.core.batches.take_back_drop(reason, (epoch, index))
         return out + [self.core.persist(ops, [])]
 

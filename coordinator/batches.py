@@ -240,7 +240,7 @@ class Batches:
         ops: list = []
         groups = tuple(self._deliver(prompt, st, g.rollout_id, ops) for prompt, st in chosen)
         names = self.core.admission.training.names
-        mixed = len(names) > 1
+        mixed = self.core.admission.training.mixed
         metrics = batch_metrics(
             [st.stats for _, st in chosen],
             [prompt[0] & EPOCH_MASK for prompt, _ in chosen],

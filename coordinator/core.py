@@ -76,7 +76,7 @@ from typing import Any
 
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
-from common.mixture import DEFAULT, SourceSpec
+from common.mixture import DEFAULT, EPOCH_MASK, SourceSpec
 from coordinator.admission import Admission
 from coordinator.batches import Batches
 from coordinator.counters import CoreCounters
@@ -306,7 +306,7 @@ class CoordinatorCore:
             starved=self.admission.starvation.reason,
             trainer=trainer.client if trainer.session else None,
             prompts=self.frontier.counts(),
-            data_epochs=tuple(sorted(self.frontier.epochs)),
+            data_epochs=tuple(sorted({key & EPOCH_MASK for key in self.frontier.epochs})),
             last_rollout_id=batches.last_rollout_id,
             trimmed_upto=batches.trimmed_upto,
             consumed_upto=batches.consumed_upto,
@@ -314,6 +314,20 @@ class CoordinatorCore:
             fenced_messages=dict(self.admission.fenced),
             weights=self.weights.statistics(self.now if now is None else now),
             evaluations=self.evaluations.statistics(),
+            sources=self._source_stats(),
             held=len(self.admission.held),
             receipts={"accepted": self.counters.receipts_accepted, "refused": self.counters.receipts_refused},
         )
+
+    def _source_stats(self) -> dict:
+        training = self.admission.training
+        weights = training.weights_at(self.batches.last_rollout_id + 1)
+        return {
+            name: {
+                "weight": weights[s],
+                "prompts": self.frontier.counts(s),
+                "data_epochs": sorted(self.frontier.parts[s].epochs),
+                "filtered": training.filtered_count[s],
+            }
+            for s, name in enumerate(training.names)
+        }

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from common.mixture import EPOCH_BITS, EPOCH_MASK
 from coordinator.membership import ALIVE, DEAD, RETIRED
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ class CoordinatorCollector:
         yield _labelled(
             GaugeMetricFamily, "prompts", "Prompts of the open data epochs, by state", "state", core.frontier.counts()
         )
-        yield _gauge("data_epoch", "The newest open data epoch", max(core.frontier.epochs, default=0))
+        yield _gauge("data_epoch", "The newest open data epoch", max(core.frontier.parts[0].epochs, default=0))
         yield _gauge("dataset_prompts", "Rows in the dataset", core.dataset_size)
         usage = self.server.ledger.usage()
         yield _gauge("ledger_bytes", "Bytes of the ledger's LMDB in use", usage["bytes"])
@@ -168,9 +169,16 @@ def status_snapshot(server: CoordinatorServer) -> dict:
         }
         for rec in sorted(core.membership.agents.values(), key=lambda r: r.agent_id)
     ]
+    names = core.admission.training.names
     epochs = [
-        {"epoch": e, "position": ep.cursor, "size": len(ep.order), "finished": ep.finished}
-        for e, ep in sorted(core.frontier.epochs.items())
+        {
+            "dataset": names[key >> EPOCH_BITS],
+            "epoch": key & EPOCH_MASK,
+            "position": ep.cursor,
+            "size": len(ep.order),
+            "finished": ep.finished,
+        }
+        for key, ep in sorted(core.frontier.epochs.items())
     ]
     recent = [
         {
@@ -195,6 +203,7 @@ def status_snapshot(server: CoordinatorServer) -> dict:
             "leases_in_flight": len(core.admission.leases),
             "leases_held": len(core.admission.held),
             "groups_ready": len(batches.ready_info),
+            "datasets": core.statistics(now).sources,
         },
         "batches": {
             "assembled": c.batches,

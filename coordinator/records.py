@@ -435,6 +435,9 @@ class CoordinatorStats:
     evaluations: dict = field(default_factory=dict)
     """Each evaluation dataset: ``{"running": True, "pass", "prompts", "finished", "leased", "waiting"}`` while a
     pass runs, else ``{"running": False, "prompts", "last": metrics of the last pass}``."""
+    sources: dict = field(default_factory=dict)
+    """Each training dataset (``default`` for a plain ``--dataset PATH``): ``{"weight", "prompts": by state,
+    "data_epochs", "filtered"}``; the weight is the mixture's for the next batch (``set_mixture``)."""
     held: int = 0
     """Leases held for agents presumed dead (silent past the TTL, not retired): not in ``leased``, their
     prompts leased to no one else (coordinator/admission.py)."""

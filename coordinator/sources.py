@@ -85,13 +85,17 @@ class TrainingSource:
         """``[(from rollout id, weights)]``, ascending: the mixture in force from each rollout id on."""
         self.in_flight = [0] * len(specs)
         """Leases in the lease book by source (held ones not counted)."""
+        self.filtered_count = [0] * len(specs)
+        """Prompts filtered by source (the dynamic filter's drops and repeated failures), since the start."""
         self._wanted: list[int] = [0] * len(specs)
         """What ``take`` may still lease per source in this pump (``plan``)."""
         self._fields = [self._spec_fields(spec) for spec in specs]
 
     @property
     def mixed(self) -> bool:
-        return len(self.specs) > 1
+        """Named datasets (``--dataset NAME=PATH,...``): grants name theirs and carry rows; batches get per-source
+        metrics."""
+        return bool(self.admission.core.config.mixture)
 
     def _spec_fields(self, spec: SourceSpec) -> dict:
         fields: dict = {}

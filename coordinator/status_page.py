@@ -113,9 +113,14 @@ function render(s) {
   });
   document.getElementById("fleet").replaceChildren(...rows);
   const f = s.frontier;
-  const ep = f.epochs.map(e => `epoch ${e.epoch}: position ${e.position} / ${e.size}, finished ${e.finished}`);
+  const named = Object.keys(f.datasets || {}).length > 1 || !(f.datasets || {}).default;
+  const ep = f.epochs.map(e => `${named ? "dataset " + e.dataset + ", " : ""}epoch ${e.epoch}: ` +
+    `position ${e.position} / ${e.size}, finished ${e.finished}`);
+  const mix = named ? Object.entries(f.datasets).map(([n, d]) => el("div", {class: "dataset"},
+    `dataset ${n}: weight ${d.weight}, filtered ${d.filtered}, ` +
+    Object.entries(d.prompts).map(([k, v]) => `${k} ${v}`).join(", "))) : [];
   document.getElementById("frontier").replaceChildren(
-    ...ep.map(t => el("div", {class: "epoch"}, t)),
+    ...ep.map(t => el("div", {class: "epoch"}, t)), ...mix,
     el("div", {}, `leases outstanding ${f.leases_in_flight}, groups ready ${f.groups_ready}, ` +
       Object.entries(f.prompts).map(([k, v]) => `${k} ${v}`).join(", ")));
   const b = s.batches;

@@ -56,6 +56,14 @@ def render(stats: dict) -> str:
         f"drops:    filtered prompts {stats.get('filtered_total', '-')}; "
         f"fenced messages {_pairs(stats.get('fenced_messages') or {})}",
     ]
+    sources = stats.get("sources") or {}
+    if len(sources) > 1 or (sources and "default" not in sources):
+        for name, src in sources.items():
+            epochs = ", ".join(str(e) for e in src.get("data_epochs") or ()) or "-"
+            out.append(
+                f"dataset {name}: weight {src.get('weight')}, data epochs {epochs}, "
+                f"prompts {_pairs(src.get('prompts') or {})}, filtered {src.get('filtered')}"
+            )
     lock = weights.get("lock")
     if lock:
         out.append(f"weights:  update {lock.get('update_id')} by {lock.get('holder')} at step {lock.get('step')}")

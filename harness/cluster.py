@@ -86,12 +86,14 @@ class Cluster:
         *,
         rows: int = 400,
         dataset: Path | None = None,
+        datasets: list[str] | None = None,
         curve_agents: tuple[str, ...] = (),
         curve_trainers: tuple[str, ...] = (),
         host: str = "127.0.0.1",
         **config,
     ):
-        """``host``: the address the coordinator binds (e.g. a ``harness.netfault`` link's; default loopback)."""
+        """``host``: the address the coordinator binds (e.g. a ``harness.netfault`` link's; default loopback).
+        ``datasets``: ``--dataset`` values of a mixture (``NAME=PATH,weight=W,...``), in place of ``dataset``."""
         self.tmp = Path(tmp)
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.curve_dir: Path | None = None
@@ -101,7 +103,8 @@ class Cluster:
             self.curve_dir = self.tmp / "curve"
             write_fleet(self.curve_dir, curve_agents, curve_trainers or ("trainer",))
             self._trainer_key = (curve_trainers or ("trainer",))[0]
-        self.dataset = dataset or write_arithmetic_dataset(self.tmp / "data.jsonl", rows)
+        self.dataset = dataset or (None if datasets else write_arithmetic_dataset(self.tmp / "data.jsonl", rows))
+        self.datasets = list(datasets or [])
         self.host = host
         self.port = free_port(host)
         self.address = f"tcp://{host}:{self.port}"
@@ -127,8 +130,7 @@ class Cluster:
             "-m",
             "coordinator.cli",
             "serve",
-            "--dataset",
-            str(self.dataset),
+            *[x for value in self.datasets or [str(self.dataset)] for x in ("--dataset", value)],
             "--data-dir",
             str(self.tmp / "coordinator"),
             "--bind",
