@@ -25,6 +25,7 @@ class Mutation:
 
 G = "tests/cluster/test_guarantees.py::"
 M = "tests/cluster/test_batch_metrics.py::"
+X = "tests/cluster/test_mixtures.py::"
 
 MUTATIONS = [
     Mutation(
@@ -266,5 +267,33 @@ MUTATIONS = [
         "        ages = [max(0, t - s) for s in starts]\n",
         "        ages = [max(0, t - s - 1) for s in starts]\n",
         M + "test_every_batch_metric_equals_what_its_samples_give",
+    ),
+    Mutation(
+        "11",
+        "mix-by-total-not-shares",
+        "a batch takes the first ready groups of any source, not each source's share",
+        "coordinator/batches.py",
+        "        counts = self.composition(g.rollout_id) if counts is None else counts\n",
+        "        counts = self.composition(g.rollout_id) if counts is None else counts\n"
+        "        counts = [sum(counts)] + [0] * (len(counts) - 1) if self.ready_count[0] >= sum(counts) else counts\n",
+        X + "test_three_sources_hold_their_shares_settings_and_epochs_and_set_mixture_survives_a_sigkill",
+    ),
+    Mutation(
+        "11",
+        "source-epochs-shared",
+        "a source's prompts are read from another source's frontier (exactly once per source broken)",
+        "coordinator/mix_frontier.py",
+        "        taken = self.parts[source].take(now, open_new)\n",
+        "        taken = self.parts[0].take(now, open_new)\n",
+        X + "test_three_sources_hold_their_shares_settings_and_epochs_and_set_mixture_survives_a_sigkill",
+    ),
+    Mutation(
+        "11",
+        "set-mixture-not-recorded",
+        "client.set_mixture changes the weights in memory only: a restarted coordinator forgets it",
+        "coordinator/trainer.py",
+        "        return [core.persist([SetMixture(tuple(schedule))], [answer])] + core.pump(now)\n",
+        "        return [core.persist([], [answer])] + core.pump(now)\n",
+        X + "test_three_sources_hold_their_shares_settings_and_epochs_and_set_mixture_survives_a_sigkill",
     ),
 ]
