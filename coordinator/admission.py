@@ -38,12 +38,9 @@ Invariants kept here:
 - A lease given back after a ``Stop`` (over-sampling: a ``Release`` with
   reason ``protocol.STOPPED``) is pending again, first in line, and counted
   for the next batch (``coordinator/oversampling.py``); it is not a failure.
-- Failing user code loses no data: a group whose reward or filter raised (a
-  ``Release`` tagged ``failed: <kind>: <detail>``) is an error outcome, not a
-  filter verdict; its prompt is pending again, and filtered (reason: the kind)
-  only after ``MAX_FAILURES`` attempts. When every recent group failed the
-  rollout is starved (``coordinator/starvation.py``): prompts filtered during
-  the streak are pending again and no prompt is leased until the next ``generate``.
+- Failing user code loses no data: a group whose reward or filter raised (a ``Release`` tagged
+  ``failed: <kind>: <detail>``) is an error outcome, not a filter verdict; its source decides
+  (coordinator/sources.py: retried, filtered after ``MAX_FAILURES``, starvation).
 """
 
 from __future__ import annotations
@@ -54,18 +51,14 @@ from typing import TYPE_CHECKING
 from common import protocol as p
 from common.mixture import EPOCH_BITS
 from coordinator.effects import Send
-from coordinator.frontier import DELIVERED, FILTERED, LEASED, PENDING, READY
+from coordinator.frontier import DELIVERED, FILTERED, READY
 from coordinator.membership import AgentRecord
-from coordinator.records import DropPrompt, Lease, Prompt, PromptState, PutPrompt
+from coordinator.records import Lease, Prompt
 from coordinator.sources import TRAIN, PromptSource, TrainingSource
 from coordinator.starvation import Starvation
 
 if TYPE_CHECKING:
     from coordinator.core import CoordinatorCore
-
-MAX_FAILURES = 3
-"""Failed attempts after which a prompt is filtered with its failure kind as the reason
-(``reward_error``, ``filter_error``, ``generation_failed``), unless the rollout starves first."""
 
 
 class Admission:
@@ -85,8 +78,6 @@ class Admission:
         self.training = TrainingSource(self, core.sources, core.mixture_schedule)
         self.add_source(self.training)
         self._lease_counter = 0
-        self.failures: dict[Prompt, int] = {}  # prompts whose generation failed, by count
-        self.filtered_total = 0
         self.starvation = Starvation(core.starve_after, core.starve_after_drops)
         self.fenced: dict[str, int] = {}  # messages refused for a stale session, by type
         self._last_tick = now
@@ -404,7 +395,7 @@ class Admission:
         self._count_receipt(accepted)
         self.starvation.ok()  # a group went through reward and filter
         self.starvation.kept()
-        self.failures.pop((msg.data_epoch, msg.index), None)
+        self.training.failures.pop((msg.data_epoch, msg.index), None)
         ack = Send(rec.agent_id, p.ReceiptAck(msg.lease, msg.key, accepted, reason))
         return [self.core.persist(ops, [ack])] + self.core.pump(now)
 
@@ -439,19 +430,6 @@ class Admission:
         # A result for a lease this coordinator does not know (granted before a restart) still counts, once.
         return self.core.evaluations.on_result(msg) + self.core.pump(now)
 
-    def filter_prompt(self, prompt: Prompt, agent_id: str, reason: str) -> list:
-        """The training prompt ``prompt`` is filtered (``reason``), unless it is accounted for already."""
-        core = self.core
-        if core.frontier.state_of(*prompt) not in (PENDING, LEASED):
-            return []
-        core.frontier.set(*prompt, FILTERED)
-        core.batches.note_drop(prompt, reason)
-        self.training.filtered_count[prompt[0] >> EPOCH_BITS] += 1
-        core.counters.dropped(reason)
-        self.filtered_total += 1
-        self.failures.pop(prompt, None)
-        return [core.persist([PutPrompt(*prompt, PromptState(FILTERED, agent_id, reason=reason))], [])]
-
     def on_release(self, peer: bytes, msg: p.Release, now: float) -> list:
         rec = self.session_agent(peer, msg.session, now)
         if rec is None:
@@ -471,37 +449,6 @@ class Admission:
                 else:
                     out += self.source_of(lease).failed(lease, rec.agent_id, *failure)
         return out + self.core.pump(now)
-
-    def prompt_failed(self, prompt: Prompt, agent_id: str, kind: str, detail: str) -> list:
-        """A group of ``prompt`` failed (``kind``: reward_error, filter_error, generation_failed)."""
-        starvation, frontier = self.starvation, self.core.frontier
-        if starvation.starved:
-            frontier.release(*prompt)  # a lease granted before: no attempt counted, nothing burned
-            return []
-        # A prompt that keeps failing (a reward that raises on its label, a prompt
-        # too long for the engine) is filtered, not retried forever...
-        out: list = []
-        self.failures[prompt] = self.failures.get(prompt, 0) + 1
-        if self.failures[prompt] >= MAX_FAILURES:
-            out += self.filter_prompt(prompt, agent_id, kind)
-            starvation.filtered(prompt, kind)
-        else:
-            frontier.release(*prompt)
-        fresh = starvation.error(prompt, kind, detail)
-        if fresh is None:
-            return out
-        # ...unless every group fails: then the failures are not the prompts' own.
-        ops: list = []
-        for failed in fresh.failed:
-            self.failures.pop(failed, None)
-        for (epoch, index), reason in fresh.filtered:
-            if frontier.is_open(epoch) and frontier.state_of(epoch, index) == FILTERED:
-                frontier.reopen(epoch, index)
-                ops.append(DropPrompt(epoch, index))
-                self.filtered_total -= 1
-                self.training.filtered_count[epoch >> EPOCH_BITS] -= 1
-                self.core.batches.take_back_drop(reason, (epoch, index))
-        return out + [self.core.persist(ops, [])]
 
     def _capacity(self, samples: int, engines: list) -> int:
         """Groups an agent reporting ``samples`` of engine concurrency on ``engines`` may be leased at once.

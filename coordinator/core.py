@@ -310,7 +310,7 @@ class CoordinatorCore:
             last_rollout_id=batches.last_rollout_id,
             trimmed_upto=batches.trimmed_upto,
             consumed_upto=batches.consumed_upto,
-            filtered_total=self.admission.filtered_total,
+            filtered_total=self.admission.training.filtered_total,
             fenced_messages=dict(self.admission.fenced),
             weights=self.weights.statistics(self.now if now is None else now),
             evaluations=self.evaluations.statistics(),

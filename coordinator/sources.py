@@ -24,13 +24,18 @@ from typing import TYPE_CHECKING, Protocol
 
 from common import protocol as p
 from common.mixture import EPOCH_BITS, SourceSpec, shares
-from coordinator.records import TRAIN, Lease
+from coordinator.frontier import FILTERED, LEASED, PENDING
+from coordinator.records import TRAIN, DropPrompt, Lease, Prompt, PromptState, PutPrompt
 
 if TYPE_CHECKING:
     from coordinator.admission import Admission
     from coordinator.membership import AgentRecord
 
-__all__ = ["EVAL_PREFIX", "TRAIN", "PromptSource", "TrainingSource"]
+__all__ = ["EVAL_PREFIX", "MAX_FAILURES", "TRAIN", "PromptSource", "TrainingSource"]
+
+MAX_FAILURES = 3
+"""Failed attempts after which a prompt is filtered with its failure kind as the reason
+(``reward_error``, ``filter_error``, ``generation_failed``), unless the rollout starves first."""
 
 EVAL_PREFIX = p.EVAL_SOURCE
 """Evaluation datasets' source keys: ``eval/<name>``."""
@@ -70,8 +75,11 @@ class PromptSource(Protocol):
 class TrainingSource:
     """The training datasets' prompts (module docstring): one, or a mixture (common/mixture.py) whose
     sources each run through their own epochs of the mix frontier (coordinator/mix_frontier.py).
-    Leases go to the source that most lacks groups for the waiting batches (``needs``). Its outcome
-    rules (filter, repeated failures, starvation) are the lease book's (``Admission``), which it calls."""
+    Leases go to the source that most lacks groups for the waiting batches (``plan``). Its outcome
+    rules: a filtered group's prompt is FILTERED; a failed one's is retried, and filtered with its
+    failure kind after ``MAX_FAILURES`` attempts, unless every recent group failed (starvation, on
+    the lease book: coordinator/starvation.py): then the prompts filtered during the streak are
+    pending again and no prompt is leased until the next ``generate``."""
 
     key = TRAIN
     bounded = True
@@ -85,6 +93,9 @@ class TrainingSource:
         """``[(from rollout id, weights)]``, ascending: the mixture in force from each rollout id on."""
         self.in_flight = [0] * len(specs)
         """Leases in the lease book by source (held ones not counted)."""
+        self.failures: dict[Prompt, int] = {}
+        """Prompts whose groups failed, by count (filtered at ``MAX_FAILURES``)."""
+        self.filtered_total = 0
         self.filtered_count = [0] * len(specs)
         """Prompts filtered by source (the dynamic filter's drops and repeated failures), since the start."""
         self._wanted: list[int] = [0] * len(specs)
@@ -167,14 +178,61 @@ class TrainingSource:
         pass  # the receipt is accepted or refused on its own prompt (``Admission._accept``)
 
     def filtered(self, lease: Lease, agent_id: str, reason: str) -> list:
-        admission = self.admission
-        out = admission.filter_prompt(lease.prompt, agent_id, reason)
-        if out:
-            admission.starvation.dropped(reason)  # a streak of them starves the rollout (coordinator/starvation.py)
+        out = self.filter_prompt(lease.prompt, agent_id, reason)
+        if out:  # a streak of them starves the rollout (coordinator/starvation.py), naming the datasets
+            self.admission.starvation.dropped(self._named(lease.prompt, reason))
         return out
 
+    def _named(self, prompt: Prompt, text: str) -> str:
+        """``text`` prefixed with ``prompt``'s dataset in a mixture (a starved rollout names the dataset)."""
+        return f"dataset {self.names[prompt[0] >> EPOCH_BITS]}: {text}" if self.mixed else text
+
     def failed(self, lease: Lease, agent_id: str, kind: str, detail: str) -> list:
-        return self.admission.prompt_failed(lease.prompt, agent_id, kind, detail)
+        return self.prompt_failed(lease.prompt, agent_id, kind, detail)
+
+    def filter_prompt(self, prompt: Prompt, agent_id: str, reason: str) -> list:
+        """The training prompt ``prompt`` is filtered (``reason``), unless it is accounted for already."""
+        core = self.admission.core
+        if core.frontier.state_of(*prompt) not in (PENDING, LEASED):
+            return []
+        core.frontier.set(*prompt, FILTERED)
+        core.batches.note_drop(prompt, reason)
+        self.filtered_count[prompt[0] >> EPOCH_BITS] += 1
+        core.counters.dropped(reason)
+        self.filtered_total += 1
+        self.failures.pop(prompt, None)
+        return [core.persist([PutPrompt(*prompt, PromptState(FILTERED, agent_id, reason=reason))], [])]
+
+    def prompt_failed(self, prompt: Prompt, agent_id: str, kind: str, detail: str) -> list:
+        """A group of ``prompt`` failed (``kind``: reward_error, filter_error, generation_failed)."""
+        starvation, frontier, core = self.admission.starvation, self.frontier, self.admission.core
+        if starvation.starved:
+            frontier.release(*prompt)  # a lease granted before: no attempt counted, nothing burned
+            return []
+        # A prompt that keeps failing (a reward that raises on its label, a prompt
+        # too long for the engine) is filtered, not retried forever...
+        out: list = []
+        self.failures[prompt] = self.failures.get(prompt, 0) + 1
+        if self.failures[prompt] >= MAX_FAILURES:
+            out += self.filter_prompt(prompt, agent_id, kind)
+            starvation.filtered(prompt, kind)
+        else:
+            frontier.release(*prompt)
+        fresh = starvation.error(prompt, kind, self._named(prompt, detail))
+        if fresh is None:
+            return out
+        # ...unless every group fails: then the failures are not the prompts' own.
+        ops: list = []
+        for failed in fresh.failed:
+            self.failures.pop(failed, None)
+        for (epoch, index), reason in fresh.filtered:
+            if frontier.is_open(epoch) and frontier.state_of(epoch, index) == FILTERED:
+                frontier.reopen(epoch, index)
+                ops.append(DropPrompt(epoch, index))
+                self.filtered_total -= 1
+                self.filtered_count[epoch >> EPOCH_BITS] -= 1
+                core.batches.take_back_drop(reason, (epoch, index))
+        return out + [core.persist(ops, [])]
 
     def result(self, lease: Lease, msg: p.EvalResult) -> list:
         self.give_back(lease)  # an evaluation result for a training lease (a broken agent): generated again

@@ -18,7 +18,7 @@ from collections import Counter
 import pytest
 
 from common.demo_data import write_arithmetic_dataset
-from common.errors import RolloutError
+from common.errors import RolloutError, Starved
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -131,3 +131,19 @@ def test_mixture_flags_are_checked_at_start_naming_the_value(make_cluster, tmp_p
         proc = cluster.start_coordinator(wait=False)
         assert proc.wait(60) != 0
         assert why in proc.text(), (datasets, proc.text()[-2000:])
+
+
+def test_a_dataset_whose_reward_always_fails_starves_the_rollout_naming_it(make_cluster, tmp_path):
+    good = write_arithmetic_dataset(tmp_path / "good.jsonl", 40)
+    bad = write_arithmetic_dataset(tmp_path / "bad.jsonl", 40, seed=1)
+    cluster = make_cluster(
+        datasets=[f"good={good},weight=1", f"bad={bad},weight=1,reward=harness.rewards:raises"],
+        dynamic_filter="none",
+        starve_after=8,
+    )
+    cluster.start_coordinator()
+    cluster.start_agent("a1")
+    with cluster.client(timeout=60) as client:
+        with pytest.raises(Starved, match="dataset bad: .*this reward always fails"):
+            client.generate(0)
+        assert client.stats()["sources"]["good"]["filtered"] == 0

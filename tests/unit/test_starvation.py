@@ -146,7 +146,7 @@ def test_a_starved_rollout_loses_no_prompt_prompts_filtered_during_the_streak_ar
     assert st.prompts["filtered"] == 0 and st.filtered_total == 0
     assert st.prompts["pending"] == 100
     assert all(core.frontier.state_of(*prompt) == PENDING for prompt in filtered_then_restored)
-    assert core.admission.failures == {}, "every prompt gets a fresh start"
+    assert core.admission.training.failures == {}, "every prompt gets a fresh start"
     assert core.batches.drops.dropped == {}, "no drop reported for prompts that are pending again"
     # The ledger agrees: replaying the effects leaves no prompt record behind.
     snap = LedgerSnapshot()
@@ -218,7 +218,7 @@ def test_errors_of_leases_granted_before_the_starvation_count_for_nothing():
         assert not grants(eff)
     assert core.frontier.state_of(0, late.index) == PENDING
     assert core.statistics().prompts["filtered"] == 0
-    assert core.admission.failures == {}
+    assert core.admission.training.failures == {}
 
 
 def test_a_new_generate_clears_the_starvation_and_admission_resumes_a_resend_does_not():
