@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from common import protocol as p
 from common.errors import ConfigError
+from common.mixture import EPOCH_BITS
 from coordinator.effects import Send
 from coordinator.membership import ALIVE
 
@@ -98,9 +99,14 @@ class OverSampling:
         leases = core.admission.leases
         self.stopping &= leases.keys()  # ended meanwhile (receipt, filtered, released, failed, lost, expired)
         # Training leases only: an evaluation pass is never stopped and is outside the training bound.
-        outstanding = core.admission.training_leases - len(self.stopping) + len(core.batches.ready_info)
-        excess = outstanding - core.batches.demand(core.trainer.prefetch)
-        if excess <= 0:
+        # Per training dataset: a mixture's dataset short of its share keeps its leases.
+        training, batches = core.admission.training, core.batches
+        stopping = [0] * len(training.in_flight)
+        for lease_id in self.stopping:
+            stopping[leases[lease_id].data_epoch >> EPOCH_BITS] += 1
+        wanted = batches.wanted(core.trainer.prefetch)
+        excess = [training.in_flight[s] - stopping[s] + batches.ready_count[s] - wanted[s] for s in range(len(wanted))]
+        if max(excess) <= 0:
             return []
         agents = core.membership.agents
 
@@ -111,7 +117,11 @@ class OverSampling:
                 core.admission.source_of(lease).bounded and rec is not None and rec.status == ALIVE and rec.session != 0
             )
 
-        chosen = select_stops(filter(reachable, leases), self.stopping, excess)
+        chosen: list[int] = []
+        for s, n in enumerate(excess):
+            if n > 0:
+                mine = (i for i in leases if leases[i].data_epoch >> EPOCH_BITS == s and reachable(i))
+                chosen += select_stops(mine, self.stopping, n)
         by_agent: dict[str, list[int]] = {}
         for lease_id in chosen:
             by_agent.setdefault(leases[lease_id].agent_id, []).append(lease_id)

@@ -58,9 +58,10 @@ from pathlib import Path
 
 import lmdb
 
+from common.demo_data import write_arithmetic_dataset
 from common.errors import NoCapacity
 from coordinator.ledger import read_ledger
-from harness.chaos_check import KINDS, WEIGHT_FAULTS, Findings, RunEvidence, batch_record, check
+from harness.chaos_check import KINDS, SOURCES, WEIGHT_FAULTS, Findings, RunEvidence, batch_record, check
 from harness.chaos_eval import eval_flag
 from harness.chaos_evidence import (
     pending_behind_cursor,
@@ -84,7 +85,7 @@ UPDATE_TIMEOUT = 15.0
 the trainer closes its rendezvous); the deadline is for updates that are only slow, as every step is on two
 loaded cores while agents, engines and the coordinator restart around it: not so short that slowness alone
 fails one."""
-ROWS, BATCH_SIZE = 600, 4
+ROWS, EXACT_ROWS, BATCH_SIZE = 600, 300, 4
 ENGINES, CONCURRENCY = 2, 8  # per agent; concurrency is per engine: 16 samples = 4 groups per agent
 TTL = 1.5  # the cluster's --agent-ttl
 RETIRE_AFTER = 8.0
@@ -135,8 +136,16 @@ class ChaosRun:
         self.rng = random.Random(seed)
         self.interval = interval
         self.log = log
+        # Two training datasets with their own rewards (the second without a filter): every batch holds two
+        # groups of each, whatever the faults.
+        arith = write_arithmetic_dataset(workdir / "arith.jsonl", ROWS)
+        exact = write_arithmetic_dataset(workdir / "exact.jsonl", EXACT_ROWS, seed=7)
         self.cluster = Cluster(
-            workdir, rows=ROWS, rollout_batch_size=BATCH_SIZE, n_samples_per_prompt=4, max_new_tokens=48
+            workdir,
+            datasets=[f"arith={arith},weight=1", f"exact={exact},weight=1,reward=exact,filter=none"],
+            rollout_batch_size=BATCH_SIZE,
+            n_samples_per_prompt=4,
+            max_new_tokens=48,
         )
         self.names = [f"agent-{i}" for i in range(agents)]
         self.proxied = self.names[0]
@@ -423,6 +432,8 @@ class ChaosRun:
             batches=self.batches + self.extra_batches,
             batch_size=BATCH_SIZE,
             dataset_size=ROWS,
+            dataset_sizes=dict(zip(SOURCES, (ROWS, EXACT_ROWS), strict=True)),
+            shares={name: BATCH_SIZE // len(SOURCES) for name in SOURCES},
             consumed=read_consumed(self.consumed),
             stats=stats,
             ledger=read_ledger(self.cluster.tmp / "coordinator"),

@@ -56,6 +56,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+from common.mixture import EPOCH_BITS, epoch_key
 from coordinator.records import LedgerSnapshot
 from harness.chaos_eval import check_evaluations
 
@@ -93,6 +94,7 @@ class RunEvidence:
     batches: int
     batch_size: int
     dataset_size: int
+    """The first dataset's prompts (of a single-dataset run, all)."""
     consumed: list[dict]
     """Trainer records in write order: ``rid``, ``groups`` ([data_epoch, index, agent_id] each),
     ``replaced``, ``lengths_ok``."""
@@ -119,14 +121,39 @@ class RunEvidence:
     healthy on an alive agent (None: it did not answer)."""
     evaluations: list[dict] = field(default_factory=list)
     """The trainers' ``evaluate`` calls in write order: ``rid``, ``ok``, ``metrics`` or ``error``."""
+    dataset_sizes: dict[str, int] = field(default_factory=dict)
+    """Each training dataset's prompts, by name in ``SOURCES`` order (empty: one dataset of ``dataset_size``)."""
+    shares: dict[str, int] = field(default_factory=dict)
+    """Each dataset's groups in every full batch (empty: not checked)."""
+
+    def sizes(self) -> list[int]:
+        """Prompts by dataset number."""
+        return list(self.dataset_sizes.values()) or [self.dataset_size]
+
+    def open_keys(self) -> set[int]:
+        """The open data epochs of every dataset, as prompt keys (common/mixture.py)."""
+        sources = self.stats.get("sources") or {}
+        if not self.dataset_sizes:
+            return set(self.stats["data_epochs"])
+        return {epoch_key(s, e) for s, name in enumerate(self.dataset_sizes) for e in sources[name]["data_epochs"]}
+
+
+SOURCES = ("arith", "exact")
+"""The chaos run's two training datasets (``--dataset NAME=PATH,...``), in order: a group's dataset number."""
 
 
 def batch_record(batch, run: str) -> dict:
-    """One consumed-stream record of a ``RolloutBatch`` (what the trainers write, one JSON line each)."""
+    """One consumed-stream record of a ``RolloutBatch`` (what the trainers write, one JSON line each). A group is
+    ``[key, index, agent_id, source]``: ``key`` its dataset's number and data epoch as the coordinator's prompt key
+    (common/mixture.py ``epoch_key``), so prompts compare with the ledger's."""
+    number = {name: i for i, name in enumerate(SOURCES)}
     return {
         "rid": batch.rollout_id,
         "run": run,
-        "groups": [[g.data_epoch, g.index, g.agent_id] for g in batch.groups],
+        "groups": [
+            [epoch_key(number.get(g.source, 0), g.data_epoch), g.index, g.agent_id, g.source] for g in batch.groups
+        ],
+        "composition": {name: sum(g.source == name for g in batch.groups) for name in SOURCES},
         "lengths_ok": all(
             len(s.response_tokens) == len(s.response_logprobs) == len(s.loss_mask) for s in batch.samples
         ),
@@ -193,6 +220,8 @@ def _check_stream(ev: RunEvidence, out: Findings) -> tuple[dict, dict]:
             out.problems.append(f"rollout {rid}: token, logprob and loss-mask lengths differ")
         if len(rec["groups"]) != ev.batch_size:
             out.problems.append(f"rollout {rid} has {len(rec['groups'])} groups, not {ev.batch_size}")
+        if ev.shares and rec.get("composition") != ev.shares and not rec["replaced"]:
+            out.problems.append(f"rollout {rid} holds {rec.get('composition')} groups by dataset, not {ev.shares}")
         for epoch, index, *_ in rec["groups"]:
             ever.setdefault((epoch, index), set()).add(rid)
     out.batches = len(final)
@@ -220,14 +249,15 @@ def _keys(rec: dict) -> list:
 
 def _check_accounting(ev: RunEvidence, final: dict, ever: dict, out: Findings) -> None:
     ledger, stats = ev.ledger, ev.stats
-    open_epochs = set(stats["data_epochs"])
+    open_epochs = ev.open_keys()
+    sizes = ev.sizes()
     if set(ledger.cursors) != open_epochs:
         out.problems.append(
             f"open epochs differ: ledger cursors {sorted(ledger.cursors)}, coordinator {sorted(open_epochs)}"
         )
     counts = Counter()
     for (epoch, index), st in ledger.prompts.items():
-        if epoch not in open_epochs or not 0 <= index < ev.dataset_size:
+        if epoch not in open_epochs or not 0 <= index < sizes[epoch >> EPOCH_BITS]:
             _unaccounted(out, f"ledger holds prompt {(epoch, index)} outside the open epochs {sorted(open_epochs)}")
             continue
         counts[st.status_name] += 1
@@ -240,12 +270,12 @@ def _check_accounting(ev: RunEvidence, final: dict, ever: dict, out: Findings) -
                 "but no trainer fetched it there",
             )
     frontier = stats["prompts"]
-    expected = len(open_epochs) * ev.dataset_size
+    expected = sum(sizes[key >> EPOCH_BITS] for key in open_epochs)
     if set(frontier) != set(STATES) or sum(frontier.values()) != expected:
         _unaccounted(
             out,
             f"frontier states {frontier} do not cover the {len(open_epochs)} open epoch(s) "
-            f"x {ev.dataset_size} prompts exactly once",
+            f"of {sizes} prompts ({expected}) exactly once",
         )
     for name in ("ready", "delivered", "filtered"):
         if frontier.get(name, 0) != counts[name]:
@@ -308,7 +338,10 @@ def _prompt_of(key: str) -> tuple[int, int]:
 
 def _check_stores(ev: RunEvidence, out: Findings) -> None:
     ledger = ev.ledger
-    open_floor = min(ev.stats["data_epochs"], default=0)
+    floors: dict[int, int] = {}  # the oldest open epoch key of each dataset
+    for key in ev.open_keys():
+        source = key >> EPOCH_BITS
+        floors[source] = min(floors.get(source, key), key)
     expected: dict[str, set[str]] = {}
     for st in ledger.prompts.values():
         if st.ready:
@@ -339,7 +372,7 @@ def _check_stores(ev: RunEvidence, out: Findings) -> None:
                     _unaccounted(out, f"{agent_id} stores {key} with an unsettled receipt; its prompt is {what}")
                 continue
             trimmable = (
-                prompt[0] < open_floor  # its epoch closed
+                prompt[0] < floors.get(prompt[0] >> EPOCH_BITS, 0)  # its epoch closed
                 or (st is not None and st.key != key)  # refused: the prompt is another group's
                 or (st is not None and st.delivered and st.rollout_id not in ledger.batches)  # batch trimmed
                 or (st is not None and st.filtered)

@@ -129,7 +129,7 @@ def test_states_that_do_not_cover_every_prompt_once_are_reported():
     """Frontier counts summing short of epochs x size (a prompt in no state, or one outside the five)."""
     ev = _evidence()
     ev.stats["prompts"]["pending"] = 1
-    _problems(ev, "do not cover the 1 open epoch(s) x 8 prompts exactly once")
+    _problems(ev, "do not cover the 1 open epoch(s) of [8] prompts (8) exactly once")
 
 
 def test_a_delivered_prompt_no_trainer_fetched_is_reported():
@@ -335,3 +335,13 @@ def test_an_update_refused_with_no_engine_up_after_an_engine_death_is_allowed():
     assert check(ev).problems == []
     ev.faults = [(150.0, "engine")]  # none inside it: a problem
     _problems(ev, "weights: a distributed update to 2 failed")
+
+
+def test_a_batch_off_its_datasets_shares_is_reported():
+    ev = _evidence()
+    ev.shares = {"arith": 1, "exact": 1}
+    for rec in ev.consumed:
+        rec["composition"] = {"arith": 1, "exact": 1}
+    assert check(ev).problems == []
+    ev.consumed[1]["composition"] = {"arith": 2, "exact": 0}
+    _problems(ev, "rollout 1 holds {'arith': 2, 'exact': 0} groups by dataset, not {'arith': 1, 'exact': 1}")
