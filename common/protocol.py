@@ -24,8 +24,8 @@ by ``(client_id, req)`` and gets the same session, and a resent ``register`` by
 from __future__ import annotations
 
 from dataclasses import field
-from typing import Any
 
+from common.grant_messages import EVAL_SOURCE, TRAIN_SOURCE, Grant, LeaseGrant  # noqa: F401  (re-exported)
 from common.weight_messages import (  # noqa: F401  (re-exported: part of the protocol)
     AbortWeights,
     FinishWeights,
@@ -254,55 +254,6 @@ class Welcome(Message):
     paused: bool = False
     trainer_keys: list[str] = field(default_factory=list)
     """CurveZMQ public keys (Z85) the agent's payload endpoint accepts; empty when the fleet runs without keys."""
-
-
-TRAIN_SOURCE = "train"
-"""``LeaseGrant.source`` of a training prompt."""
-EVAL_SOURCE = "eval/"
-"""``LeaseGrant.source`` of an evaluation prompt: ``eval/<dataset name>``."""
-
-
-@record
-class LeaseGrant:
-    """One lease of a ``Grant``: the prompt, where it comes from and how to generate it."""
-
-    lease: int
-    data_epoch: int
-    index: int
-    rollout_id: int
-    """The rollout being collected when it was granted (the group's ``rollout_id``)."""
-    source: str = TRAIN_SOURCE
-    """Its prompt source (coordinator/sources.py): ``train``, or ``eval/<name>`` for an evaluation dataset."""
-    eval_pass: int = 0
-    """An evaluation lease's pass."""
-    n_samples: int = 0
-    """Samples of its group; 0: the fleet's ``n_samples_per_prompt``."""
-    sampling: dict = field(default_factory=dict)
-    """Sampling settings over the fleet's (an evaluation dataset's or a training source's own)."""
-    dataset: str = ""
-    """The training source's name in a mixture (common/mixture.py); "": the one dataset, ``default``."""
-    reward: str = ""
-    """The training source's own reward spec; "": the fleet's."""
-    filter: str = ""
-    """The training source's own dynamic filter spec; "": the fleet's."""
-    prompt: Any = None
-    """The dataset row (added by the coordinator's shell unless the agent reads its own copy)."""
-    label: Any = None
-    metadata: dict = field(default_factory=dict)
-
-    @property
-    def eval(self) -> str:
-        """The evaluation dataset's name; "" for a training lease."""
-        return self.source[len(EVAL_SOURCE) :] if self.source.startswith(EVAL_SOURCE) else ""
-
-
-@message
-class Grant(Message):
-    """coordinator -> agent: new leases (``LeaseGrant``), rows added unless the agent has the dataset."""
-
-    TYPE = "grant"
-    session: int
-    leases: list[LeaseGrant]
 
 
 @message

@@ -46,7 +46,6 @@ from common import protocol as p
 from coordinator.effects import Persist, Send
 from coordinator.frontier import DELIVERED, LEASED, PENDING, EpochFrontier
 from coordinator.records import DropEvalResults, EvalRecord, Lease, LedgerSnapshot, PutEvalResult, SetEvalPass
-from coordinator.sources import EVAL_PREFIX
 
 if TYPE_CHECKING:
     from coordinator.core import CoordinatorCore
@@ -194,7 +193,7 @@ class EvalSource:
     def __init__(self, evaluations: Evaluations, name: str):
         self.evaluations = evaluations
         self.name = name
-        self.key = EVAL_PREFIX + name
+        self.key = p.EVAL_SOURCE + name
 
     @property
     def run(self) -> EvalPass | None:

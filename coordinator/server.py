@@ -58,7 +58,7 @@ from common.transport import router, send_nowait, stop_on_signals
 from coordinator.core import CoordinatorCore, Persist, Send
 from coordinator.evaluation import EvalSpec
 from coordinator.ledger import Ledger
-from coordinator.sources import EVAL_PREFIX, TRAIN
+from coordinator.sources import TRAIN
 
 log = logging.getLogger("rollfleet.coordinator")
 
@@ -113,17 +113,14 @@ class CoordinatorServer:
         ``dataset`` is their combination, ``training_fingerprint``); None: ``dataset`` is the one source."""
         s = self.settings = settings
         data_dir, bind, seed, curve = s.data_dir, s.bind, s.seed, s.curve
-        metrics_host, metrics_port, max_message_bytes = s.metrics_host, s.metrics_port, s.max_message_bytes
         self.dataset = dataset
         self.eval_datasets = {name: ds for name, (ds, _) in (eval_datasets or {}).items()}
-        self.source_datasets = {TRAIN: dataset, **{EVAL_PREFIX + n: ds for n, ds in self.eval_datasets.items()}}
+        self.source_datasets = {TRAIN: dataset, **{p.EVAL_SOURCE + n: ds for n, ds in self.eval_datasets.items()}}
         """Each prompt source's dataset (coordinator/sources.py), by the key its leases carry."""
         parts = mixture or [(dataset, seed)]
         self.training_datasets = [ds for ds, _ in parts]
         """Each training source's dataset, by source number (``data_epoch >> 32``: common/mixture.py)."""
-        self.metrics_host, self.metrics_port = metrics_host, metrics_port
         self.observe = None  # the /metrics and status page endpoint while serving (coordinator/observe.py)
-        self.max_message_bytes = max_message_bytes
         # Bind before the ledger is touched: a start that fails (port in use, a refused
         # config) leaves the data dir as it was.
         self.ctx = zmq.Context()
@@ -142,7 +139,7 @@ class CoordinatorServer:
 
                 self.gate = KeyGate(self.ctx, curve.allowed, "coordinator")
             self.sock, self.endpoint = router(
-                self.ctx, bind, max_bytes=max_message_bytes, curve=curve.pair if curve else None
+                self.ctx, bind, max_bytes=s.max_message_bytes, curve=curve.pair if curve else None
             )
             self.ledger = Ledger(data_dir, sync=s.sync, map_size=s.map_size)
             # The shuffle algorithm is part of the shape: positions in one order name other rows in another.
@@ -288,7 +285,7 @@ class CoordinatorServer:
 
     def _dispatch(self, peer: bytes, frame: bytes, now: float, user: str | None = None) -> None:
         try:
-            msg = p.decode(frame, max_bytes=self.max_message_bytes)
+            msg = p.decode(frame, max_bytes=self.settings.max_message_bytes)
             if user is not None and not SENDERS[type(msg)] & self._roles.get(user, set()):
                 self.forbidden += 1
                 log.warning(
@@ -400,7 +397,7 @@ class CoordinatorServer:
         if self.gate is not None:
             self.gate.start()  # until now every CURVE handshake failed (ZAP enforced): none got through
         try:
-            if self.metrics_port is not None:
+            if self.settings.metrics_port is not None:
                 await self._start_observe()
             async with asyncio.TaskGroup() as tg:
                 tasks = [
@@ -425,7 +422,9 @@ class CoordinatorServer:
         from coordinator.observe import CoordinatorCollector
         from coordinator.status_page import routes
 
-        observe = ObserveServer(self.metrics_host, self.metrics_port, CoordinatorCollector(self), routes=routes(self))
+        observe = ObserveServer(
+            self.settings.metrics_host, self.settings.metrics_port, CoordinatorCollector(self), routes=routes(self)
+        )
         url = await observe.start()
         self.observe = observe
         log.info("coordinator metrics on %s/metrics, status page on %s/", url, url)

@@ -31,14 +31,11 @@ if TYPE_CHECKING:
     from coordinator.admission import Admission
     from coordinator.membership import AgentRecord
 
-__all__ = ["EVAL_PREFIX", "MAX_FAILURES", "TRAIN", "PromptSource", "TrainingSource"]
+__all__ = ["MAX_FAILURES", "TRAIN", "PromptSource", "TrainingSource"]
 
 MAX_FAILURES = 3
 """Failed attempts after which a prompt is filtered with its failure kind as the reason
 (``reward_error``, ``filter_error``, ``generation_failed``), unless the rollout starves first."""
-
-EVAL_PREFIX = p.EVAL_SOURCE
-"""Evaluation datasets' source keys: ``eval/<name>``."""
 
 
 class PromptSource(Protocol):
