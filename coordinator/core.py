@@ -85,7 +85,7 @@ from coordinator.evaluation import EvalSpec, Evaluations
 from coordinator.membership import Membership
 from coordinator.mix_frontier import MixFrontier
 from coordinator.oversampling import OverSampling
-from coordinator.records import AgentStats, CoordinatorStats, LedgerSnapshot, SetCursors
+from coordinator.records import AgentStats, CoordinatorStats, LedgerSnapshot, SetCursors, SetMixture
 from coordinator.staleness import Staleness
 from coordinator.starvation import default_starve_after
 from coordinator.trainer import TrainerSessions
@@ -138,14 +138,24 @@ class CoordinatorCore:
         sizes = list(source_sizes) if source_sizes is not None else [dataset_size]
         if len(sizes) != len(self.sources):
             raise ValueError(f"{len(sizes)} dataset sizes for {len(self.sources)} training sources")
-        self.mixture_schedule = list(restored.mixture) or [(0, [spec.weight for spec in self.sources])]
+        configured = [spec.weight for spec in self.sources]
+        self.mixture_schedule = list(restored.mixture) or [(0, configured)]
         """``[(from rollout id, weights)]``: the mixture's weights from each rollout id on (``set_mixture``)."""
+        self.start_ops: list = []
+        """Ledger operations this start must write before serving (the shell applies them)."""
         orders = source_orders or (lambda source, n, e: order_for_epoch(n, e))
         self.frontier = MixFrontier(sizes, orders)
         self.staleness = Staleness(config.max_staleness, config.rollout_batch_size)
         self.oversampling = OverSampling(self, over_sampling)
         self.weights = WeightUpdates(self, restored)
         self.batches = Batches(self, restored)
+        old = restored.changed.get("mixture", [None])[0]
+        if old and len(old) == len(configured) and not restored.mixture:  # batches so far: the last start's weights
+            self.mixture_schedule[:] = [(0, [float(d.get("weight", 1.0)) for d in old])]
+        if self.mixture_schedule[-1][1] != configured and "mixture" in restored.changed:
+            # The weights on the command line changed at this start (--allow-config-change): from the next batch.
+            self.mixture_schedule.append((self.batches.last_rollout_id + 1, configured))
+            self.start_ops.append(SetMixture(tuple(self.mixture_schedule)))
         self.trainer = TrainerSessions(self, restored)
         self.admission = Admission(self, now)
         self.evaluations = Evaluations(self, list(eval_specs), restored)

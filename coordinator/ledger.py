@@ -280,11 +280,15 @@ class Ledger:
             raw = txn.get(b"generation", db=self.meta)
             generation = (_unpack(raw) if raw else 0) + 1
             txn.put(b"generation", _pack(generation), db=self.meta)
+            changed: dict = {}
             if config is not None:
-                self._check_config(txn, _unpack(_pack(config)), allow_change, generation)
-        return self.snapshot()
+                changed = self._check_config(txn, _unpack(_pack(config)), allow_change, generation)
+        snap = self.snapshot()
+        snap.changed = changed
+        return snap
 
-    def _check_config(self, txn, config: dict, allow_change: bool, generation: int) -> None:
+    def _check_config(self, txn, config: dict, allow_change: bool, generation: int) -> dict:
+        """The settings changed since the last start (``{field: [old, new]}``), recorded; ConfigError if not allowed."""
         raw = txn.get(b"config", db=self.meta)
         known = _unpack(raw) if raw is not None else config  # a ledger from before configs were kept
         if config.get("shuffle_seed") is not None and known.get("shuffle_seed") is not None:
@@ -312,6 +316,7 @@ class Ledger:
             history.append({"generation": generation, "changed": changed})
             txn.put(b"config_changes", _pack(history), db=self.meta)
         txn.put(b"config", _pack(config), db=self.meta)
+        return changed
 
     @_full_is_storage_full
     def apply(self, ops: list[LedgerOp]) -> None:

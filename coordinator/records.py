@@ -341,6 +341,8 @@ class LedgerSnapshot:
     """``(name, index) -> result`` of the prompts the current passes have finished."""
     mixture: list[tuple[int, list[float]]] = field(default_factory=list)
     """``client.set_mixture``'s changes: ``(from rollout id, weights)``, ascending; empty: the configured weights."""
+    changed: dict = field(default_factory=dict)
+    """Batch settings this start changed (``--allow-config-change``): ``{field: [old, new]}``; not stored."""
 
     def eval_results_of(self, name: str) -> dict[int, dict]:
         """``index -> result`` of evaluation dataset ``name``'s current pass."""

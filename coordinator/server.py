@@ -175,6 +175,8 @@ class CoordinatorServer:
             eval_specs=[spec for _, spec in (eval_datasets or {}).values()],
             over_sampling=s.over_sampling,
         )
+        if self.core.start_ops:
+            self.ledger.apply(self.core.start_ops)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
         # One thread: the dataset's file handle is used from it alone.
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dataset-reader")

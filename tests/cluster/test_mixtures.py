@@ -147,3 +147,24 @@ def test_a_dataset_whose_reward_always_fails_starves_the_rollout_naming_it(make_
         with pytest.raises(Starved, match="dataset bad: .*this reward always fails"):
             client.generate(0)
         assert client.stats()["sources"]["good"]["filtered"] == 0
+
+
+def test_weights_changed_at_a_restart_need_allow_config_change_and_apply_from_the_next_batch(make_cluster, tmp_path):
+    a = write_arithmetic_dataset(tmp_path / "a.jsonl", 40)
+    b = write_arithmetic_dataset(tmp_path / "b.jsonl", 40, seed=1)
+    cluster = make_cluster(datasets=[f"a={a},weight=1", f"b={b},weight=1"], rollout_batch_size=4, dynamic_filter="none")
+    cluster.start_coordinator()
+    cluster.start_agent("a1")
+    with cluster.client() as client:
+        first = client.generate(0)
+        assert composition(first) == {"a": 2, "b": 2}
+        cluster.coordinator.signal(signal.SIGTERM)
+        cluster.coordinator.wait(30)
+        cluster.datasets = [f"a={a},weight=3", f"b={b},weight=1"]
+        refused = cluster.start_coordinator(wait=False)
+        assert refused.wait(60) != 0 and "--allow-config-change" in refused.text()
+        cluster.start_coordinator("--allow-config-change")
+        again = client.generate(0)
+        assert [(g.source, g.index) for g in again.groups] == [(g.source, g.index) for g in first.groups]
+        assert composition(client.generate(1)) == {"a": 3, "b": 1}
+        assert client.stats()["sources"]["a"]["weight"] == 3.0
