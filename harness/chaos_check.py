@@ -294,7 +294,7 @@ def _check_accounting(ev: RunEvidence, final: dict, ever: dict, out: Findings) -
             _unaccounted(out, f"quiesced agent {agent_id} ({entry['status']}) still holds {entry['leases']} lease(s)")
     # Every prompt of the final stream in an open epoch is delivered there, from that agent.
     for rid, rec in sorted(final.items()):
-        for epoch, index, agent_id in rec["groups"]:
+        for epoch, index, agent_id, *_ in rec["groups"]:
             if epoch not in open_epochs:
                 continue  # a closed epoch: every prompt of it is done
             st = ledger.prompts.get((epoch, index))

@@ -27,7 +27,12 @@ def _evidence() -> RunEvidence:
     }
     ledger = LedgerSnapshot(cursors={0: SIZE}, prompts=prompts, batches=batches, last_rollout_id=1)
     consumed = [
-        {"rid": rid, "groups": [[0, i, on[i]] for i in (2 * rid, 2 * rid + 1)], "replaced": 0, "lengths_ok": True}
+        {
+            "rid": rid,
+            "groups": [[0, i, on[i], "default"] for i in (2 * rid, 2 * rid + 1)],
+            "replaced": 0,
+            "lengths_ok": True,
+        }
         for rid in (0, 1)
     ]
     stats = {
