@@ -231,8 +231,8 @@ class LoadWorker:
             if self.measuring:
                 res.grants += 1
             for lease in body["leases"]:
-                lease_id = lease.lease
-                agent.leases[lease_id] = (lease.data_epoch, lease.index)
+                lease_id = lease["lease"]  # a LeaseGrant record: a map on the wire
+                agent.leases[lease_id] = (lease["data_epoch"], lease["index"])
                 agent.max_lease = max(agent.max_lease, lease_id)
                 freed_at = agent.freed.popleft() if agent.freed else None
                 if self.measuring:
