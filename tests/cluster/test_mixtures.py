@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 import signal
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -91,6 +93,14 @@ def test_three_sources_hold_their_shares_settings_and_epochs_and_set_mixture_sur
         stats = client.stats()["sources"]
         assert stats["tool"]["data_epochs"][-1] >= 1 and stats["math"]["data_epochs"] == [0]
         assert stats["code"]["filtered"] >= dropped
+        table = subprocess.run(
+            [sys.executable, "-m", "coordinator.cli", "status", "--coordinator", cluster.address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        for name, weight in (("math", 0.5), ("code", 0.3), ("tool", 0.2)):
+            assert f"dataset {name}: weight {weight}, data epochs" in table, table
 
         # A curriculum: the new weights start at the first rollout id not recorded yet.
         with pytest.raises(RolloutError, match="unknown dataset name"):
