@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from common.demo_data import write_arithmetic_dataset
 from harness.observe import metrics_url
 
 CHROMIUM = "/usr/bin/chromium"
@@ -105,3 +106,28 @@ def test_the_status_page_renders_the_fleet_and_batch_plots_in_a_browser(make_clu
     keep = os.environ.get("ROLLFLEET_STATUS_SCREENSHOT")
     if keep:
         shutil.copyfile(shot, keep)
+
+
+def test_the_status_page_lists_each_dataset_of_a_mixture(make_cluster, tmp_path):
+    a = write_arithmetic_dataset(tmp_path / "a.jsonl", 40)
+    b = write_arithmetic_dataset(tmp_path / "b.jsonl", 20, seed=1)
+    cluster = make_cluster(
+        datasets=[f"math={a},weight=3", f"code={b},weight=1"], rollout_batch_size=4, dynamic_filter="none"
+    )
+    cluster.start_coordinator("--metrics-port", "0")
+    cluster.start_agent("a1", sim_args=FAST)
+    with cluster.client() as client:
+        client.generate(0)
+    base = metrics_url(cluster.coordinator)
+    with urllib.request.urlopen(f"{base}/status.json", timeout=10) as resp:
+        frontier = json.loads(resp.read())["frontier"]
+    assert {e["dataset"] for e in frontier["epochs"]} == {"math", "code"}
+    assert {n: d["weight"] for n, d in frontier["datasets"].items()} == {"math": 3.0, "code": 1.0}
+    dom = chromium(tmp_path, f"{base}/", "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-3000:]
+    for name, weight in (("math", 3), ("code", 1)):
+        assert re.search(rf'<div class="dataset">dataset {name}: weight {weight}, filtered 0, pending', dom.stdout), (
+            dom.stdout[:4000]
+        )
+        assert f"dataset {name}, epoch 0: position" in dom.stdout
+    assert 'id="error"></div>' in dom.stdout
