@@ -125,6 +125,8 @@ def test_three_sources_hold_their_shares_settings_and_epochs_and_set_mixture_sur
         assert client.stats()["sources"]["tool"]["weight"] == 0.5
         seen = Counter((g.source, g.data_epoch, g.index) for b in batches.values() for g in b.groups)
         assert max(seen.values()) == 1
+        client.pause(drain=True)
+        assert client.state_dict()["mixture"] == [[0, [0.5, 0.3, 0.2]], [6, [0.2, 0.3, 0.5]]]
 
 
 def test_mixture_flags_are_checked_at_start_naming_the_value(make_cluster, tmp_path):
