@@ -180,3 +180,13 @@ def test_weights_changed_at_a_restart_need_allow_config_change_and_apply_from_th
         assert [(g.source, g.index) for g in again.groups] == [(g.source, g.index) for g in first.groups]
         assert composition(client.generate(1)) == {"a": 3, "b": 1}
         assert client.stats()["sources"]["a"]["weight"] == 3.0
+
+
+def test_an_agent_with_its_own_dataset_is_refused_by_a_mixture_saying_why(make_cluster, tmp_path):
+    a = write_arithmetic_dataset(tmp_path / "a.jsonl", 8)
+    b = write_arithmetic_dataset(tmp_path / "b.jsonl", 8, seed=1)
+    cluster = make_cluster(datasets=[f"a={a},weight=1", f"b={b},weight=1"])
+    cluster.start_coordinator()
+    agent = cluster.start_agent("a1", "--dataset", str(a), wait=False)
+    assert agent.wait(60) != 0
+    assert "mixes several training datasets (a, b): start the agent without --dataset" in agent.text()
