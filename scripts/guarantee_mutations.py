@@ -142,9 +142,9 @@ MUTATIONS = [
         "6",
         "prefetch-bound-ignored",
         "admission goes past demand + prefetch",
-        "coordinator/core.py",
-        "        budget = self.admission.training.plan(wanted, self.batches.ready_count)\n",
-        "        budget = self.admission.training.plan(wanted, self.batches.ready_count) + 8\n",
+        "coordinator/sources.py",
+        "        self._wanted = [max(0, w - self.in_flight[s] - ready[s]) for s, w in enumerate(wanted)]\n",
+        "        self._wanted = [max(0, w - self.in_flight[s] - ready[s]) + 8 for s, w in enumerate(wanted)]\n",
         "tests/cluster/test_e2e.py::test_trainer_that_stops_pulling_holds_work_at_the_bound",
     ),
     Mutation(
