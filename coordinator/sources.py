@@ -6,8 +6,10 @@ its leases means; a lease names its source (``Lease.source``), and the lease boo
 outcome to that source: a prompt given back, a group filtered, a group failed, a group committed
 where none was asked for, an evaluation result. Two kinds exist today:
 
-- **The training dataset** (``TrainingSource``, key ``TRAIN``): prompts from the data-epoch
-  frontier (``coordinator/frontier.py``), exactly once per ``(data_epoch, index)``. Its leases are
+- **The training datasets** (``TrainingSource``, key ``TRAIN``): one, or several mixed by weight
+  (``--dataset NAME=PATH,weight=W``, common/mixture.py), each with its own data-epoch frontier
+  (``coordinator/mix_frontier.py``), exactly once per ``(dataset, data_epoch, index)``; a batch holds
+  each dataset's share (``coordinator/batches.py``), and leases go where a share lacks. Its leases are
   *bounded*: they count in the training bound (``leased + ready <= demand + prefetch``), in bounded
   staleness and in over-sampling, and an agent presumed dead keeps them (``Admission.held``). Its
   groups are committed, filtered or failed toward the trainer's batches.
