@@ -5,7 +5,7 @@ it, in order (groups in batch order, the samples of each group in order), with t
 first fifteen are the contract; the others make the batch whole again, so a replay is equal to it):
 
     rollout_id         int64    the batch's rollout id
-    source             string   the prompt source (null: the coordinator has no sources yet)
+    source             string   the group's training dataset (``Group.source``; ``default`` for a plain ``--dataset``)
     group_index        int64    the prompt's dataset row (``Group.index``)
     data_epoch         int64
     sample_index       int64    the sample's place in its group (0 .. n_samples_per_prompt - 1)
@@ -175,6 +175,7 @@ def batch_table(rollout_id: int, payloads: list[bytes], metrics: dict, fleet: di
         "leased_rollout_id",
     )
     rows: dict[str, list] = {k: [] for k in names}
+    sources: list[str] = []
     for position, payload in enumerate(payloads):
         g = msgpack.unpackb(payload, raw=False)
         index, samples = g["i"], g["ss"]
@@ -186,6 +187,7 @@ def batch_table(rollout_id: int, payloads: list[bytes], metrics: dict, fleet: di
         for key in chunks:
             chunks[key].extend(s[key] for s in samples)
         rows["group_index"] += [index] * n
+        sources += [g.get("src", "default")] * n
         rows["data_epoch"] += [g["e"]] * n
         rows["sample_index"] += range(n)
         rows["label"] += [label] * n
@@ -207,7 +209,7 @@ def batch_table(rollout_id: int, payloads: list[bytes], metrics: dict, fleet: di
     n = len(rows["reward"])
     columns = {
         "rollout_id": pa.array([rollout_id] * n, pa.int64()),
-        "source": pa.nulls(n, pa.string()),
+        "source": pa.array(sources, pa.string()),
         "prompt_tokens": _packed(chunks["p"], 4, pa.int32()),
         "response_tokens": _packed(chunks["r"], 4, pa.int32()),
         "response_logprobs": _packed(chunks["lp"], 8, pa.float64()),
@@ -279,6 +281,7 @@ def read_batch(path: str) -> BatchFile:
                     metadata=json.loads(plain["group_metadata"][r]),
                     agent_id=plain["agent_id"][r],
                     gen_seconds=plain["gen_seconds"][r],
+                    source=plain["source"][r] or "default",  # null in recordings from before mixtures
                 )
             )
         g = groups[-1]

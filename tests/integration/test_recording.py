@@ -71,6 +71,7 @@ def group(rollout_id: int, position: int) -> Group:
         metadata={"prompt": f"{index}+3="},
         agent_id=f"node-{position}",
         gen_seconds=0.25 + position,
+        source=("math", "code")[position],
     )
 
 
@@ -113,7 +114,7 @@ def test_pyarrow_pandas_and_datasets_read_the_files(recorded, tmp_path):
     assert json.loads(meta[b"rollfleet.metrics"])["rollout/reward_mean"] == 1 / 3
     assert json.loads(meta[b"rollfleet.fleet"]) == FLEET and meta[b"rollfleet.rollout_id"] == b"1"
     row = table.slice(1, 1).to_pylist()[0]
-    assert row["rollout_id"] == 1 and row["source"] is None and row["group_index"] == 10 and row["sample_index"] == 1
+    assert row["rollout_id"] == 1 and row["source"] == "math" and row["group_index"] == 10 and row["sample_index"] == 1
     assert row["response_tokens"] == [0, 1, 2, 3] and row["loss_mask"] == [1, 1, 1, 0]
     assert row["weight_versions"] == [{"version": "4", "start": 0, "end": 1}, {"version": "5", "start": 1, "end": 4}]
     assert json.loads(row["metadata"]) == {"prompt": "10+3=", "tool_calls": 1} and json.loads(row["label"]) == "3"
