@@ -122,6 +122,19 @@ class CoordinatorCollector:
         )
         yield _gauge("data_epoch", "The newest open data epoch", max(core.frontier.parts[0].epochs, default=0))
         yield _gauge("dataset_prompts", "Rows in the dataset", core.dataset_size)
+        training = core.admission.training
+        if training.mixed:  # a mixture: each dataset's weight for the next batch and its prompts by state
+            weights = training.weights_at(batches.last_rollout_id + 1)
+            yield _labelled(GaugeMetricFamily, "source_weight", "A training dataset's weight", "dataset",
+                            dict(zip(training.names, weights, strict=True)))  # fmt: skip
+            family = GaugeMetricFamily(
+                "rollfleet_source_prompts", "A training dataset's prompts of its open epochs, by state",
+                labels=["dataset", "state"],
+            )  # fmt: skip
+            for number, name in enumerate(training.names):
+                for state, n in core.frontier.counts(number).items():
+                    family.add_metric([name, state], n)
+            yield family
         usage = self.server.ledger.usage()
         yield _gauge("ledger_bytes", "Bytes of the ledger's LMDB in use", usage["bytes"])
         yield _labelled(

@@ -123,6 +123,10 @@ def test_the_status_page_lists_each_dataset_of_a_mixture(make_cluster, tmp_path)
         frontier = json.loads(resp.read())["frontier"]
     assert {e["dataset"] for e in frontier["epochs"]} == {"math", "code"}
     assert {n: d["weight"] for n, d in frontier["datasets"].items()} == {"math": 3.0, "code": 1.0}
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as resp:
+        scraped = resp.read().decode()
+    assert 'rollfleet_source_weight{dataset="math"} 3.0' in scraped
+    assert 'rollfleet_source_prompts{dataset="code",state="delivered"} 1.0' in scraped  # 3 + 1 of a batch of 4
     dom = chromium(tmp_path, f"{base}/", "--dump-dom")
     assert dom.returncode == 0, dom.stderr[-3000:]
     for name, weight in (("math", 3), ("code", 1)):
