@@ -123,19 +123,16 @@ class LeaseContext:
 
     def reward_for(self, spec: str) -> Any:
         """The reward of a grant whose source names ``spec`` ("": the fleet's)."""
-        if not spec:
-            return self.reward
-        if ("reward", spec) not in self.loaded:
-            self.loaded[("reward", spec)] = load_reward(spec)
-        return self.loaded[("reward", spec)]
+        return self._own(load_reward, spec) if spec else self.reward
 
     def filter_for(self, spec: str) -> Any:
         """The dynamic filter of a grant whose source names ``spec`` ("": the fleet's)."""
-        if not spec:
-            return self.filter
-        if ("filter", spec) not in self.loaded:
-            self.loaded[("filter", spec)] = load_filter(spec)
-        return self.loaded[("filter", spec)]
+        return self._own(load_filter, spec) if spec else self.filter
+
+    def _own(self, load: Callable[[str], Any], spec: str) -> Any:
+        if (load, spec) not in self.loaded:
+            self.loaded[(load, spec)] = load(spec)
+        return self.loaded[(load, spec)]
 
 
 class LeaseRunner:

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 from dataclasses import asdict, dataclass, field
 
 from common.errors import ConfigError
+from common.named_flags import NAME, parse_named
 
 DEFAULT = "default"
 """The name of the one source a plain ``--dataset PATH`` makes."""
@@ -33,7 +33,6 @@ EPOCH_BITS = 32
 EPOCH_MASK = (1 << EPOCH_BITS) - 1
 MAX_SOURCES = 1 << 16
 
-_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _OPTIONS = {
     "weight": float,
     "reward": str,
@@ -105,51 +104,19 @@ class DatasetArg:
 
 def parse_dataset(text: str) -> DatasetArg:
     """One ``--dataset`` value: ``PATH`` (the source ``default``) or ``NAME=PATH,weight=W[,OPTION=V...]``."""
-    flag = f"--dataset {text!r}"
-    name, sep, rest = text.partition("=")
-    if not sep or (not _NAME.match(name) and "/" in name):
+    name, sep, _ = text.partition("=")
+    if not sep or (not NAME.match(name) and "/" in name):
         return DatasetArg(SourceSpec(DEFAULT), text)  # a plain path (one with '=' in it too)
-    if not name or not rest:
-        raise ConfigError(f"{flag}: expected PATH or NAME=PATH,weight=W[,reward=SPEC,filter=SPEC,...]")
-    if not _NAME.match(name):
-        raise ConfigError(f"{flag}: the name {name!r} may hold only letters, digits, '_', '.' and '-'")
-    path, *items = rest.split(",")
-    if not path:
-        raise ConfigError(f"{flag}: no PATH after {name}=")
-    options: dict = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if key not in _OPTIONS:
-            raise ConfigError(f"{flag}: unknown option {key!r}; options: {', '.join(_OPTIONS)}")
-        if not sep or value == "":
-            raise ConfigError(f"{flag}: option {key} needs a value ({key}=...)")
-        if key in options:
-            raise ConfigError(f"{flag}: option {key} given twice")
-        try:
-            parsed = _OPTIONS[key](value)
-        except ValueError:
-            raise ConfigError(f"{flag}: {key} must be a {_OPTIONS[key].__name__}, got {value!r}") from None
-        options[key] = parsed
-    _check_options(flag, options)
+    usage = "PATH or NAME=PATH,weight=W[,reward=SPEC,filter=SPEC,...]"
+    name, path, options = parse_named("--dataset", text, _OPTIONS, usage)
+    weight = options.get("weight", 1.0)
+    if not (math.isfinite(weight) and weight >= 0):
+        raise ConfigError(f"--dataset {text!r}: weight must be a number >= 0, got {weight!r}")
     spec_keys = ("weight", "reward", "filter", "n_samples", "max_new_tokens", "temperature", "top_p")
     spec = SourceSpec(name, **{k: options[k] for k in spec_keys if k in options})
     return DatasetArg(
         spec, path, options.get("input_key"), options.get("label_key"), options.get("shuffle_seed"), options
     )
-
-
-def _check_options(flag: str, options: dict) -> None:
-    weight = options.get("weight", 1.0)
-    if not (math.isfinite(weight) and weight >= 0):
-        raise ConfigError(f"{flag}: weight must be a number >= 0, got {weight!r}")
-    for key in ("n_samples", "max_new_tokens"):
-        if key in options and options[key] < 1:
-            raise ConfigError(f"{flag}: {key} must be at least 1, got {options[key]}")
-    if "temperature" in options and not 0 <= options["temperature"] <= 100:
-        raise ConfigError(f"{flag}: temperature must be in [0, 100], got {options['temperature']}")
-    if "top_p" in options and not 0 < options["top_p"] <= 1:
-        raise ConfigError(f"{flag}: top_p must be in (0, 1], got {options['top_p']}")
 
 
 def check_sources(specs: list[SourceSpec]) -> None:

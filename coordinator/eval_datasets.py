@@ -15,13 +15,12 @@ dataset's (``--input-key``, ``--label-key``); each file is checked at start, lik
 from __future__ import annotations
 
 import os
-import re
 
 from common.config import RolloutConfig
 from common.errors import ConfigError
+from common.named_flags import parse_named
 from coordinator.evaluation import EvalSpec
 
-_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _OPTIONS = {
     "n_samples": int,
     "max_new_tokens": int,
@@ -33,31 +32,8 @@ _OPTIONS = {
 
 def parse_eval_dataset(text: str) -> tuple[str, str, dict]:
     """``(name, path, options)`` of one ``--eval-dataset`` value; ConfigError naming what is wrong."""
-    flag = f"--eval-dataset {text!r}"
-    name, sep, rest = text.partition("=")
-    if not sep or not name or not rest:
-        raise ConfigError(f"{flag}: expected NAME=PATH[,n_samples=N,max_new_tokens=N,temperature=T,...]")
-    if not _NAME.match(name):
-        raise ConfigError(f"{flag}: the name {name!r} may hold only letters, digits, '_', '.' and '-'")
-    path, *items = rest.split(",")
-    options: dict = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if key not in _OPTIONS:
-            raise ConfigError(f"{flag}: unknown option {key!r}; options: {', '.join(_OPTIONS)}")
-        try:
-            parsed = _OPTIONS[key](value)
-        except ValueError:
-            raise ConfigError(f"{flag}: {key} must be a {_OPTIONS[key].__name__}, got {value!r}") from None
-        if key in ("n_samples", "max_new_tokens") and parsed < 1:
-            raise ConfigError(f"{flag}: {key} must be at least 1, got {parsed}")
-        if key == "temperature" and not 0 <= parsed <= 100:
-            raise ConfigError(f"{flag}: temperature must be in [0, 100], got {parsed}")
-        if key == "top_p" and not 0 < parsed <= 1:
-            raise ConfigError(f"{flag}: top_p must be in (0, 1], got {parsed}")
-        options[key] = parsed
-    return name, path, options
+    usage = "NAME=PATH[,n_samples=N,max_new_tokens=N,temperature=T,...]"
+    return parse_named("--eval-dataset", text, _OPTIONS, usage)
 
 
 def load_eval_datasets(values: list[str], config: RolloutConfig, *, input_key: str, label_key: str, data_dir: str):
