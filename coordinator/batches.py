@@ -459,7 +459,12 @@ class Batches:
             assembled = True
         if assembled:
             out += self.core.oversampling.stop_excess()
-        if (self.pending or self.repairs) and len(self.ready_info) < size:
+        # Short of groups (a mixture: of some dataset's share) while no batch can come: fail the waiting calls.
+        if self.pending:
+            short = sum(self.available(self.pending[0].rollout_id)) < size
+        else:
+            short = bool(self.repairs) and len(self.ready_info) < size
+        if short:
             hopeless = self._hopeless()
             if hopeless is not None:
                 out += self._fail_waiting(*hopeless)

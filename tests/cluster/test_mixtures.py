@@ -152,13 +152,17 @@ def test_a_dataset_whose_reward_always_fails_starves_the_rollout_naming_it(make_
         datasets=[f"good={good},weight=1", f"bad={bad},weight=1,reward=harness.rewards:raises"],
         dynamic_filter="none",
         starve_after=8,
+        rollout_batch_size=4,  # good's share (2) and its prefetch fill long before bad's failures starve the rollout
     )
     cluster.start_coordinator()
     cluster.start_agent("a1")
     with cluster.client(timeout=60) as client:
         with pytest.raises(Starved, match="dataset bad: .*this reward always fails"):
             client.generate(0)
-        assert client.stats()["sources"]["good"]["filtered"] == 0
+        stats = client.stats()
+        assert stats["sources"]["good"]["filtered"] == 0
+        # The waiting batch was failed with good's share ready: enough groups in all, none of bad's.
+        assert stats["sources"]["good"]["prompts"]["ready"] >= 2
 
 
 def test_weights_changed_at_a_restart_need_allow_config_change_and_apply_from_the_next_batch(make_cluster, tmp_path):
