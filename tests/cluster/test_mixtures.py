@@ -194,3 +194,23 @@ def test_an_agent_with_its_own_dataset_is_refused_by_a_mixture_saying_why(make_c
     agent = cluster.start_agent("a1", "--dataset", str(a), wait=False)
     assert agent.wait(60) != 0
     assert "mixes several training datasets (a, b): start the agent without --dataset" in agent.text()
+
+
+def test_a_datasets_own_group_size_and_greedy_sampling_reach_its_groups(make_cluster, tmp_path):
+    a = write_arithmetic_dataset(tmp_path / "a.jsonl", 40)
+    b = write_arithmetic_dataset(tmp_path / "b.jsonl", 40, seed=1)
+    cluster = make_cluster(
+        datasets=[f"a={a},weight=1", f"b={b},weight=1,n_samples=2,temperature=0"],
+        rollout_batch_size=4,
+        dynamic_filter="none",
+    )
+    cluster.start_coordinator()
+    cluster.start_agent("a1")
+    with cluster.client() as client:
+        for rollout_id in range(2):
+            batch = client.generate(rollout_id)
+            assert sorted((g.source, len(g.samples)) for g in batch.groups) == [("a", 4), ("a", 4), ("b", 2), ("b", 2)]
+            assert batch.metrics["rollout/samples"] == 12.0 and batch.to_tensors()["tokens"].shape[0] == 12
+            for g in batch.groups:
+                if g.source == "b":  # greedy: the sim answers a prompt the same way every time
+                    assert g.samples[0].response_tokens == g.samples[1].response_tokens
