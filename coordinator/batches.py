@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING
 from common import protocol as p
 from common.metrics import DropStats, batch_metrics
 from common.mixture import EPOCH_BITS, EPOCH_MASK
+from coordinator.capacity import no_capacity
 from coordinator.effects import Persist, Send
 from coordinator.frontier import DELIVERED, READY
-from coordinator.membership import RETIRED
 from coordinator.oversampling import deadline_due
 from coordinator.records import (
     CloseEpoch,
@@ -49,16 +49,6 @@ from coordinator.records import (
 
 if TYPE_CHECKING:
     from coordinator.core import CoordinatorCore
-
-
-ALL_STALE = (
-    "every engine is behind the fleet's weights (stale after a restart): push a weight update "
-    "(catch_up to the current version, update_weights or update_weights_from_disk) to bring them back"
-)
-ALL_PARTIAL = (
-    "every engine is out of the pool holding part of a failed weight update ({why}): push a weight update "
-    "(catch_up to the current version, update_weights or update_weights_from_disk) to bring them back"
-)
 
 
 @dataclass(slots=True)
@@ -472,14 +462,9 @@ class Batches:
         return out
 
     def no_capacity(self) -> str | None:
-        """Why no engine can generate anything until something changes (every agent gone, every engine
-        stale); None while one may. Waiting batches and evaluation passes are answered with it."""
-        if self.core.membership.all_gone():
-            return "no agent with a live engine is left to generate on (all retired)"
-        if self._all_stale():
-            partial = self.core.weights.partial
-            return ALL_PARTIAL.format(why=partial) if partial else ALL_STALE
-        return None
+        """Why no engine can generate anything until something changes (coordinator/capacity.py); None while one
+        may. Waiting batches and evaluation passes are answered with it."""
+        return no_capacity(self.core)
 
     def _hopeless(self) -> tuple[str, str] | None:
         """``(code, why)`` if no batch can come until something changes; None while one may."""
@@ -491,22 +476,6 @@ class Batches:
             return "starved", starvation.reason
         return None
 
-    def _all_stale(self) -> bool:
-        """Every engine that may serve is behind the fleet's weights, and no update runs to bring it back.
-
-        After a broadcast, only a weight update returns a stale engine to the pool (docs/weights.md,
-        failure during an update), and no update starts while the trainer waits in ``generate``. A healthy or starting
-        engine of an agent that may still speak (alive, or dead but not retired) keeps the wait going.
-        """
-        if self.core.weights.locked or self.core.weights.log.kind == "disk":
-            return False  # after a disk update, agents reload stale engines from the recorded path themselves
-        if self.core.membership.find("serving", _may_serve) is not None:
-            return False
-        states = {
-            e.get("state") for r in self.core.membership.agents.values() if r.status != RETIRED for e in r.engines
-        }
-        return "stale" in states and not states & {"healthy", "starting"}
-
     def _fail_waiting(self, code: str, why: str) -> list[Send]:
         """Answer every waiting ``generate`` (and repair) with an error: never left waiting."""
         waiting = [(g.peer, g.req) for g in self.pending]
@@ -517,8 +486,3 @@ class Batches:
         if code == "starved":
             self.core.admission.starvation.answered.update(waiting)
         return [Send(peer, p.Error(code, why, req)) for peer, req in waiting]
-
-
-def _may_serve(rec) -> bool:
-    """A not-retired agent with an engine that is healthy or starting."""
-    return rec.status != RETIRED and any(e.get("state") in ("healthy", "starting") for e in rec.engines)

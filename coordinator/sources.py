@@ -94,12 +94,16 @@ class TrainingSource:
         """Leases in the lease book by source (held ones not counted)."""
         self.failures: dict[Prompt, int] = {}
         """Prompts whose groups failed, by count (filtered at ``MAX_FAILURES``)."""
-        self.filtered_total = 0
         self.filtered_count = [0] * len(specs)
         """Prompts filtered by source (the dynamic filter's drops and repeated failures), since the start."""
         self._wanted: list[int] = [0] * len(specs)
         """What ``take`` may still lease per source in this pump (``plan``)."""
         self._fields = [self._spec_fields(spec) for spec in specs]
+
+    @property
+    def filtered_total(self) -> int:
+        """Prompts filtered, all datasets."""
+        return sum(self.filtered_count)
 
     @property
     def mixed(self) -> bool:
@@ -198,7 +202,6 @@ class TrainingSource:
         core.batches.note_drop(prompt, reason)
         self.filtered_count[prompt[0] >> EPOCH_BITS] += 1
         core.counters.dropped(reason)
-        self.filtered_total += 1
         self.failures.pop(prompt, None)
         return [core.persist([PutPrompt(*prompt, PromptState(FILTERED, agent_id, reason=reason))], [])]
 
@@ -228,7 +231,6 @@ class TrainingSource:
             if frontier.is_open(epoch) and frontier.state_of(epoch, index) == FILTERED:
                 frontier.reopen(epoch, index)
                 ops.append(DropPrompt(epoch, index))
-                self.filtered_total -= 1
                 self.filtered_count[epoch >> EPOCH_BITS] -= 1
                 core.batches.take_back_drop(reason, (epoch, index))
         return out + [core.persist(ops, [])]

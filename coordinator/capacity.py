@@ -1,0 +1,56 @@
+"""Why no batch can come until something changes: no engine left to generate on.
+
+Pure, read from the core's state: every agent is gone (all retired), or every engine that may serve
+is behind the fleet's weights with no update running to bring it back (``all_stale``). Waiting
+batches (coordinator/batches.py) and evaluation passes are answered with the reason instead of
+waiting forever.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from coordinator.membership import RETIRED
+
+if TYPE_CHECKING:
+    from coordinator.core import CoordinatorCore
+
+ALL_STALE = (
+    "every engine is behind the fleet's weights (stale after a restart): push a weight update "
+    "(catch_up to the current version, update_weights or update_weights_from_disk) to bring them back"
+)
+ALL_PARTIAL = (
+    "every engine is out of the pool holding part of a failed weight update ({why}): push a weight update "
+    "(catch_up to the current version, update_weights or update_weights_from_disk) to bring them back"
+)
+
+
+def no_capacity(core: CoordinatorCore) -> str | None:
+    """Why no engine can generate anything until something changes (every agent gone, every engine stale);
+    None while one may."""
+    if core.membership.all_gone():
+        return "no agent with a live engine is left to generate on (all retired)"
+    if all_stale(core):
+        partial = core.weights.partial
+        return ALL_PARTIAL.format(why=partial) if partial else ALL_STALE
+    return None
+
+
+def all_stale(core: CoordinatorCore) -> bool:
+    """Every engine that may serve is behind the fleet's weights, and no update runs to bring it back.
+
+    After a broadcast, only a weight update returns a stale engine to the pool (docs/weights.md,
+    failure during an update), and no update starts while the trainer waits in ``generate``. A healthy or starting
+    engine of an agent that may still speak (alive, or dead but not retired) keeps the wait going.
+    """
+    if core.weights.locked or core.weights.log.kind == "disk":
+        return False  # after a disk update, agents reload stale engines from the recorded path themselves
+    if core.membership.find("serving", _may_serve) is not None:
+        return False
+    states = {e.get("state") for r in core.membership.agents.values() if r.status != RETIRED for e in r.engines}
+    return "stale" in states and not states & {"healthy", "starting"}
+
+
+def _may_serve(rec) -> bool:
+    """A not-retired agent with an engine that is healthy or starting."""
+    return rec.status != RETIRED and any(e.get("state") in ("healthy", "starting") for e in rec.engines)
