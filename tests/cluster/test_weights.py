@@ -199,7 +199,9 @@ def test_to_tensors_versions_follow_the_spans_of_partial_rollouts(make_cluster, 
     cluster.start_agent("a1", engines=1, sim_args=slow)
     caught, rollout_id, version = [], 0, 0
     with cluster.client(expect={"partial_rollout": True}) as client:
-        client.generate(rollout_id)
+        # A deep prefetch keeps samples running between the batches a try takes (with one batch ahead, all of
+        # it can be ready and nothing runs until the next generate).
+        client.generate(rollout_id, prefetch=64)
         # Each try updates while samples run, after they made some tokens (a sample caught before its first
         # token has one span); the batches of the next few rollouts hold the samples it caught.
         while not caught and version < 4:
@@ -209,7 +211,7 @@ def test_to_tensors_versions_follow_the_spans_of_partial_rollouts(make_cluster, 
             ckpt = tmp_path / f"ckpt{version}"
             ckpt.mkdir()
             client.update_weights_from_disk(str(ckpt), version)
-            for _ in range(3):
+            for _ in range(20):  # past the prefetched groups to the ones the update caught
                 rollout_id += 1
                 batch = client.generate(rollout_id)
                 check_spans(batch)
