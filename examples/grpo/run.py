@@ -45,24 +45,34 @@ def task_module(name: str):
     return {"add": task, "calculator": tool_task, "openai-calculator": openai_tool_task}[name]
 
 
-def prepare_model(out: Path, *, warmup_steps: int, seed: int, log=print, task: str = "add", device="cpu") -> Path:
-    """``out/model``: a fresh tiny model after ``warmup_steps`` supervised steps (the engines' version 0), made on
-    ``device`` (the trainer's)."""
+def prepare_model(
+    out: Path, *, warmup_steps: int, seed: int, log=print, task: str = "add", device="cpu", batch_size: int = 32
+) -> Path:
+    """``out/model``: a fresh tiny model after ``warmup_steps`` supervised steps of ``batch_size`` correct
+    answers (the engines' version 0), made on ``device`` (the trainer's)."""
     import torch
 
     from agent.hf.model import load_model, make_model
-    from examples.grpo.warmup import evaluate, warm_up
+    from examples.grpo.warmup import call_accuracy, evaluate, warm_up
 
     make_model(str(out / "model-init"), preset="tiny", seed=seed)
     model, tokenizer = load_model(str(out / "model-init"))
     t0 = time.monotonic()
     model.to(device)
-    loss = warm_up(model, steps=warmup_steps, seed=seed, task_module=task_module(task))
+    module = task_module(task)
+
+    def progress(step: int, loss: float) -> None:
+        if step < warmup_steps:
+            log(f"warm-up: step {step}/{warmup_steps}, loss {loss:.3f}, {time.monotonic() - t0:.0f}s")
+
+    loss = warm_up(model, steps=warmup_steps, batch_size=batch_size, seed=seed, task_module=module, progress=progress)
     model.to("cpu")
-    line = f"warm-up: {warmup_steps} supervised steps in {time.monotonic() - t0:.1f}s, loss {loss:.3f}"
-    if task == "add":  # the local sampler has no tool: the calculator tasks are measured by the fleet's first steps
+    line = f"warm-up: {warmup_steps} supervised steps of {batch_size} in {time.monotonic() - t0:.1f}s, loss {loss:.3f}"
+    if task == "add":
         quality = evaluate(model, seed=seed)
         line += f"; sampled: reward {quality['reward']:.2f}, format {quality['format']:.2f}"
+    else:  # the local sampler has no tool: the fleet's first steps measure the reward
+        line += f"; greedy decoding writes {call_accuracy(model, task_module=module):.0%} of the tool calls right"
     log(line)
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
@@ -219,7 +229,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument(
-        "--warmup-steps", type=int, default=None, help="supervised warm-up steps (default 90 add, 75 calculator)"
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="supervised warm-up steps (default 90 add, 75 calculator, 800 openai-calculator)",
+    )
+    ap.add_argument(
+        "--warmup-batch-size",
+        type=int,
+        default=None,
+        help="answers per warm-up step (default 32; 8 for openai-calculator, which needs many steps more than samples)",
     )
     ap.add_argument("--engines", type=int, default=1, help="hf engines on the agent (default 1)")
     ap.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine (default 1)")
@@ -260,10 +279,18 @@ def main(argv=None) -> int:
     )
     if args.max_new_tokens is None:
         args.max_new_tokens = {"add": 16, "calculator": 32}.get(args.task, task_module(args.task).MAX_NEW_TOKENS)
+    module = task_module(args.task)
     if args.warmup_steps is None:
-        args.warmup_steps = {"add": 90, "calculator": 75}.get(args.task, 120)
+        args.warmup_steps = {"add": 90, "calculator": 75}.get(args.task) or module.WARMUP_STEPS
+    if args.warmup_batch_size is None:
+        args.warmup_batch_size = getattr(module, "WARMUP_BATCH_SIZE", 32)
     model_dir = prepare_model(
-        out, warmup_steps=args.warmup_steps, seed=args.seed, task=args.task, device=resolve_device(args.trainer_device)
+        out,
+        warmup_steps=args.warmup_steps,
+        seed=args.seed,
+        task=args.task,
+        device=resolve_device(args.trainer_device),
+        batch_size=args.warmup_batch_size,
     )
     dataset = task_module(args.task).write_dataset(out / "data.jsonl", seed=args.seed)
     address = f"tcp://127.0.0.1:{free_port()}"

@@ -36,13 +36,25 @@ def teacher(a: int, b: int, task_module=task) -> tuple[list[int], list[int]]:
     return answer, [1] * len(answer)
 
 
-def warm_up(model, *, steps: int, batch_size: int = 32, lr: float = 1e-3, seed: int = 0, task_module=task) -> float:
-    """Train ``model`` in place on ``steps`` batches of correct responses; returns the last batch's loss."""
+def warm_up(
+    model,
+    *,
+    steps: int,
+    batch_size: int = 32,
+    lr: float = 1e-3,
+    seed: int = 0,
+    task_module=task,
+    progress=None,
+    every=100,
+) -> float:
+    """Train ``model`` in place on ``steps`` batches of correct responses; returns the last batch's loss.
+
+    ``progress(step, loss)``: called every ``every`` steps and after the last (a long warm-up says how far it is)."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     loss = torch.tensor(0.0)
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         batch = [rng.choice(task_module.pairs()) for _ in range(batch_size)]
         prompts = [prompt_ids(a, b, task_module) for a, b in batch]
         taught = [teacher(a, b, task_module) for a, b in batch]
@@ -52,6 +64,8 @@ def warm_up(model, *, steps: int, batch_size: int = 32, lr: float = 1e-3, seed: 
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if progress is not None and (step % every == 0 or step == steps):
+            progress(step, loss.item())
     model.eval()
     return loss.item()
 
@@ -97,3 +111,27 @@ def evaluate(model, *, samples_per_pair: int = 4, max_new_tokens: int = 16, seed
         rewards.append(task.reward(text, a + b))
         formatted.append(response[-1:] == [ByteTokenizer.EOS] and text.startswith("\\boxed{") and text.endswith("}"))
     return {"reward": sum(rewards) / len(rewards), "format": sum(formatted) / len(formatted)}
+
+
+@torch.no_grad()
+def call_accuracy(model, *, task_module, n: int = 64, seed: int = 1) -> float:
+    """The fraction of ``n`` random pairs whose first trained span (the tool call) greedy decoding writes exactly.
+
+    Teacher-forced: one forward pass over prompt + teacher response; the span is right when the argmax
+    at every one of its positions is the teacher's token, which is what greedy decoding would then write.
+    """
+    rng = random.Random(seed)
+    batch = [rng.choice(task_module.pairs()) for _ in range(n)]
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    right = 0
+    for a, b in batch:
+        prompt = prompt_ids(a, b, task_module)
+        tokens, mask = teacher(a, b, task_module)
+        span = next((i for i, m in enumerate(mask) if m == 0), len(mask))
+        ids = torch.tensor([prompt + tokens[:span]], dtype=torch.long, device=device)
+        predicted = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
+        right += predicted == tokens[:span]
+    model.train(was_training)
+    return right / n
