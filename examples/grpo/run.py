@@ -65,6 +65,10 @@ def prepare_model(
         if step < warmup_steps:
             log(f"warm-up: step {step}/{warmup_steps}, loss {loss:.3f}, {time.monotonic() - t0:.0f}s")
 
+    first = getattr(module, "FIRST_WARMUP", None)  # a simpler task that teaches what this one builds on
+    if first is not None:
+        warm_up(model, steps=first["steps"], batch_size=first["batch_size"], seed=seed, task_module=first["task"])
+        log(f"warm-up: {first['steps']} steps of {first['task'].__name__.rsplit('.', 1)[-1]} first")
     loss = warm_up(model, steps=warmup_steps, batch_size=batch_size, seed=seed, task_module=module, progress=progress)
     model.to("cpu")
     line = f"warm-up: {warmup_steps} supervised steps of {batch_size} in {time.monotonic() - t0:.1f}s, loss {loss:.3f}"
@@ -72,7 +76,8 @@ def prepare_model(
         quality = evaluate(model, seed=seed)
         line += f"; sampled: reward {quality['reward']:.2f}, format {quality['format']:.2f}"
     else:  # the local sampler has no tool: the fleet's first steps measure the reward
-        line += f"; greedy decoding writes {call_accuracy(model, task_module=module):.0%} of the tool calls right"
+        calls, whole = (call_accuracy(model, task_module=module, whole=w) for w in (False, True))
+        line += f"; greedy decoding writes {calls:.0%} of the tool calls right, {whole:.0%} of the whole answers"
     log(line)
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
@@ -232,7 +237,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--warmup-steps",
         type=int,
         default=None,
-        help="supervised warm-up steps (default 90 add, 75 calculator, 800 openai-calculator)",
+        help="supervised warm-up steps (default 90 add, 75 calculator, 1000 openai-calculator after 150 of calculator)",
     )
     ap.add_argument(
         "--warmup-batch-size",
@@ -268,7 +273,6 @@ def main(argv=None) -> int:
     from examples.grpo.plot import load_metrics, plot
     from examples.grpo.train import TrainConfig, train
 
-    torch.set_num_threads(args.trainer_threads)
     started = time.monotonic()
     from examples.grpo.train import correction_mode, resolve_device
 
@@ -292,6 +296,7 @@ def main(argv=None) -> int:
         device=resolve_device(args.trainer_device),
         batch_size=args.warmup_batch_size,
     )
+    torch.set_num_threads(args.trainer_threads)  # the warm-up had every core (no fleet yet); now they are shared
     dataset = task_module(args.task).write_dataset(out / "data.jsonl", seed=args.seed)
     address = f"tcp://127.0.0.1:{free_port()}"
     procs = Processes(out / "logs")

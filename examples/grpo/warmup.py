@@ -114,11 +114,12 @@ def evaluate(model, *, samples_per_pair: int = 4, max_new_tokens: int = 16, seed
 
 
 @torch.no_grad()
-def call_accuracy(model, *, task_module, n: int = 64, seed: int = 1) -> float:
-    """The fraction of ``n`` random pairs whose first trained span (the tool call) greedy decoding writes exactly.
+def call_accuracy(model, *, task_module, n: int = 64, seed: int = 1, whole: bool = False) -> float:
+    """The fraction of ``n`` random pairs whose first trained span (the tool call) greedy decoding writes exactly;
+    with ``whole``, every trained span (the call and the answer after the tool's result).
 
-    Teacher-forced: one forward pass over prompt + teacher response; the span is right when the argmax
-    at every one of its positions is the teacher's token, which is what greedy decoding would then write.
+    Teacher-forced: one forward pass over prompt + teacher response; a span is right when the argmax at every
+    one of its positions is the teacher's token, which is what greedy decoding would then write.
     """
     rng = random.Random(seed)
     batch = [rng.choice(task_module.pairs()) for _ in range(n)]
@@ -129,9 +130,9 @@ def call_accuracy(model, *, task_module, n: int = 64, seed: int = 1) -> float:
     for a, b in batch:
         prompt = prompt_ids(a, b, task_module)
         tokens, mask = teacher(a, b, task_module)
-        span = next((i for i, m in enumerate(mask) if m == 0), len(mask))
-        ids = torch.tensor([prompt + tokens[:span]], dtype=torch.long, device=device)
+        end = len(mask) if whole else next((i for i, m in enumerate(mask) if m == 0), len(mask))
+        ids = torch.tensor([prompt + tokens[:end]], dtype=torch.long, device=device)
         predicted = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
-        right += predicted == tokens[:span]
+        right += all(p == t for p, t, m in zip(predicted, tokens[:end], mask[:end], strict=True) if m)
     model.train(was_training)
     return right / n

@@ -4,7 +4,8 @@ Prints, every ``--every`` steps of the GRPO example's own warm-up (``examples/gr
 ``call_accuracy``: the fraction of 64 pairs whose tool call greedy decoding writes exactly. It chose the
 example's warm-up for ``--task openai-calculator``::
 
-    python -m scripts.bench.warmup_probe --task openai-calculator --steps 1000 --batch-size 8
+    python -m scripts.bench.warmup_probe --task openai-calculator --steps 1500 --batch-size 8
+    python -m scripts.bench.warmup_probe --task openai-calculator --steps 1500 --batch-size 8 --no-first
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--no-first", action="store_true", help="skip the task's FIRST_WARMUP (openai-calculator: calculator first)"
+    )
     args = ap.parse_args()
     module = task_module(args.task)
     for lr in args.lr:
@@ -43,12 +47,19 @@ def main() -> None:
             model, _ = load_model(tmp)
         model.to(args.device)
         t0 = time.monotonic()
+        first = None if args.no_first else getattr(module, "FIRST_WARMUP", None)
+        if first is not None:
+            warm_up(
+                model, steps=first["steps"], batch_size=first["batch_size"], seed=args.seed, task_module=first["task"]
+            )
+            print(f"{first['steps']} steps of {first['task'].__name__} first, {time.monotonic() - t0:.0f}s", flush=True)
 
         def progress(step: int, loss: float, lr=lr, model=model, t0=t0) -> None:
             right = call_accuracy(model, task_module=module)
+            whole = call_accuracy(model, task_module=module, whole=True)
             print(
                 f"preset {args.preset} lr {lr:g} batch {args.batch_size} step {step}: loss {loss:.4f}, "
-                f"calls right {right:.2f}, {time.monotonic() - t0:.0f}s",
+                f"calls right {right:.2f}, whole answers right {whole:.2f}, {time.monotonic() - t0:.0f}s",
                 flush=True,
             )
 

@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 from examples.grpo import task, tool_task  # noqa: E402
 from examples.grpo.run import eval_dataset, prepare_model  # noqa: E402
 from examples.grpo.train import TrainConfig, train  # noqa: E402
+from examples.grpo.warmup import call_accuracy  # noqa: E402
 
 STEPS = 24
 BATCH, GROUP = 64, 8
@@ -122,6 +123,9 @@ def test_grpo_learns_to_use_a_calculator_tool_mid_generation(make_cluster, tmp_p
     inserted with loss mask 0; the trainer learns from the model's tokens only, its logprobs match the engine's
     on those, and the reward (two-digit sums, impossible without the tool) rises."""
     cluster, model = start_fleet(make_cluster, tmp_path, warm_models, tools=True, batch=TOOL_BATCH)
+    # What the warm-up reports: greedy decoding writes the call right (the copy of the operands learned).
+    assert call_accuracy(model, task_module=tool_task) >= 0.9
+    assert call_accuracy(model, task_module=tool_task, whole=True) <= call_accuracy(model, task_module=tool_task)
     client = cluster.client()
     first = client.generate(0)
     client.close()
