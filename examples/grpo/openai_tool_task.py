@@ -30,6 +30,10 @@ teacher-forced, 64 prompts, seed 0)."""
 WARMUP_STEPS = 1000
 """Stopped while about a third of the greedy answers are right (fewer sampled): GRPO learns the rest."""
 WARMUP_BATCH_SIZE = 8
+BATCH_SIZE = 16
+LR = 1e-4
+"""GRPO's defaults for this task: 16 prompts a step (about 25-40 s on 2 cores), and a third of the other tasks'
+learning rate: with 8 prompts at 3e-4 the reward fell from 0.19 to 0 in 11 steps."""
 
 
 def prompt_tokens(a: int, b: int) -> list[int]:

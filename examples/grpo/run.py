@@ -195,7 +195,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=200, help="GRPO steps at most (default 200)")
     ap.add_argument("--stop-at-reward", type=float, default=None, help="stop once 3 steps in a row reach it")
     ap.add_argument("--weights", choices=("gloo", "disk"), default="gloo", help="how weights reach the engines")
-    ap.add_argument("--batch-size", type=int, default=64, help="prompts (groups) per step (default 64)")
+    ap.add_argument(
+        "--batch-size", type=int, default=None, help="prompts (groups) per step (default 64; 16 for openai-calculator)"
+    )
     ap.add_argument("--group-size", type=int, default=8, help="samples per prompt (default 8)")
     ap.add_argument(
         "--task",
@@ -232,7 +234,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="auto",
         help="where the trainer's model runs: auto (CUDA when torch sees one, else CPU; default), cpu, cuda, cuda:N",
     )
-    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument(
+        "--lr", type=float, default=None, help="GRPO's learning rate (default 3e-4; 1e-4 for openai-calculator)"
+    )
     ap.add_argument(
         "--warmup-steps",
         type=int,
@@ -255,7 +259,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=10,
         help="evaluate EVAL_PROMPTS prompts (greedy, and pass@1/pass@4) before training and every K steps (0: never)",
     )
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    module = task_module(args.task)  # the task's own defaults
+    args.batch_size = args.batch_size or getattr(module, "BATCH_SIZE", 64)
+    args.lr = args.lr or getattr(module, "LR", 3e-4)
+    return args
 
 
 def main(argv=None) -> int:
