@@ -53,7 +53,7 @@ def prepare_model(
     import torch
 
     from agent.hf.model import load_model, make_model
-    from examples.grpo.warmup import call_accuracy, evaluate, warm_up
+    from examples.grpo.warmup import call_accuracy, evaluate, warm_up_task
 
     make_model(str(out / "model-init"), preset="tiny", seed=seed)
     model, tokenizer = load_model(str(out / "model-init"))
@@ -65,11 +65,9 @@ def prepare_model(
         if step < warmup_steps:
             log(f"warm-up: step {step}/{warmup_steps}, loss {loss:.3f}, {time.monotonic() - t0:.0f}s")
 
-    first = getattr(module, "FIRST_WARMUP", None)  # a simpler task that teaches what this one builds on
-    if first is not None:
-        warm_up(model, steps=first["steps"], batch_size=first["batch_size"], seed=seed, task_module=first["task"])
-        log(f"warm-up: {first['steps']} steps of {first['task'].__name__.rsplit('.', 1)[-1]} first")
-    loss = warm_up(model, steps=warmup_steps, batch_size=batch_size, seed=seed, task_module=module, progress=progress)
+    loss = warm_up_task(
+        model, steps=warmup_steps, batch_size=batch_size, seed=seed, task_module=module, log=log, progress=progress
+    )
     model.to("cpu")
     line = f"warm-up: {warmup_steps} supervised steps of {batch_size} in {time.monotonic() - t0:.1f}s, loss {loss:.3f}"
     if task == "add":
@@ -260,9 +258,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="evaluate EVAL_PROMPTS prompts (greedy, and pass@1/pass@4) before training and every K steps (0: never)",
     )
     args = ap.parse_args(argv)
-    module = task_module(args.task)  # the task's own defaults
-    args.batch_size = args.batch_size or getattr(module, "BATCH_SIZE", 64)
-    args.lr = args.lr or getattr(module, "LR", 3e-4)
+    module = task_module(args.task)  # every flag left unset takes the task's own default
+    for flag in ("batch_size", "lr", "max_new_tokens", "warmup_steps", "warmup_batch_size"):
+        if getattr(args, flag) is None:
+            setattr(args, flag, getattr(module, flag.upper()))
     return args
 
 
@@ -289,13 +288,6 @@ def main(argv=None) -> int:
         f"GRPO example: run dir {out}; --max-staleness {args.max_staleness}, correction {mode}, "
         f"trainer on {resolve_device(args.trainer_device)}"
     )
-    if args.max_new_tokens is None:
-        args.max_new_tokens = {"add": 16, "calculator": 32}.get(args.task, task_module(args.task).MAX_NEW_TOKENS)
-    module = task_module(args.task)
-    if args.warmup_steps is None:
-        args.warmup_steps = {"add": 90, "calculator": 75}.get(args.task) or module.WARMUP_STEPS
-    if args.warmup_batch_size is None:
-        args.warmup_batch_size = getattr(module, "WARMUP_BATCH_SIZE", 32)
     model_dir = prepare_model(
         out,
         warmup_steps=args.warmup_steps,

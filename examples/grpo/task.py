@@ -17,6 +17,12 @@ from pathlib import Path
 from common.rewards import exact_reward
 from common.types import Sample
 
+MAX_NEW_TOKENS = 16
+WARMUP_STEPS = 90
+WARMUP_BATCH_SIZE = 32
+BATCH_SIZE = 64
+LR = 3e-4
+
 
 def pairs() -> list[tuple[int, int]]:
     return [(a, b) for a in range(10) for b in range(10)]

@@ -22,6 +22,10 @@ from examples.tools.calculator import tool_output
 
 GENERATE = "examples.tools.calculator:rollout"
 MAX_NEW_TOKENS = 32
+WARMUP_STEPS = 75
+WARMUP_BATCH_SIZE = 32
+BATCH_SIZE = 64
+LR = 3e-4
 
 
 def pairs() -> list[tuple[int, int]]:

@@ -70,6 +70,27 @@ def warm_up(
     return loss.item()
 
 
+def warm_up_task(
+    model, *, steps, batch_size, seed, task_module, lr=1e-3, log=print, progress=None, every=100, first=True
+) -> float:
+    """``warm_up`` on ``task_module``, after its ``FIRST_WARMUP`` (a simpler task it builds on) when it has one
+    and ``first``."""
+    first = getattr(task_module, "FIRST_WARMUP", None) if first else None
+    if first is not None:
+        warm_up(model, steps=first["steps"], batch_size=first["batch_size"], seed=seed, task_module=first["task"])
+        log(f"warm-up: {first['steps']} steps of {first['task'].__name__.rsplit('.', 1)[-1]} first")
+    return warm_up(
+        model,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+        task_module=task_module,
+        progress=progress,
+        every=every,
+    )
+
+
 def _pad_mask(masks: list[list[int]], width: int) -> torch.Tensor:
     out = torch.zeros((len(masks), width))
     for i, m in enumerate(masks):

@@ -25,7 +25,7 @@ def main() -> None:
 
     from agent.hf.model import load_model, make_model
     from examples.grpo.run import task_module
-    from examples.grpo.warmup import call_accuracy, warm_up
+    from examples.grpo.warmup import call_accuracy, warm_up_task
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--task", default="openai-calculator", choices=("calculator", "openai-calculator"))
@@ -47,12 +47,6 @@ def main() -> None:
             model, _ = load_model(tmp)
         model.to(args.device)
         t0 = time.monotonic()
-        first = None if args.no_first else getattr(module, "FIRST_WARMUP", None)
-        if first is not None:
-            warm_up(
-                model, steps=first["steps"], batch_size=first["batch_size"], seed=args.seed, task_module=first["task"]
-            )
-            print(f"{first['steps']} steps of {first['task'].__name__} first, {time.monotonic() - t0:.0f}s", flush=True)
 
         def progress(step: int, loss: float, lr=lr, model=model, t0=t0) -> None:
             right = call_accuracy(model, task_module=module)
@@ -63,15 +57,17 @@ def main() -> None:
                 flush=True,
             )
 
-        warm_up(
+        warm_up_task(
             model,
             steps=args.steps,
             batch_size=args.batch_size,
             lr=lr,
             seed=args.seed,
             task_module=module,
+            log=lambda line, t0=t0: print(f"{line}, {time.monotonic() - t0:.0f}s", flush=True),
             progress=progress,
             every=args.every,
+            first=not args.no_first,
         )
 
 
