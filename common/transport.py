@@ -96,6 +96,23 @@ def router(
     return sock, endpoint
 
 
+def core_router(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """The coordinator core's ROUTER for its gateways (a private ``ipc://`` endpoint): their batches may be
+    of any size and are never dropped at a high-water mark (the gateways are the core's own processes)."""
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.bind(endpoint)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
 def _bind(sock: zmq.Socket, bind: str, prefer_port: int | None) -> str:
     if bind.startswith("tcp://") and bind.rsplit(":", 1)[-1] in ("0", "*"):
         host = bind.rsplit(":", 1)[0]

@@ -158,6 +158,15 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
         help="most the LMDB ledger may hold, e.g. 64GiB (address space, not disk; default 1TiB); when full the "
         "coordinator stops, and a restart with a larger value on the same --data-dir carries on",
     )
+    sp.add_argument(
+        "--gateways",
+        type=_gateways,
+        default="auto",
+        metavar="N|auto",
+        help="relay processes that hold the agents' and trainers' connections and pass their messages to the "
+        "coordinator in batches (docs/operations.md); 0: none, the coordinator serves --bind itself; auto "
+        "(default): one per 8 cores of this machine, at most 4, none below 8 cores or for a non-tcp --bind",
+    )
     sp.add_argument("--no-sync", action="store_true", help="skip fsync on ledger commits (faster, not crash-safe)")
     sp.add_argument("--allow-config-change", action="store_true", help="restart with other batch settings; recorded")
     add_log_flags(sp)
@@ -225,6 +234,26 @@ def _check_chat_rows(name: str, data_dir: str, datasets: list) -> None:
     os.makedirs(data_dir, exist_ok=True)
     for what, dataset in datasets:
         check_chat_rows(dataset, tokenizer, cache_path=os.path.join(data_dir, f"{what}.chat-check"))
+
+
+def _gateways(text: str) -> str | int:
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 64:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of gateways from 0 to 64, got {text!r}")
+    return n
+
+
+def _gateway_count(value: str | int, bind: str) -> int:
+    from coordinator.gateways import auto_gateways
+
+    if value == "auto":
+        return auto_gateways() if bind.startswith("tcp://") else 0
+    return value
 
 
 def serve(args) -> int:
@@ -320,6 +349,10 @@ def serve(args) -> int:
         map_size=args.map_size,
         curve=curve,
         over_sampling=args.over_sampling,
+        curve_dir=args.curve_dir,
+        gateways=_gateway_count(args.gateways, args.bind),
+        log_level=args.log_level,
+        log_format=args.log_format,
     )
     server = CoordinatorServer(
         settings, dataset=dataset, config=config, liveness=liveness, eval_datasets=evals, mixture=mixture

@@ -161,6 +161,8 @@ class CoordinatorCore:
         self.evaluations = Evaluations(self, list(eval_specs), restored)
         self.now = now
         """The time of the event being handled (batch metrics read it)."""
+        self.gateway_stats: Callable[[float], list] | None = None
+        """The serving process's gateways, for ``statistics`` (set by coordinator/server.py when it runs any)."""
         self._in_turn = False
         self._pump_due = False
         a, t, w = self.admission, self.trainer, self.weights
@@ -327,6 +329,7 @@ class CoordinatorCore:
             sources=self._source_stats(),
             held=len(self.admission.held),
             receipts={"accepted": self.counters.receipts_accepted, "refused": self.counters.receipts_refused},
+            gateways=self.gateway_stats(at) if self.gateway_stats is not None else [],
         )
 
     def _source_stats(self) -> dict:

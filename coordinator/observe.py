@@ -29,6 +29,8 @@ Metric names (all ``rollfleet_``; counters end in ``_total``):
     weight_version, weight_updates_total
     batch_staleness_mean, batch_staleness_max (the last batch)
     paused, starved, fenced_messages_total{type}
+    gateway_up{gateway}, gateway_connections{gateway}, gateway_restarts_total{gateway},
+    gateway_messages_total{gateway,direction}   in (from peers) | out (to peers), with --gateways
 """
 
 from __future__ import annotations
@@ -160,6 +162,25 @@ class CoordinatorCollector:
             "type",
             admission.fenced,
         )
+        if self.server.gateways is not None:
+            yield from _gateway_metrics(self.server.gateways.statistics(now))
+
+
+def _gateway_metrics(gateways: list[dict]):
+    by = {g["gateway"]: g for g in gateways}
+    yield _labelled(GaugeMetricFamily, "gateway_up", "1 while a gateway reports", "gateway",
+                    {k: float(g["up"]) for k, g in by.items()})  # fmt: skip
+    yield _labelled(GaugeMetricFamily, "gateway_connections", "Connections a gateway holds", "gateway",
+                    {k: g.get("connections", 0) for k, g in by.items()})  # fmt: skip
+    yield _labelled(CounterMetricFamily, "gateway_restarts", "Gateway processes restarted", "gateway",
+                    {k: g["restarts"] for k, g in by.items()})  # fmt: skip
+    family = CounterMetricFamily(
+        "rollfleet_gateway_messages", "Messages a gateway relayed, by direction", labels=["gateway", "direction"]
+    )
+    for k, g in sorted(by.items()):
+        family.add_metric([str(k), "in"], g.get("messages_in", 0))
+        family.add_metric([str(k), "out"], g.get("messages_out", 0))
+    yield family
 
 
 def status_snapshot(server: CoordinatorServer) -> dict:
@@ -232,4 +253,5 @@ def status_snapshot(server: CoordinatorServer) -> dict:
         "weights": core.weights.statistics(now),
         "paused": core.trainer.paused,
         "starved": core.admission.starvation.reason,
+        "gateways": server.gateways.statistics(now) if server.gateways is not None else [],
     }

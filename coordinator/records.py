@@ -446,3 +446,7 @@ class CoordinatorStats:
     receipts: dict = field(default_factory=dict)
     """``{"accepted", "refused"}``: receipts of committed groups since the start; ``refused`` counts groups
     refused as duplicates of a prompt already accounted for (wasted work)."""
+    gateways: list = field(default_factory=list)
+    """Each gateway of ``coordinator serve --gateways`` (empty without): ``{"gateway", "pid", "up",
+    "incarnation", "restarts", "connections", "messages_in", "messages_out", "batches_in", "batches_out",
+    "bytes_in", "bytes_out", "send_failures"}`` (coordinator/gateways.py)."""

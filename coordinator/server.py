@@ -43,6 +43,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+import msgpack
 import zmq
 
 from common import faults
@@ -54,9 +55,11 @@ from common.errors import ProtocolError, StorageFull
 from common.lmdb_env import MAP_SIZE
 from common.mixture import EPOCH_BITS
 from common.shuffle import SHUFFLE_ORDER, epoch_permutation
-from common.transport import router, send_nowait, stop_on_signals
+from common.transport import core_router, router, send_nowait, stop_on_signals
 from coordinator.core import CoordinatorCore, Persist, Send
 from coordinator.evaluation import EvalSpec
+from coordinator.gateway import MESSAGES, STATS
+from coordinator.gateways import GatewayPool
 from coordinator.ledger import Ledger
 from coordinator.sources import TRAIN
 
@@ -95,7 +98,13 @@ class ServeSettings:
     metrics_port: int | None = None
     map_size: int = MAP_SIZE
     curve: CoordinatorKeys | None = None
+    curve_dir: str | None = None
+    """Where ``curve`` came from: gateways load the keys themselves."""
     over_sampling: float = 1.0
+    gateways: int = 0
+    """``--gateways``: relay processes holding the peers' connections (coordinator/gateway.py); 0: none."""
+    log_level: str = "INFO"
+    log_format: str = "text"
 
 
 class CoordinatorServer:
@@ -133,14 +142,31 @@ class CoordinatorServer:
                 for key in keys:
                     self._roles.setdefault(key.decode("ascii"), set()).add(role)
         self.forbidden = 0
+        self.gateways: GatewayPool | None = None
+        self._out: dict[bytes, list] = {}  # gateway prefix -> [peer, frame] pairs to send it
+        self._flush_soon = False
         try:
-            if curve is not None:
-                from common.zap import KeyGate
+            if s.gateways:
+                # The gateways hold the public address and the CurveZMQ handshakes; the core listens
+                # on a private endpoint for them alone.
+                self.gateways = GatewayPool(
+                    s.gateways,
+                    bind,
+                    max_bytes=s.max_message_bytes,
+                    curve_dir=s.curve_dir if curve is not None else None,
+                    log_level=s.log_level,
+                    log_format=s.log_format,
+                )
+                self.endpoint = self.gateways.endpoint
+                self.sock = core_router(self.ctx, self.gateways.core_endpoint)
+            else:
+                if curve is not None:
+                    from common.zap import KeyGate
 
-                self.gate = KeyGate(self.ctx, curve.allowed, "coordinator")
-            self.sock, self.endpoint = router(
-                self.ctx, bind, max_bytes=s.max_message_bytes, curve=curve.pair if curve else None
-            )
+                    self.gate = KeyGate(self.ctx, curve.allowed, "coordinator")
+                self.sock, self.endpoint = router(
+                    self.ctx, bind, max_bytes=s.max_message_bytes, curve=curve.pair if curve else None
+                )
             self.ledger = Ledger(data_dir, sync=s.sync, map_size=s.map_size)
             # The shuffle algorithm is part of the shape: positions in one order name other rows in another.
             order = SHUFFLE_ORDER if seed is not None else None
@@ -157,6 +183,8 @@ class CoordinatorServer:
                 self.ledger.close()
             if hasattr(self, "sock"):
                 self.sock.close(linger=0)
+            if self.gateways is not None:
+                self.gateways.stop()
             self.ctx.term()
             raise
         self.core = CoordinatorCore(
@@ -175,6 +203,8 @@ class CoordinatorServer:
             eval_specs=[spec for _, spec in (eval_datasets or {}).values()],
             over_sampling=s.over_sampling,
         )
+        if self.gateways is not None:
+            self.core.gateway_stats = self.gateways.statistics
         if self.core.start_ops:
             self.ledger.apply(self.core.start_ops)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
@@ -200,11 +230,32 @@ class CoordinatorServer:
             peer = to
         if faults.INJECTED is not None and faults.INJECTED.coordinator_drops(msg):  # tests only
             return
+        if self.gateways is not None:
+            out = self._out.get(peer[:4])
+            if out is None:
+                out = self._out[peer[:4]] = []
+            out.append((peer[4:], p.encode(msg)))
+            if not self._flush_soon:  # everything sent in this loop iteration leaves in one batch per gateway
+                self._flush_soon = True
+                asyncio.get_running_loop().call_soon(self._flush)
+            return
         # Peer gone (ROUTER_MANDATORY) or at its HWM: agents repair this by
         # resending (receipts) and heartbeat reconciliation; trainers retry.
         send_nowait(
             self.sock, [peer, p.encode(msg)], lambda exc: log.debug("send %s to %r failed: %s", msg.TYPE, peer, exc)
         )
+
+    def _flush(self) -> None:
+        """Send each gateway the messages queued for its peers, as one batch."""
+        self._flush_soon = False
+        out, self._out = self._out, {}
+        for prefix, entries in out.items():
+            send_nowait(
+                self.sock,
+                [prefix, MESSAGES, msgpack.packb(entries, use_bin_type=True)],
+                lambda exc, prefix=prefix: log.debug("send to gateway %r failed: %s", prefix, exc),
+            )
+        self._poke()
 
     def _deliver(self, s: Send) -> None:
         """Send now, unless an earlier message to the same destination still waits on a commit."""
@@ -325,12 +376,34 @@ class CoordinatorServer:
             log.exception("internal error handling a message from %r", frames[0][:40])
             self._send(frames[0], p.Error("internal", "internal coordinator error; see its log", p.peek_req(frames[1])))
 
+    def _on_batch(self, frames: list, now: float) -> int:
+        """A gateway's frames: a batch of its peers' messages (each handled as if it came straight from its
+        peer, whose id carries the gateway's prefix), or its statistics. How many messages there were."""
+        if len(frames) != 3:
+            log.warning("ignored a malformed batch from gateway %r (%d frames)", frames[0], len(frames))
+            return 0
+        prefix, kind, payload = frames
+        if kind == STATS:
+            self.gateways.on_stats(prefix, msgpack.unpackb(payload), now)
+            return 0
+        entries = msgpack.unpackb(payload, raw=False)
+        for peer, rest, user in entries:
+            self._on_frames([prefix + peer, *rest], now, user)
+        return len(entries)
+
     def _turn(self) -> int:
         """Handle every message waiting (up to ``TURN_MESSAGES``) as one core turn; how many there were."""
         sock, now, n = self.sock, time.monotonic(), 0
         self.core.begin_turn()
         try:
             while n < TURN_MESSAGES:
+                if self.gateways is not None:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    n += self._on_batch(frames, now)
+                    continue
                 try:
                     if self._roles is None:
                         frames, user = sock.recv_multipart(zmq.NOBLOCK), None
@@ -407,7 +480,13 @@ class CoordinatorServer:
                     tg.create_task(self._recv_loop(), name="recv"),
                     tg.create_task(self._clock(), name="clock"),
                 ]
+                if self.gateways is not None:
+                    self.gateways.start()
+                    supervisor = tg.create_task(self.gateways.supervise(), name="gateways")
                 await stop.wait()
+                if self.gateways is not None:
+                    self.gateways.stopping = True
+                    supervisor.cancel()
                 log.info("coordinator shutting down: flushing the ledger")
                 tasks[1].cancel()
                 tasks[2].cancel()
@@ -436,6 +515,8 @@ class CoordinatorServer:
             self.gate.stop()
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
+        if self.gateways is not None:
+            self.gateways.stop()
         self.sock.close(linger=0)
         self.ctx.term()
         self.ledger.close()

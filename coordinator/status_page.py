@@ -9,7 +9,8 @@ SVG sparklines. Everything the page shows comes from that JSON; the page
 itself holds no state beyond the last answer.
 
 Element ids the page fills (tests and scrapers can rely on them): ``#summary``,
-``#fleet`` (one ``tr.agent`` per agent, ``data-agent`` its id), ``#frontier``,
+``#fleet`` (one ``tr.agent`` per agent, ``data-agent`` its id), ``#gateways`` (one ``div.gateway`` per
+gateway of ``--gateways``, ``data-gateway`` its number), ``#frontier``,
 ``#batch-count``, ``#plots`` (one ``svg.spark`` per series, ``data-series``
 its name, one ``polyline`` each once there are batches), ``#drops``,
 ``#updated``, ``#error``.
@@ -50,6 +51,7 @@ svg.spark { display: block; margin-top: 4px; } svg.spark polyline { fill: none; 
 <h2>Fleet</h2>
 <table><thead><tr><th>agent</th><th>status</th><th>capacity</th><th>leases</th><th>engines</th></tr></thead>
 <tbody id="fleet"></tbody></table>
+<div id="gateways"></div>
 <h2>Prompt frontier</h2><div id="frontier"></div>
 <h2>Batches: <span id="batch-count">0</span></h2>
 <div id="plots" class="plots"></div>
@@ -112,6 +114,10 @@ function render(s) {
     return tr;
   });
   document.getElementById("fleet").replaceChildren(...rows);
+  document.getElementById("gateways").replaceChildren(...(s.gateways || []).map(g =>
+    el("div", {class: "gateway " + (g.up ? "alive" : "dead"), "data-gateway": g.gateway},
+      `gateway ${g.gateway}: ${g.up ? "up" : "DOWN"}, pid ${g.pid ?? "-"}, ${g.connections ?? "-"} connections, ` +
+      `messages in ${g.messages_in ?? "-"} / out ${g.messages_out ?? "-"}, restarts ${g.restarts}`)));
   const f = s.frontier;
   const named = Object.keys(f.datasets || {}).length > 1 || !(f.datasets || {}).default;
   const ep = f.epochs.map(e => `${named ? "dataset " + e.dataset + ", " : ""}epoch ${e.epoch}: ` +

@@ -64,6 +64,12 @@ def render(stats: dict) -> str:
                 f"dataset {name}: weight {src.get('weight')}, data epochs {epochs}, "
                 f"prompts {_pairs(src.get('prompts') or {})}, filtered {src.get('filtered')}"
             )
+    for g in stats.get("gateways") or ():
+        out.append(
+            f"gateway {g.get('gateway')}: {'up' if g.get('up') else 'DOWN'}, pid {g.get('pid')}, "
+            f"{g.get('connections', '-')} connections, messages in {g.get('messages_in', '-')} / out "
+            f"{g.get('messages_out', '-')}, restarts {g.get('restarts')}"
+        )
     lock = weights.get("lock")
     if lock:
         out.append(f"weights:  update {lock.get('update_id')} by {lock.get('holder')} at step {lock.get('step')}")

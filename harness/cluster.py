@@ -90,6 +90,7 @@ class Cluster:
         curve_agents: tuple[str, ...] = (),
         curve_trainers: tuple[str, ...] = (),
         host: str = "127.0.0.1",
+        gateways: int | None = None,
         **config,
     ):
         """``host``: the address the coordinator binds (e.g. a ``harness.netfault`` link's; default loopback).
@@ -106,6 +107,9 @@ class Cluster:
         self.dataset = dataset or (None if datasets else write_arithmetic_dataset(self.tmp / "data.jsonl", rows))
         self.datasets = list(datasets or [])
         self.host = host
+        self.gateways = gateways if gateways is not None else os.environ.get("ROLLFLEET_TEST_GATEWAYS")
+        """``coordinator serve --gateways``; None: its default. ``ROLLFLEET_TEST_GATEWAYS`` sets it for every
+        cluster (a whole suite through gateways)."""
         self.port = free_port(host)
         self.address = f"tcp://{host}:{self.port}"
         self.config = {"rollout_batch_size": 8, "n_samples_per_prompt": 4, "max_new_tokens": 64, **config}
@@ -146,6 +150,8 @@ class Cluster:
             argv += [f"--{key.replace('_', '-')}", str(value)]
         if self.curve_dir is not None:
             argv += ["--curve-dir", str(self.curve_dir)]
+        if self.gateways is not None and "--gateways" not in extra:
+            argv += ["--gateways", str(self.gateways)]
         argv += list(extra)
         self.coordinator = self._spawn(f"coordinator-{len(self.procs)}", argv)
         if wait:

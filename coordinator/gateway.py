@@ -1,0 +1,245 @@
+"""A gateway: one child process of ``coordinator serve --gateways K`` that holds agents' and trainers'
+connections and relays their messages to the core in batches.
+
+Every gateway accepts on the same listening socket, which the serving process opened on the public
+``--bind`` address and handed down (its file descriptor, through ZeroMQ's ``ZMQ_USE_FD``): the
+kernel gives each new connection to whichever gateway accepts it first, so peers connect to the one
+address they always used and never learn that gateways exist. A gateway that dies takes its
+connections with it; their peers redial (common/transport.py) and land on another gateway or on its
+restarted successor, while connections waiting to be accepted stay queued on the socket, which the
+serving process keeps open.
+
+Towards the core a gateway is a DEALER on a private ``ipc://`` endpoint (a directory only the
+coordinator's user can enter), named by ``prefix``: two bytes of gateway number and two of
+incarnation, so a restarted gateway's peers never take the place of its predecessor's. What it
+relays, as ``[kind, payload]`` frames:
+
+- ``b"m"`` (to the core): msgpack of ``[[peer, frames, user], ...]``, every message its ROUTER had
+  waiting (up to ``BATCH_MESSAGES`` or ``BATCH_BYTES``), in arrival order; ``frames`` are the
+  message's frames after the routing id, untouched (the core decodes and validates them, so a
+  malformed or oversized message is answered exactly as without gateways), ``user`` the CurveZMQ
+  User-Id (the sender's public key) or None;
+- ``b"m"`` (from the core): msgpack of ``[[peer, frame], ...]``, sent on to each peer in order;
+- ``b"s"`` (to the core, every ``STATS_INTERVAL``): its counters and connections, for the status
+  page and metrics.
+
+So the core pays its socket reads, writes and wake-ups per batch, not per message. The relay keeps
+each peer's order both ways (one connection, one DEALER, one ROUTER). A message lost with a gateway
+is lost like one on a dropped connection, which the protocol already repairs (agents resend
+receipts and reconcile leases by heartbeat; trainers resend requests).
+
+The gateway exits when the serving process does (``PR_SET_PDEATHSIG``, and its parent pid checked
+every poll) and on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+
+import msgpack
+import zmq
+
+from common.logs import add_log_flags, setup_logging
+
+log = logging.getLogger("rollfleet.gateway")
+
+BATCH_MESSAGES = 1024
+"""Most messages in one batch to the core."""
+BATCH_BYTES = 8 << 20
+"""A batch to the core closes once its frames reach this many bytes."""
+STATS_INTERVAL = 1.0
+"""Seconds between the gateway's statistics messages to the core."""
+MESSAGES, STATS = b"m", b"s"
+
+
+def prefix_of(index: int, incarnation: int) -> bytes:
+    """The routing id of gateway ``index``'s ``incarnation``: the first four bytes of every peer id it relays."""
+    return index.to_bytes(2, "big") + (incarnation & 0xFFFF).to_bytes(2, "big")
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask the kernel for SIGTERM when the serving process exits (Linux); the poll loop checks too."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # it died before the prctl
+        sys.exit(0)
+
+
+class Gateway:
+    def __init__(
+        self, *, core: str, listen_fd: int, bind: str, prefix: bytes, max_bytes: int, curve_dir: str | None = None
+    ):
+        from common.transport import _common
+
+        self.ctx = zmq.Context()
+        self.prefix = prefix
+        self.curve = curve_dir is not None
+        self.gate = None
+        self.front = self.ctx.socket(zmq.ROUTER)
+        _common(self.front)
+        self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.front.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.front.setsockopt(zmq.MAXMSGSIZE, max_bytes * 2 + 4096)
+        if curve_dir is not None:
+            from common.curve import CoordinatorKeys, make_server
+            from common.zap import KeyGate
+
+            keys = CoordinatorKeys.load(curve_dir)
+            self.gate = KeyGate(self.ctx, keys.allowed, "coordinator")
+            make_server(self.front, keys.pair)
+        self.monitor = self.front.get_monitor_socket(
+            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED, addr=f"inproc://gateway-monitor-{os.getpid()}"
+        )
+        self.front.setsockopt(zmq.USE_FD, listen_fd)
+        self.front.bind(bind)
+        self.back = self.ctx.socket(zmq.DEALER)
+        self.back.setsockopt(zmq.LINGER, 0)
+        self.back.setsockopt(zmq.ROUTING_ID, prefix)
+        self.back.setsockopt(zmq.SNDHWM, 0)
+        self.back.setsockopt(zmq.RCVHWM, 0)
+        self.back.connect(core)
+        self.stats = {
+            "pid": os.getpid(),
+            "connections": 0,
+            "messages_in": 0,
+            "messages_out": 0,
+            "batches_in": 0,
+            "batches_out": 0,
+            "bytes_in": 0,
+            "bytes_out": 0,
+            "send_failures": 0,
+        }
+
+    def _relay_in(self) -> None:
+        """Every message waiting on the ROUTER (up to a batch) as one batch to the core."""
+        batch, size, front = [], 0, self.front
+        while len(batch) < BATCH_MESSAGES and size < BATCH_BYTES:
+            try:
+                if self.curve:
+                    raw = front.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames, user = [f.bytes for f in raw], raw[-1].get("User-Id")
+                else:
+                    frames, user = front.recv_multipart(zmq.NOBLOCK), None
+            except zmq.Again:
+                break
+            size += sum(len(f) for f in frames)
+            batch.append([frames[0], frames[1:], user])
+        if batch:
+            self.back.send_multipart([MESSAGES, msgpack.packb(batch, use_bin_type=True)])
+            s = self.stats
+            s["messages_in"] += len(batch)
+            s["batches_out"] += 1
+            s["bytes_in"] += size
+
+    def _relay_out(self) -> None:
+        """Every batch the core sent, each message on to its peer."""
+        back, front, s = self.back, self.front, self.stats
+        while True:
+            try:
+                frames = back.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2 or frames[0] != MESSAGES:
+                log.warning("ignored a malformed batch from the core (%d frames)", len(frames))
+                continue
+            s["batches_in"] += 1
+            for peer, frame in msgpack.unpackb(frames[1], raw=False, use_list=False):
+                try:
+                    front.send_multipart([peer, frame], zmq.NOBLOCK)
+                    s["messages_out"] += 1
+                    s["bytes_out"] += len(frame)
+                except zmq.ZMQError:  # the peer is gone or at its high-water mark: it will resend
+                    s["send_failures"] += 1
+
+    def _watch_connections(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self.stats["connections"] += 1
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.stats["connections"] = max(0, self.stats["connections"] - 1)
+
+    def run(self, parent: int) -> None:
+        if self.gate is not None:
+            self.gate.start()
+        poller = zmq.Poller()
+        for sock in (self.front, self.back, self.monitor):
+            poller.register(sock, zmq.POLLIN)
+        def stop(*_):
+            raise SystemExit(0)
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        next_stats = 0.0
+        try:
+            while True:
+                ready = dict(poller.poll(int(STATS_INTERVAL * 1000)))
+                if self.back in ready:
+                    self._relay_out()
+                if self.front in ready:
+                    self._relay_in()
+                if self.monitor in ready:
+                    self._watch_connections()
+                now = time.monotonic()
+                if now >= next_stats:
+                    next_stats = now + STATS_INTERVAL
+                    if os.getppid() != parent:
+                        log.warning("the coordinator (pid %d) is gone; this gateway exits", parent)
+                        return
+                    self.back.send_multipart([STATS, msgpack.packb(self.stats)])
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.gate is not None:
+            self.gate.stop()
+        self.front.disable_monitor()
+        self.monitor.close(linger=0)
+        self.front.close(linger=0)
+        self.back.close(linger=0)
+        self.ctx.term()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m coordinator.gateway", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--core", required=True, help="the core's private ipc:// endpoint")
+    ap.add_argument("--listen-fd", type=int, required=True, help="the listening socket's file descriptor")
+    ap.add_argument("--bind", required=True, help="the public endpoint that socket is bound to")
+    ap.add_argument("--index", type=int, required=True)
+    ap.add_argument("--incarnation", type=int, required=True)
+    ap.add_argument("--parent", type=int, required=True, help="the serving process's pid")
+    ap.add_argument("--max-message-bytes", type=int, required=True)
+    ap.add_argument("--curve-dir", default=None)
+    add_log_flags(ap)
+    args = ap.parse_args(argv)
+    setup_logging(args.log_level, args.log_format)
+    _die_with_parent(args.parent)
+    gateway = Gateway(
+        core=args.core,
+        listen_fd=args.listen_fd,
+        bind=args.bind,
+        prefix=prefix_of(args.index, args.incarnation),
+        max_bytes=args.max_message_bytes,
+        curve_dir=args.curve_dir,
+    )
+    log.info("gateway %d (incarnation %d) relaying %s to the core", args.index, args.incarnation, args.bind)
+    gateway.run(args.parent)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
