@@ -179,6 +179,7 @@ class Gateway:
         poller = zmq.Poller()
         for sock in (self.front, self.back, self.monitor):
             poller.register(sock, zmq.POLLIN)
+
         def stop(*_):
             raise SystemExit(0)
 

@@ -152,10 +152,19 @@ def write_dataset(path: Path, rows: int) -> None:
             f.write("\n")
 
 
-def measure(n_agents: int, rate: float, args, workdir: Path, dataset: Path, fingerprint: str, rows: int) -> dict:
+def children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(x) for x in (task / "children").read_text().split()]
+    return out
+
+
+def measure(
+    n_agents: int, rate: float, args, workdir: Path, dataset: Path, fingerprint: str, rows: int, gateways: int = 0
+) -> dict:
     """One coordinator, N agents offering ``rate`` outcomes/s (0: as fast as grants come), one window."""
     procs = Procs(workdir)
-    tag = f"n{n_agents}-{'ceiling' if not rate else f'rate{rate:.0f}'}"
+    tag = f"g{gateways}-n{n_agents}-{'ceiling' if not rate else f'rate{rate:.0f}'}"
     try:
         coord_argv = [venv_script("coordinator")]
         if args.profile_cprofile:
@@ -179,6 +188,8 @@ def measure(n_agents: int, rate: float, args, workdir: Path, dataset: Path, fing
             str(args.prefetch),
             "--log-level",
             "WARNING",
+            "--gateways",
+            str(gateways),
         ]
         if args.no_sync:
             coord_argv.append("--no-sync")
@@ -191,6 +202,12 @@ def measure(n_agents: int, rate: float, args, workdir: Path, dataset: Path, fing
             return None
 
         address = wait_until(endpoint, READY_TIMEOUT, "coordinator", check=procs.check)
+        gateway_pids = wait_until(
+            lambda: (lambda kids: (kids,) if len(kids) >= gateways else None)(children(coord.pid)),
+            READY_TIMEOUT,
+            "gateways",
+            check=procs.check,
+        )[0]
         workers = args.workers or max(1, min(os.cpu_count() - 2, math.ceil(n_agents / 125)))
         workers = min(workers, n_agents)
         now = time.time()
@@ -256,10 +273,11 @@ def measure(n_agents: int, rate: float, args, workdir: Path, dataset: Path, fing
             spy = [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(coord.pid), "--nonblocking"]
             spy += ["--threads", "-r", "200", "-d", str(int(args.seconds)), "-f", "raw"]
             spy_proc = procs.start(f"py-spy-{tag}", spy + ["-o", str(Path(args.py_spy) / f"{tag}.txt")])
-        c0, t0 = cpu_s(coord.pid), time.monotonic()
+        c0, g0, t0 = cpu_s(coord.pid), sum(map(cpu_s, gateway_pids)), time.monotonic()
         time.sleep(max(0.0, end_at - time.time()))
-        c1, t1 = cpu_s(coord.pid), time.monotonic()
+        c1, g1, t1 = cpu_s(coord.pid), sum(map(cpu_s, gateway_pids)), time.monotonic()
         rss, peak = rss_mb(coord.pid)
+        gateway_rss = sum(rss_mb(pid)[0] for pid in gateway_pids)
         if args.py_spy:
             spy_proc.popen.wait(timeout=30)
             procs.items.remove(spy_proc)
@@ -281,11 +299,13 @@ def measure(n_agents: int, rate: float, args, workdir: Path, dataset: Path, fing
     total.update({k: sum(r[k] for r in results) for k in ("refused", "errors", "fences", "grants", "leases")})
     rtt = [x for r in results for x in r["grant_rtt"]]
     ack = [x for r in results for x in r["ack_latency"]]
-    coord_cpu = c1 - c0
+    core_cpu, gateway_cpu = c1 - c0, g1 - g0
+    coord_cpu = core_cpu + gateway_cpu
     load_cpu = sum(r["cpu_s"] for r in results)
     receipts = total["receipts"]
     row = {
         "n_agents": n_agents,
+        "gateways": gateways,
         "offered_rate": rate,
         "receipts_per_s": receipts / window,
         "acks_per_s": total["acks"] / window,
@@ -294,11 +314,16 @@ def measure(n_agents: int, rate: float, args, workdir: Path, dataset: Path, fing
         "coordinator_cpu_us_per_receipt": coord_cpu / receipts * 1e6 if receipts else float("nan"),
         "coordinator_cpu_us_per_message": coord_cpu / max(1, total["outcomes"]) * 1e6,
         "coordinator_cpu_busy": coord_cpu / window,
+        "core_cpu_us_per_receipt": core_cpu / receipts * 1e6 if receipts else float("nan"),
+        "core_cpu_busy": core_cpu / window,
+        "gateway_cpu_busy": gateway_cpu / window,
+        "gateway_rss_mb": gateway_rss,
         "grant_rtt_p50_ms": percentile(rtt, 0.5) * 1e3,
         "grant_rtt_p99_ms": percentile(rtt, 0.99) * 1e3,
         "receipt_ack_p50_ms": percentile(ack, 0.5) * 1e3,
         "receipt_ack_p99_ms": percentile(ack, 0.99) * 1e3,
-        "coordinator_rss_mb": rss,
+        "coordinator_rss_mb": rss + gateway_rss,
+        "core_rss_mb": rss,
         "coordinator_rss_peak_mb": peak,
         "loadgen_workers": len(results),
         "loadgen_cpu_busy": load_cpu / window,
@@ -329,10 +354,12 @@ def report(n: int, phase: str, row: dict, mode: dict) -> None:
         extra = {k: v for k, v in row.items() if k != metric}
         emit(metric, round(row[metric], 3), unit, phase=phase, **mode, **extra)
     progress(
-        f"N={n} {phase}: {row['receipts_per_s']:.0f} receipts/s, {row['coordinator_cpu_us_per_receipt']:.0f} us CPU "
+        f"gateways={row['gateways']} N={n} {phase}: "
+        f"{row['receipts_per_s']:.0f} receipts/s, {row['coordinator_cpu_us_per_receipt']:.0f} us CPU "
         f"each, grant rtt p50/p99 {row['grant_rtt_p50_ms']:.1f}/{row['grant_rtt_p99_ms']:.1f} ms, ack "
         f"p50/p99 {row['receipt_ack_p50_ms']:.1f}/{row['receipt_ack_p99_ms']:.1f} ms, rss "
-        f"{row['coordinator_rss_mb']:.0f} MiB, coordinator busy {row['coordinator_cpu_busy']:.2f}, "
+        f"{row['coordinator_rss_mb']:.0f} MiB, core busy {row['core_cpu_busy']:.2f}, gateways busy "
+        f"{row['gateway_cpu_busy']:.2f}, "
         f"load {row['loadgen_cpu_busy_per_worker']:.2f}/worker x {row['loadgen_workers']}"
     )
 
@@ -367,6 +394,11 @@ def main() -> int:
     ap.add_argument("--rows", action="store_true", help="agents without a dataset replica: grants carry rows")
     ap.add_argument("--dataset-rows", type=int, default=200_000)
     ap.add_argument("--no-sync", action="store_true", help="ledger without fsync (report beside, never instead)")
+    ap.add_argument(
+        "--gateways",
+        default="0",
+        help="comma-separated coordinator serve --gateways values, each measured at every N (default 0)",
+    )
     ap.add_argument("--profile-cprofile", metavar="DIR", help="run the coordinator under cProfile into DIR/nN.prof")
     ap.add_argument(
         "--py-spy", metavar="DIR", help="sample the coordinator over the window with py-spy into DIR/nN.txt (collapsed)"
@@ -401,13 +433,14 @@ def main() -> int:
     }
     rows = []
     try:
-        for n in [int(x) for x in args.agents.split(",")]:
-            ceiling = measure(n, 0.0, args, workdir, dataset, fingerprint, args.dataset_rows)
-            report(n, "ceiling", ceiling, mode)
-            rate = args.rate or round(ceiling["outcomes_per_s"] * 0.5, -2)
-            rated = measure(n, rate, args, workdir, dataset, fingerprint, args.dataset_rows)
-            report(n, "latency", rated, mode)
-            rows.append((n, ceiling, rated))
+        for g in [int(x) for x in args.gateways.split(",")]:
+            for n in [int(x) for x in args.agents.split(",")]:
+                ceiling = measure(n, 0.0, args, workdir, dataset, fingerprint, args.dataset_rows, g)
+                report(n, "ceiling", ceiling, mode)
+                rate = args.rate or round(ceiling["outcomes_per_s"] * 0.5, -2)
+                rated = measure(n, rate, args, workdir, dataset, fingerprint, args.dataset_rows, g)
+                report(n, "latency", rated, mode)
+                rows.append((g, n, ceiling, rated))
     finally:
         if args.keep:
             progress(f"kept {workdir}")
@@ -416,8 +449,8 @@ def main() -> int:
 
             shutil.rmtree(workdir, ignore_errors=True)
     summary = {}
-    for n, ceiling, rated in rows:
-        summary[str(n)] = {
+    for g, n, ceiling, rated in rows:
+        summary[f"g{g}/{n}"] = {
             "receipts_per_s": round(ceiling["receipts_per_s"]),
             "cpu_us_per_receipt": round(ceiling["coordinator_cpu_us_per_receipt"], 1),
             "latency_at_receipts_per_s": round(rated["receipts_per_s"]),
@@ -426,16 +459,20 @@ def main() -> int:
             "receipt_ack_p50_ms": round(rated["receipt_ack_p50_ms"], 2),
             "receipt_ack_p99_ms": round(rated["receipt_ack_p99_ms"], 2),
             "rss_mb": round(max(ceiling["coordinator_rss_mb"], rated["coordinator_rss_mb"]), 1),
+            "core_cpu_busy": round(ceiling["core_cpu_busy"], 2),
+            "gateway_cpu_busy": round(ceiling["gateway_cpu_busy"], 2),
             "coordinator_cpu_busy": round(ceiling["coordinator_cpu_busy"], 2),
             "loadgen_cpu_busy_per_worker": round(ceiling["loadgen_cpu_busy_per_worker"], 2),
         }
     emit("summary", summary, "table", **mode)
-    progress("   N  receipts/s  us/receipt | at receipts/s  grant p50/p99 ms  ack p50/p99 ms | rss MiB")
+    progress("gateways/N  receipts/s  us/receipt | at receipts/s  grant p50/p99 ms  ack p50/p99 ms | rss MiB"
+             " | core, gateways busy")  # fmt: skip
     for n, r in summary.items():
         progress(
-            f"{n:>4}  {r['receipts_per_s']:>10}  {r['cpu_us_per_receipt']:>10} | {r['latency_at_receipts_per_s']:>13}"
+            f"{n:>10}  {r['receipts_per_s']:>10}  {r['cpu_us_per_receipt']:>10} | {r['latency_at_receipts_per_s']:>13}"
             f"  {r['grant_rtt_p50_ms']:>7.1f}/{r['grant_rtt_p99_ms']:<7.1f}  {r['receipt_ack_p50_ms']:>6.1f}/"
-            f"{r['receipt_ack_p99_ms']:<6.1f} | {r['rss_mb']:>6.0f}"
+            f"{r['receipt_ack_p99_ms']:<6.1f} | {r['rss_mb']:>6.0f} | {r['core_cpu_busy']:.2f}, "
+            f"{r['gateway_cpu_busy']:.2f}"
         )
     return 0
 
