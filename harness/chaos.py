@@ -17,6 +17,10 @@ and early (a shuffled plan), then at random:
                  generated again elsewhere
     node_join    start one more agent mid-run: after a broadcast its engines come
                  up behind the fleet's version and the trainer catches them up
+    gateway      SIGKILL one of the coordinator's gateway processes (the run's
+                 coordinator has ``gateways`` of them, 2 by default): its peers
+                 redial and land on another or on its successor, which the
+                 coordinator must have started within ``GATEWAY_RESTART_S``
 
 and, with weight updates, faults timed to one in flight (the coordinator's weight
 lock held, read from its status every 10 ms):
@@ -94,6 +98,8 @@ MAX_RESTARTS = 1000
 """Each agent's engine restart budget (``--max-restarts``, default 3 per 10 minutes): the schedule kills engines
 far more often than any fleet sees, and an engine retired for it would end a long run in ``NoCapacity`` (every
 engine retired). Retirement has its own tests (``test_faults_agent.py``)."""
+GATEWAY_RESTART_S = 10.0
+"""A SIGKILLed gateway's successor reports within this long (its first restart is immediate)."""
 RANDOM_KINDS = ("agent", "agent", "engine", "engine", "coordinator", "partition", "trainer")
 RANDOM_WEIGHT_FAULTS = ("engine_in_update", "engine_in_update", "trainer_in_update")
 """Added to ``RANDOM_KINDS`` when the run pushes weights."""
@@ -128,6 +134,7 @@ class ChaosRun:
         log=print,
         generate: str = "",
         evaluate_every: int = 0,
+        gateways: int = 2,
     ):
         if agents < 3:
             raise ValueError("the chaos run needs 3 agents: one behind the proxy, one lost for good, one more")
@@ -146,6 +153,7 @@ class ChaosRun:
             rollout_batch_size=BATCH_SIZE,
             n_samples_per_prompt=4,
             max_new_tokens=48,
+            gateways=gateways,
         )
         self.names = [f"agent-{i}" for i in range(agents)]
         self.proxied = self.names[0]
@@ -161,8 +169,9 @@ class ChaosRun:
         self.with_torch = torch
         self.weight_kinds = () if not weights_every else ("disk", "distributed") if torch else ("disk",)
         weight_faults = () if not weights_every else WEIGHT_FAULTS if torch else WEIGHT_FAULTS[:1]
-        self.kinds = KINDS + weight_faults
-        self.random_kinds = RANDOM_KINDS + tuple(k for k in RANDOM_WEIGHT_FAULTS if k in weight_faults)
+        gateway = ("gateway",) if gateways else ()
+        self.kinds = KINDS + gateway + weight_faults
+        self.random_kinds = RANDOM_KINDS + gateway + tuple(k for k in RANDOM_WEIGHT_FAULTS if k in weight_faults)
         self.joined: list[str] = []
         self.engine_versions: dict[str, str | None] = {}
         self.trainer: subprocess.Popen | None = None
@@ -287,6 +296,8 @@ class ChaosRun:
             return not self.lost and any(held[n] for n in self.live_agents() if n != self.proxied)
         if kind == "node_join":
             return not self.joined and n >= 2
+        if kind == "gateway":
+            return bool(self.live_gateways())
         if kind == "engine_in_update":
             return self.trainer.poll() is None and self.feasible("engine", planned)
         if kind == "trainer_in_update":
@@ -342,6 +353,36 @@ class ChaosRun:
         time.sleep(self.rng.uniform(0.1, 1.0))
         self.start_coordinator()
         return "coordinator"
+
+    def live_gateways(self) -> list[dict]:
+        """The coordinator's gateways that report and run as its children."""
+        try:
+            gateways = self.cluster.status(timeout=2).get("gateways") or []
+        except Exception:  # the coordinator is restarting
+            return []
+        parent = self.cluster.coordinator.pid
+        return [g for g in gateways if g.get("up") and g.get("pid") and _running_child(g["pid"], parent)]
+
+    def _gateway(self) -> str | None:
+        live = self.live_gateways()
+        if not live:
+            return None
+        g = self.rng.choice(live)
+        try:
+            os.kill(g["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            return None
+        self.hit_at = time.monotonic()
+
+        def restarted():
+            entry = next(x for x in self.cluster.status(timeout=2)["gateways"] if x["gateway"] == g["gateway"])
+            return entry if entry["up"] and entry["pid"] != g["pid"] else None
+
+        try:
+            wait_for(restarted, GATEWAY_RESTART_S, f"the coordinator to restart gateway {g['gateway']}")
+        except AssertionError as exc:
+            self.stuck.append(str(exc))
+        return f"gateway {g['gateway']} pid {g['pid']}"
 
     def _trainer(self) -> str | None:
         if not _kill(self.trainer):

@@ -40,6 +40,12 @@ def main() -> int:
         "samples through the OpenAI client; '' for one call)",
     )
     ap.add_argument("--evaluate-every", type=int, default=10, help="an evaluation pass every K batches (0: none)")
+    ap.add_argument(
+        "--gateways",
+        type=int,
+        default=2,
+        help="coordinator serve --gateways; one of them is SIGKILLed as a failure kind (0: none, no such kind)",
+    )
     args = ap.parse_args()
     failed = 0
     for seed in args.seeds:
@@ -54,6 +60,7 @@ def main() -> int:
             weights_every=args.weights_every,
             generate=args.generate,
             evaluate_every=args.evaluate_every,
+            gateways=args.gateways,
             log=lambda m: print(m, file=sys.stderr, flush=True),
         )
         ok = not report.problems
