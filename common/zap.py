@@ -21,6 +21,7 @@ import time
 
 import zmq
 from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.auth.thread import ThreadAuthenticator
 
 from common.curve import ZAP_DOMAIN, fingerprint
 
@@ -33,7 +34,7 @@ MAX_TRACKED = 4096
 """Refused keys remembered for the repeat limit; beyond this the memory starts over (bounded)."""
 
 
-class _Authenticator(AsyncioAuthenticator):
+class _PeerAddress:
     """Remembers the peer address of the request being answered (ZAP, RFC 27: frame 3), for the log."""
 
     peer_address = ""
@@ -43,14 +44,24 @@ class _Authenticator(AsyncioAuthenticator):
         await super().handle_zap_message(msg)
 
 
+class _Authenticator(_PeerAddress, AsyncioAuthenticator):
+    pass
+
+
+class _ThreadedAuthenticator(_PeerAddress, ThreadAuthenticator):
+    pass
+
+
 class KeyGate:
-    def __init__(self, ctx: zmq.Context, allowed: dict[bytes, str], what: str):
-        """``allowed``: public key (Z85 bytes) -> the name logged for it; ``what``: the endpoint, for the log."""
+    def __init__(self, ctx: zmq.Context, allowed: dict[bytes, str], what: str, *, threaded: bool = False):
+        """``allowed``: public key (Z85 bytes) -> the name logged for it; ``what``: the endpoint, for the log;
+        ``threaded``: answer on a thread of its own (for a process with no event loop, a gateway's)."""
         self.what = what
         self._allowed = dict(allowed)
         self._refused: dict[bytes, list] = {}  # key -> [count since last logged, last logged at]
         self.refusals = 0
-        self._auth = _Authenticator(ctx, log=logging.getLogger("rollfleet.zap.pyzmq"))
+        kind = _ThreadedAuthenticator if threaded else _Authenticator
+        self._auth = kind(ctx, log=logging.getLogger("rollfleet.zap.pyzmq"))
         self._auth.configure_curve_callback(ZAP_DOMAIN, self)
         self._started = False
 

@@ -94,7 +94,7 @@ class Gateway:
             from common.zap import KeyGate
 
             keys = CoordinatorKeys.load(curve_dir)
-            self.gate = KeyGate(self.ctx, keys.allowed, "coordinator")
+            self.gate = KeyGate(self.ctx, keys.allowed, "coordinator", threaded=True)
             make_server(self.front, keys.pair)
         self.monitor = self.front.get_monitor_socket(
             zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED, addr=f"inproc://gateway-monitor-{os.getpid()}"
