@@ -91,11 +91,15 @@ class Frontier:
         self._order_for_epoch = order_for_epoch
         self.epochs: dict[int, EpochFrontier] = {}
         self.floor = 0  # epochs below it are closed
+        self.version = 0
+        """Counts the calls that may move a cursor or open or close an epoch (``cursors`` is cached on it)."""
+        self._cursors: tuple[int, dict[int, int]] = (-1, {})
         self._open(0)
 
     def _open(self, data_epoch: int) -> EpochFrontier:
         ep = EpochFrontier(data_epoch, self._order_for_epoch(data_epoch))
         self.epochs[data_epoch] = ep
+        self.version += 1
         return ep
 
     def is_open(self, data_epoch: int) -> bool:
@@ -121,6 +125,7 @@ class Frontier:
     def take(self, now: float, open_new: bool = True) -> tuple[int, int] | None:
         """Lease the next pending prompt: requeued work of older epochs first; once the open epochs
         have none, the first of a new epoch (unless not ``open_new``)."""
+        self.version += 1
         for data_epoch in sorted(self.epochs):
             index = self.epochs[data_epoch].take(now)
             if index is not None:
@@ -174,6 +179,7 @@ class Frontier:
             if not (self.epochs[oldest].complete and may_close(oldest)):
                 break
             del self.epochs[oldest]
+            self.version += 1
             self.floor = oldest + 1
             closed.append(oldest)
         return closed
@@ -190,6 +196,7 @@ class Frontier:
         the meantime adopt them back).
         """
         self.epochs.clear()
+        self.version += 1
         opened = sorted(set(cursors) | {e for e, _ in records} or {0})
         for data_epoch in range(opened[0], opened[-1] + 1):
             self._open(data_epoch)
@@ -213,7 +220,10 @@ class Frontier:
         return True
 
     def cursors(self) -> dict[int, int]:
-        return {e: ep.cursor for e, ep in self.epochs.items()}
+        """Each open epoch's cursor. The same dict until a cursor may have moved: never change it."""
+        if self._cursors[0] != self.version:
+            self._cursors = (self.version, {e: ep.cursor for e, ep in self.epochs.items()})
+        return self._cursors[1]
 
     def counts(self) -> dict[str, int]:
         """Prompts per state over the open epochs: O(epochs), read from the tallies, not the state bytes."""

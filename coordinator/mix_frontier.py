@@ -20,14 +20,25 @@ class MixFrontier:
     def __init__(self, sizes: list[int], order_for: Callable[[int, int, int], Sequence[int]]):
         """``order_for(source, size, data_epoch)``: the source's prompt order in that epoch."""
         self.parts = [Frontier(size, lambda e, s=s, n=size: order_for(s, n, e)) for s, size in enumerate(sizes)]
+        self._keys: dict[int, tuple[Frontier, int]] = {}  # key -> (its part, its epoch), for keys seen valid
+        self._cursors: tuple[int, dict[int, int]] = (-1, {})
 
     # ---------------------------------------------------------------- keys
 
     def _part(self, key) -> tuple[Frontier | None, int]:
+        if type(key) is int:  # not a bool, whose True would find key 1
+            hit = self._keys.get(key)
+            if hit is not None:
+                return hit
         if not isinstance(key, int) or isinstance(key, bool) or key < 0:
             return None, -1
         s, e = split_key(key)
-        return (self.parts[s], e) if s < len(self.parts) else (None, -1)
+        if s >= len(self.parts):
+            return None, -1
+        if len(self._keys) > 4096:  # keys are (source, epoch) pairs: a few per source, unless a peer makes some up
+            self._keys.clear()
+        self._keys[key] = hit = (self.parts[s], e)
+        return hit
 
     def source_of(self, key: int) -> int:
         return split_key(key)[0]
@@ -103,7 +114,12 @@ class MixFrontier:
                 part.restore(c, r, now, orphan_delay)
 
     def cursors(self) -> dict[int, int]:
-        return {epoch_key(s, e): c for s, part in enumerate(self.parts) for e, c in part.cursors().items()}
+        """Every cursor by key; the same dict until one may have moved (never change it)."""
+        version = sum(part.version for part in self.parts)
+        if self._cursors[0] != version:
+            out = {epoch_key(s, e): c for s, part in enumerate(self.parts) for e, c in part.cursors().items()}
+            self._cursors = (version, out)
+        return self._cursors[1]
 
     def counts(self, source: int | None = None) -> dict[str, int]:
         """Prompts per state over the open epochs, of one source or all."""

@@ -82,7 +82,7 @@ class Fleet:
         messages = []
         for _ in range(min(n, len(self.leases))):
             agent, session, lease = self.leases.popleft()
-            key = f"{lease['data_epoch']}:{lease['index']}:{lease['lease']:x}"
+            key = f"{lease.data_epoch}:{lease.index}:{lease.lease:x}"
             stats = {"n_samples": GROUP, "reward_sum": 2.0}
             msg = p.Receipt(session, lease.lease, lease.data_epoch, lease.index, key, GROUP, stats)
             messages.append((agent.encode() if isinstance(agent, str) else agent, p.decode(p.encode(msg))))
