@@ -80,6 +80,7 @@ class SimAgent:
     max_lease: int = 0
     freed: deque = field(default_factory=deque)  # monotonic times slots were freed, oldest first
     acks: dict = field(default_factory=dict)  # receipt key -> monotonic send time
+    last_beat: float | None = None  # when the coordinator's last heartbeat arrived
 
 
 @dataclass
@@ -99,6 +100,9 @@ class WorkerResult:
     wall_s: float = 0.0
     grant_rtt: list = field(default_factory=list)
     ack_latency: list = field(default_factory=list)
+    beat_gaps: list = field(default_factory=list)
+    """Seconds between consecutive heartbeats from the coordinator to one agent (it sends one every half
+    interval: a gap well above that means its clock fell behind)."""
     error_samples: list = field(default_factory=list)
 
 
@@ -111,6 +115,7 @@ class LoadWorker:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         self.ctx = zmq.Context()
+        self.ctx.set(zmq.MAX_SOCKETS, cfg.agents + 64)  # libzmq's default allows 1023 sockets a context
         self.poller = zmq.Poller()
         self.agents: list[SimAgent] = []
         self.by_sock: dict = {}
@@ -266,7 +271,11 @@ class LoadWorker:
             res.errors += 1
             if len(res.error_samples) < 5:
                 res.error_samples.append(f"{body.get('code')}: {body.get('message')}")
-        # heartbeat, control, trim: nothing to do for a simulated agent
+        elif mtype == "heartbeat":
+            if self.measuring and agent.last_beat is not None:
+                self._sample(res.beat_gaps, now - agent.last_beat)
+            agent.last_beat = now
+        # control, trim: nothing to do for a simulated agent
 
     # ------------------------------------------------------------------ loop
 

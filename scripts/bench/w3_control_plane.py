@@ -59,6 +59,8 @@ from benchlib import CLK_TCK, Procs, proc_stat, venv_script, wait_until  # noqa:
 BENCH = "W3"
 GROUP = 8
 READY_TIMEOUT = 60.0
+HEARTBEAT_INTERVAL = 1.0
+"""``coordinator serve``'s default: it sends each agent a heartbeat every half interval."""
 
 
 def progress(msg: str) -> None:
@@ -157,6 +159,27 @@ def children(pid: int) -> list[int]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         out += [int(x) for x in (task / "children").read_text().split()]
     return out
+
+
+def agents_alive(address: str) -> int:
+    """How many agents the coordinator counts alive now (its Stats answer); -1 if it does not answer."""
+    import zmq
+
+    from common import protocol as p
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        sock.send(p.encode(p.Stats(1)))
+        if not sock.poll(10_000):
+            return -1
+        agents = p.decode(sock.recv(), max_bytes=1 << 30).result["agents"]
+        return sum(a["status"] == "alive" for a in agents.values())
+    finally:
+        sock.close(linger=0)
+        ctx.term()
 
 
 def measure(
@@ -277,6 +300,7 @@ def measure(
         time.sleep(max(0.0, end_at - time.time()))
         c1, g1, t1 = cpu_s(coord.pid), sum(map(cpu_s, gateway_pids)), time.monotonic()
         rss, peak = rss_mb(coord.pid)
+        alive = agents_alive(address)
         gateway_rss = sum(rss_mb(pid)[0] for pid in gateway_pids)
         if args.py_spy:
             spy_proc.popen.wait(timeout=30)
@@ -299,6 +323,7 @@ def measure(
     total.update({k: sum(r[k] for r in results) for k in ("refused", "errors", "fences", "grants", "leases")})
     rtt = [x for r in results for x in r["grant_rtt"]]
     ack = [x for r in results for x in r["ack_latency"]]
+    beats = [x for r in results for x in r["beat_gaps"]]
     core_cpu, gateway_cpu = c1 - c0, g1 - g0
     coord_cpu = core_cpu + gateway_cpu
     load_cpu = sum(r["cpu_s"] for r in results)
@@ -322,6 +347,9 @@ def measure(
         "grant_rtt_p99_ms": percentile(rtt, 0.99) * 1e3,
         "receipt_ack_p50_ms": percentile(ack, 0.5) * 1e3,
         "receipt_ack_p99_ms": percentile(ack, 0.99) * 1e3,
+        "heartbeat_gap_p50_ms": percentile(beats, 0.5) * 1e3,
+        "heartbeat_gap_p99_ms": percentile(beats, 0.99) * 1e3,
+        "heartbeat_lag_p99_ms": (percentile(beats, 0.99) - HEARTBEAT_INTERVAL / 2) * 1e3,
         "coordinator_rss_mb": rss + gateway_rss,
         "core_rss_mb": rss,
         "coordinator_rss_peak_mb": peak,
@@ -334,6 +362,7 @@ def measure(
         "refused": total["refused"],
         "errors": total["errors"],
         "fences": total["fences"],
+        "agents_alive_at_end": alive,
         "window_s": window,
     }
     errors = [e for r in results for e in r["error_samples"]]
@@ -358,8 +387,9 @@ def report(n: int, phase: str, row: dict, mode: dict) -> None:
         f"{row['receipts_per_s']:.0f} receipts/s, {row['coordinator_cpu_us_per_receipt']:.0f} us CPU "
         f"each, grant rtt p50/p99 {row['grant_rtt_p50_ms']:.1f}/{row['grant_rtt_p99_ms']:.1f} ms, ack "
         f"p50/p99 {row['receipt_ack_p50_ms']:.1f}/{row['receipt_ack_p99_ms']:.1f} ms, rss "
-        f"{row['coordinator_rss_mb']:.0f} MiB, core busy {row['core_cpu_busy']:.2f}, gateways busy "
-        f"{row['gateway_cpu_busy']:.2f}, "
+        f"{row['coordinator_rss_mb']:.0f} MiB, heartbeat gap p99 {row['heartbeat_gap_p99_ms']:.0f} ms, agents alive "
+        f"{row['agents_alive_at_end']}/{n}, fences {row['fences']}, core busy {row['core_cpu_busy']:.2f}, "
+        f"gateways busy {row['gateway_cpu_busy']:.2f}, "
         f"load {row['loadgen_cpu_busy_per_worker']:.2f}/worker x {row['loadgen_workers']}"
     )
 
@@ -460,6 +490,8 @@ def main() -> int:
             "receipt_ack_p99_ms": round(rated["receipt_ack_p99_ms"], 2),
             "rss_mb": round(max(ceiling["coordinator_rss_mb"], rated["coordinator_rss_mb"]), 1),
             "core_cpu_busy": round(ceiling["core_cpu_busy"], 2),
+            "heartbeat_lag_p99_ms": round(rated["heartbeat_lag_p99_ms"], 1),
+            "agents_alive_at_end": rated["agents_alive_at_end"],
             "gateway_cpu_busy": round(ceiling["gateway_cpu_busy"], 2),
             "coordinator_cpu_busy": round(ceiling["coordinator_cpu_busy"], 2),
             "loadgen_cpu_busy_per_worker": round(ceiling["loadgen_cpu_busy_per_worker"], 2),
