@@ -206,6 +206,8 @@ def start_cluster(procs: Procs, workdir: Path, args) -> tuple[str, Proc, list[Pr
             "WARNING",
             *sync,
             *(["--prefetch", str(args.prefetch)] if args.prefetch is not None else []),
+            "--gateways",
+            str(args.gateways),
         ],
     )
 
@@ -288,7 +290,11 @@ def run_rollfleet(procs: Procs, workdir: Path, args) -> dict:
 
     address, coord, agents = start_cluster(procs, workdir, args)
     wait_cluster_ready(procs, address)
-    orch_pids = [coord.pid] + [a.pid for a in agents]
+    # The coordinator's gateways are part of it: their CPU counts as the coordinator's.
+    gateway_pids = wait_until(
+        lambda: (lambda kids: (kids,) if len(kids) >= args.gateways else None)(children_of(coord.pid)), 30, "gateways"
+    )[0]
+    orch_pids = [coord.pid, *gateway_pids] + [a.pid for a in agents]
     engine_pids = [c for a in agents for c in children_of(a.pid)]
     progress(
         f"cluster ready (coordinator pid {coord.pid}, agents {[a.pid for a in agents]}, engines {engine_pids}); "
@@ -304,6 +310,7 @@ def run_rollfleet(procs: Procs, workdir: Path, args) -> dict:
         t0, trainer0 = time.monotonic(), time.process_time()
         orch0, engine0, machine0 = cpu_seconds(orch_pids), cpu_seconds(engine_pids), busy_cpu_seconds()
         by_proc0 = {pid: cpu_seconds([pid]) for pid in orch_pids}
+        gateways0 = cpu_seconds(gateway_pids)
         samples = tokens = 0
         t_prev = t0
         for rid in range(1, args.batches + 1):
@@ -330,6 +337,7 @@ def run_rollfleet(procs: Procs, workdir: Path, args) -> dict:
             name: cpu_seconds([pid]) - by_proc0[pid]
             for name, pid in [("coordinator", coord.pid)] + [(a.name, a.pid) for a in agents]
         }
+        by_proc["coordinator"] += cpu_seconds(gateway_pids) - gateways0
     procs.stop()
     return {
         "samples": samples,
@@ -364,6 +372,9 @@ def main(argv=None) -> int:
         "--floor", choices=("before", "after"), default="before", help="run the floor before or after rollfleet"
     )
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, stores)")
+    ap.add_argument(
+        "--gateways", type=int, default=0, help="coordinator serve --gateways (their CPU counts as the coordinator's)"
+    )
     ap.add_argument(
         "--profile",
         metavar="DIR",

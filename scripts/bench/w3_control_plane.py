@@ -54,7 +54,7 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from benchlib import CLK_TCK, Procs, proc_stat, venv_script, wait_until  # noqa: E402
+from benchlib import CLK_TCK, Procs, children_of, proc_stat, venv_script, wait_until  # noqa: E402
 
 BENCH = "W3"
 GROUP = 8
@@ -154,13 +154,6 @@ def write_dataset(path: Path, rows: int) -> None:
             f.write("\n")
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(x) for x in (task / "children").read_text().split()]
-    return out
-
-
 def agents_alive(address: str) -> int:
     """How many agents the coordinator counts alive now (its Stats answer); -1 if it does not answer."""
     import zmq
@@ -226,7 +219,7 @@ def measure(
 
         address = wait_until(endpoint, READY_TIMEOUT, "coordinator", check=procs.check)
         gateway_pids = wait_until(
-            lambda: (lambda kids: (kids,) if len(kids) >= gateways else None)(children(coord.pid)),
+            lambda: (lambda kids: (kids,) if len(kids) >= gateways else None)(children_of(coord.pid)),
             READY_TIMEOUT,
             "gateways",
             check=procs.check,
