@@ -5,8 +5,10 @@ they share, the private endpoint they relay to, and their supervision.
 resolves here and the address stays held across gateway restarts), starts ``count`` gateway
 processes that accept on it, and restarts any that exits while the coordinator serves: at once the
 first time, then after a backoff that doubles up to ``MAX_BACKOFF`` while restarts keep failing
-within ``STABLE_AFTER`` seconds. Each restart is a new incarnation with a new routing prefix
-(``gateway.prefix_of``), so the core never confuses a successor's peers with its predecessor's.
+within ``STABLE_AFTER`` seconds. One that runs but stops reporting (SIGSTOP, a stuck process) is killed
+after ``HUNG_AFTER`` seconds of silence and restarted the same way. Each restart is a new incarnation with a
+new routing prefix (``gateway.prefix_of``), so the core never confuses a successor's peers with its
+predecessor's.
 
 The statistics each gateway sends every second are kept per gateway for the status page and the
 metrics; a gateway silent for ``STALE_AFTER`` seconds shows as not up.
@@ -35,6 +37,10 @@ MAX_BACKOFF = 5.0
 STABLE_AFTER = 10.0
 """A gateway that ran this long before exiting is restarted at once."""
 STALE_AFTER = 3.0
+HUNG_AFTER = 10.0
+"""A gateway that runs but has not reported for this long (stopped, stuck) is killed and restarted: its peers
+have already redialled elsewhere (their connection heartbeats time out in seconds), and a successor restores
+the pool's size."""
 BIND_RETRY_S = 5.0
 """How long a bind of an address in use is retried: a SIGKILLed predecessor's gateways hold it until
 they see their parent gone (well under a second)."""
@@ -127,11 +133,20 @@ class GatewayPool:
             self._spawn(slot)
 
     async def supervise(self) -> None:
-        """Restart every gateway that exits, until ``stop``."""
+        """Restart every gateway that exits, and kill one that stops reporting, until ``stop``."""
+        last = time.monotonic()
         while not self.stopping:
             await asyncio.sleep(0.2)
+            now = time.monotonic()
+            stalled, last = now - last > 2.0, now
             for slot in self.slots:
+                if stalled and slot.seen is not None:
+                    # This process itself did not run for a while: the reports it has not read yet are not silence.
+                    slot.seen = max(slot.seen, now - STALE_AFTER)
                 code = slot.proc.poll() if slot.proc is not None else None
+                if code is None and not self.stopping:
+                    self._kill_if_hung(slot, now)
+                    continue
                 if code is None or self.stopping:
                     continue
                 ran = time.monotonic() - slot.started
@@ -147,6 +162,12 @@ class GatewayPool:
                 slot.proc = None
                 slot.restarts += 1
                 asyncio.get_running_loop().call_later(slot.backoff, self._respawn, slot)
+
+    def _kill_if_hung(self, slot: Slot, now: float) -> None:
+        silent = now - (slot.seen if slot.seen is not None else slot.started)
+        if silent > HUNG_AFTER:
+            log.warning("gateway %d (pid %d) has not reported for %.1fs; killing it", slot.index, slot.proc.pid, silent)
+            slot.proc.kill()
 
     def _respawn(self, slot: Slot) -> None:
         if not self.stopping and slot.proc is None:

@@ -172,3 +172,34 @@ def test_curve_keys_and_roles_hold_through_gateways(make_cluster):
         assert "may not send 'attach'" in str(exc)
     else:
         raise AssertionError("an agent's key attached as a trainer through a gateway")
+
+
+def test_a_stopped_gateway_is_replaced_and_its_peers_move_on(make_cluster):
+    """SIGSTOP: the process holds its connections but answers nothing (a stuck gateway, not a dead one)."""
+    cluster = make_cluster(gateways=2)
+    cluster.start_coordinator()
+    for name in AGENTS:
+        cluster.start_agent(name)
+    size, seen = cluster.config["rollout_batch_size"], set()
+    with cluster.client() as client:
+        _check_batch(client.generate(0), size, seen)
+        victim = next(g for g in _gateways(cluster) if g["connections"])
+        os.kill(victim["pid"], signal.SIGSTOP)
+        try:
+            # Its peers' connection heartbeats time out and they redial: batches keep coming meanwhile.
+            for rollout_id in range(1, 5):
+                _check_batch(client.generate(rollout_id), size, seen)
+
+            def replaced():
+                g = _gateways(cluster)[victim["gateway"]]
+                return g if g["up"] and g["pid"] != victim["pid"] else None
+
+            again = wait_for(replaced, 30, "the coordinator to replace the stopped gateway")
+        finally:
+            try:
+                os.kill(victim["pid"], signal.SIGCONT)  # if it was never killed, it ends with the cluster
+            except ProcessLookupError:
+                pass
+    assert again["restarts"] == 1
+    assert f"gateway {victim['gateway']} (pid {victim['pid']}) has not reported for" in cluster.coordinator.text()
+    assert {a: s["status"] for a, s in cluster.status()["agents"].items()} == dict.fromkeys(AGENTS, "alive")
