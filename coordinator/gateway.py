@@ -20,7 +20,7 @@ relays, as ``[kind, payload]`` frames:
   malformed or oversized message is answered exactly as without gateways), ``user`` the CurveZMQ
   User-Id (the sender's public key) or None;
 - ``b"m"`` (from the core): msgpack of ``[[peer, frame], ...]``, sent on to each peer in order;
-- ``b"s"`` (to the core, every ``STATS_INTERVAL``): its counters and connections, for the status
+- ``b"s"`` (to the core, every ``STATS_INTERVAL``): its counters and peers, for the status
   page and metrics.
 
 So the core pays its socket reads, writes and wake-ups per batch, not per message. The relay keeps
@@ -53,6 +53,8 @@ BATCH_MESSAGES = 1024
 """Most messages in one batch to the core."""
 BATCH_BYTES = 8 << 20
 """A batch to the core closes once its frames reach this many bytes."""
+PEER_WINDOW = 5.0
+"""A peer counts in the gateway's ``peers`` while it was heard from within this many seconds."""
 STATS_INTERVAL = 1.0
 """Seconds between the gateway's statistics messages to the core."""
 MESSAGES, STATS = b"m", b"s"
@@ -96,9 +98,6 @@ class Gateway:
             keys = CoordinatorKeys.load(curve_dir)
             self.gate = KeyGate(self.ctx, keys.allowed, "coordinator", threaded=True)
             make_server(self.front, keys.pair)
-        self.monitor = self.front.get_monitor_socket(
-            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED, addr=f"inproc://gateway-monitor-{os.getpid()}"
-        )
         self.front.setsockopt(zmq.USE_FD, listen_fd)
         self.front.bind(bind)
         self.back = self.ctx.socket(zmq.DEALER)
@@ -107,9 +106,10 @@ class Gateway:
         self.back.setsockopt(zmq.SNDHWM, 0)
         self.back.setsockopt(zmq.RCVHWM, 0)
         self.back.connect(core)
+        self.peers: dict[bytes, float] = {}  # routing id -> when it last sent something
         self.stats = {
             "pid": os.getpid(),
-            "connections": 0,
+            "peers": 0,
             "messages_in": 0,
             "messages_out": 0,
             "batches_in": 0,
@@ -121,7 +121,7 @@ class Gateway:
 
     def _relay_in(self) -> None:
         """Every message waiting on the ROUTER (up to a batch) as one batch to the core."""
-        batch, size, front = [], 0, self.front
+        batch, size, front, peers, now = [], 0, self.front, self.peers, time.monotonic()
         while len(batch) < BATCH_MESSAGES and size < BATCH_BYTES:
             try:
                 if self.curve:
@@ -132,6 +132,7 @@ class Gateway:
             except zmq.Again:
                 break
             size += sum(len(f) for f in frames)
+            peers[frames[0]] = now
             batch.append([frames[0], frames[1:], user])
         if batch:
             self.back.send_multipart([MESSAGES, msgpack.packb(batch, use_bin_type=True)])
@@ -141,9 +142,9 @@ class Gateway:
             s["bytes_in"] += size
 
     def _relay_out(self) -> None:
-        """Every batch the core sent, each message on to its peer."""
+        """The batches the core sent (up to ``BATCH_MESSAGES`` of them), each message on to its peer."""
         back, front, s = self.back, self.front, self.stats
-        while True:
+        for _ in range(BATCH_MESSAGES):
             try:
                 frames = back.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -160,24 +161,20 @@ class Gateway:
                 except zmq.ZMQError:  # the peer is gone or at its high-water mark: it will resend
                     s["send_failures"] += 1
 
-    def _watch_connections(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        while True:
-            try:
-                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if event["event"] == zmq.EVENT_ACCEPTED:
-                self.stats["connections"] += 1
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
-                self.stats["connections"] = max(0, self.stats["connections"] - 1)
+    def _count_peers(self, now: float) -> None:
+        """``peers``: those heard from in the last ``PEER_WINDOW`` seconds (every peer sends at least a
+        heartbeat a second). Counted, not watched: a socket monitor's events, in a burst of connections, fill
+        its queue and block libzmq's I/O thread, and with it every socket of the process."""
+        old = now - PEER_WINDOW
+        for peer in [p for p, t in self.peers.items() if t < old]:
+            del self.peers[peer]
+        self.stats["peers"] = len(self.peers)
 
     def run(self, parent: int) -> None:
         if self.gate is not None:
             self.gate.start()
         poller = zmq.Poller()
-        for sock in (self.front, self.back, self.monitor):
+        for sock in (self.front, self.back):
             poller.register(sock, zmq.POLLIN)
 
         def stop(*_):
@@ -189,15 +186,17 @@ class Gateway:
         try:
             while True:
                 ready = dict(poller.poll(int(STATS_INTERVAL * 1000)))
+                started = time.monotonic()
                 if self.back in ready:
                     self._relay_out()
                 if self.front in ready:
                     self._relay_in()
-                if self.monitor in ready:
-                    self._watch_connections()
                 now = time.monotonic()
+                if now - started > STATS_INTERVAL:
+                    log.warning("a relay turn took %.1fs", now - started)
                 if now >= next_stats:
                     next_stats = now + STATS_INTERVAL
+                    self._count_peers(now)
                     if os.getppid() != parent:
                         log.warning("the coordinator (pid %d) is gone; this gateway exits", parent)
                         return
@@ -208,8 +207,6 @@ class Gateway:
     def close(self) -> None:
         if self.gate is not None:
             self.gate.stop()
-        self.front.disable_monitor()
-        self.monitor.close(linger=0)
         self.front.close(linger=0)
         self.back.close(linger=0)
         self.ctx.term()

@@ -74,6 +74,10 @@ def listen(bind: str) -> tuple[socket.socket, str, str]:
                 time.sleep(0.1)
                 continue
             raise ConfigError(f"cannot bind {bind}: {exc.strerror}") from None
+    # Non-blocking, for every process that shares it: libzmq takes the descriptor as it is (ZMQ_USE_FD), and
+    # a gateway whose accept() loses the race for a connection to another one would block its I/O thread in
+    # accept() until the next connection, and every socket of that gateway with it.
+    sock.setblocking(False)
     port = sock.getsockname()[1]
     zmq_host = "*" if not address else host
     return sock, f"tcp://{zmq_host}:{port}", f"{head}:{port}"
@@ -176,10 +180,12 @@ class GatewayPool:
     def on_stats(self, prefix: bytes, stats: dict, now: float) -> None:
         slot = self._by_prefix.get(prefix)
         if slot is not None:
+            if slot.seen is None:
+                log.info("gateway %d (pid %s) is relaying", slot.index, stats.get("pid"))
             slot.stats, slot.seen = stats, now
 
     def statistics(self, now: float) -> list[dict]:
-        """Each gateway: its number, pid, whether it is up, restarts, connections and counters."""
+        """Each gateway: its number, pid, whether it is up, restarts, peers and counters."""
         out = []
         for slot in self.slots:
             up = slot.proc is not None and slot.seen is not None and now - slot.seen < STALE_AFTER

@@ -29,7 +29,7 @@ Metric names (all ``rollfleet_``; counters end in ``_total``):
     weight_version, weight_updates_total
     batch_staleness_mean, batch_staleness_max (the last batch)
     paused, starved, fenced_messages_total{type}
-    gateway_up{gateway}, gateway_connections{gateway}, gateway_restarts_total{gateway},
+    gateway_up{gateway}, gateway_peers{gateway}, gateway_restarts_total{gateway},
     gateway_messages_total{gateway,direction}   in (from peers) | out (to peers), with --gateways
 """
 
@@ -170,8 +170,8 @@ def _gateway_metrics(gateways: list[dict]):
     by = {g["gateway"]: g for g in gateways}
     yield _labelled(GaugeMetricFamily, "gateway_up", "1 while a gateway reports", "gateway",
                     {k: float(g["up"]) for k, g in by.items()})  # fmt: skip
-    yield _labelled(GaugeMetricFamily, "gateway_connections", "Connections a gateway holds", "gateway",
-                    {k: g.get("connections", 0) for k, g in by.items()})  # fmt: skip
+    yield _labelled(GaugeMetricFamily, "gateway_peers", "Peers a gateway heard from in the last 5 s", "gateway",
+                    {k: g.get("peers", 0) for k, g in by.items()})  # fmt: skip
     yield _labelled(CounterMetricFamily, "gateway_restarts", "Gateway processes restarted", "gateway",
                     {k: g["restarts"] for k, g in by.items()})  # fmt: skip
     family = CounterMetricFamily(

@@ -448,5 +448,5 @@ class CoordinatorStats:
     refused as duplicates of a prompt already accounted for (wasted work)."""
     gateways: list = field(default_factory=list)
     """Each gateway of ``coordinator serve --gateways`` (empty without): ``{"gateway", "pid", "up",
-    "incarnation", "restarts", "connections", "messages_in", "messages_out", "batches_in", "batches_out",
-    "bytes_in", "bytes_out", "send_failures"}`` (coordinator/gateways.py)."""
+    "incarnation", "restarts", "peers", "messages_in", "messages_out", "batches_in", "batches_out", "bytes_in",
+    "bytes_out", "send_failures"}``; ``peers``: those heard from in the last 5 s (coordinator/gateways.py)."""

@@ -116,7 +116,7 @@ function render(s) {
   document.getElementById("fleet").replaceChildren(...rows);
   document.getElementById("gateways").replaceChildren(...(s.gateways || []).map(g =>
     el("div", {class: "gateway " + (g.up ? "alive" : "dead"), "data-gateway": g.gateway},
-      `gateway ${g.gateway}: ${g.up ? "up" : "DOWN"}, pid ${g.pid ?? "-"}, ${g.connections ?? "-"} connections, ` +
+      `gateway ${g.gateway}: ${g.up ? "up" : "DOWN"}, pid ${g.pid ?? "-"}, ${g.peers ?? "-"} peers, ` +
       `messages in ${g.messages_in ?? "-"} / out ${g.messages_out ?? "-"}, restarts ${g.restarts}`)));
   const f = s.frontier;
   const named = Object.keys(f.datasets || {}).length > 1 || !(f.datasets || {}).default;

@@ -67,7 +67,7 @@ def render(stats: dict) -> str:
     for g in stats.get("gateways") or ():
         out.append(
             f"gateway {g.get('gateway')}: {'up' if g.get('up') else 'DOWN'}, pid {g.get('pid')}, "
-            f"{g.get('connections', '-')} connections, messages in {g.get('messages_in', '-')} / out "
+            f"{g.get('peers', '-')} peers, messages in {g.get('messages_in', '-')} / out "
             f"{g.get('messages_out', '-')}, restarts {g.get('restarts')}"
         )
     lock = weights.get("lock")

@@ -294,7 +294,10 @@ def measure(
         c1, g1, t1 = cpu_s(coord.pid), sum(map(cpu_s, gateway_pids)), time.monotonic()
         rss, peak = rss_mb(coord.pid)
         alive = agents_alive(address)
-        gateway_rss = sum(rss_mb(pid)[0] for pid in gateway_pids)
+        gateway_rss = sum(rss_mb(pid)[0] for pid in children_of(coord.pid))
+        for line in coord.log_text().splitlines():
+            if "gateway" in line and ("WARNING" in line or "ERROR" in line or "Traceback" in line):
+                progress(f"coordinator: {line}")
         if args.py_spy:
             spy_proc.popen.wait(timeout=30)
             procs.items.remove(spy_proc)

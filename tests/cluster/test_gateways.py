@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 import urllib.request
 
 import zmq
@@ -28,10 +29,11 @@ def _gateways(cluster) -> list[dict]:
 
 
 def _check_batch(batch, size: int, seen: set) -> None:
+    """A full batch, none of whose prompts came before: exactly once per (data epoch, index)."""
     assert len(batch.groups) == size
     for g in batch.groups:
-        assert g.index not in seen, f"dataset index {g.index} delivered twice"
-        seen.add(g.index)
+        assert (g.data_epoch, g.index) not in seen, f"prompt {g.index} of data epoch {g.data_epoch} delivered twice"
+        seen.add((g.data_epoch, g.index))
 
 
 def _child_of(pid: int, parent: int) -> bool:
@@ -53,9 +55,9 @@ def test_a_fleet_served_through_gateways_shows_each_gateway(make_cluster):
             _check_batch(client.generate(rollout_id), size, seen)
     # Every agent's connection is held by a gateway, none by the coordinator process itself.
     gateways = wait_for(
-        lambda: (lambda gs: gs if sum(g["connections"] for g in gs) >= len(AGENTS) else None)(_gateways(cluster)),
+        lambda: (lambda gs: gs if sum(g["peers"] for g in gs) >= len(AGENTS) else None)(_gateways(cluster)),
         10,
-        "the gateways to report the agents' connections",
+        "the gateways to report the agents as their peers",
     )
     assert [g["gateway"] for g in gateways] == [0, 1]
     for g in gateways:
@@ -87,7 +89,7 @@ def test_a_sigkilled_gateway_loses_and_doubles_nothing(make_cluster):
     with cluster.client() as client:
         for rollout_id in range(3):
             _check_batch(client.generate(rollout_id), size, seen)
-        victim = next(g for g in _gateways(cluster) if g["connections"])
+        victim = next(g for g in _gateways(cluster) if g["peers"])
         os.kill(victim["pid"], signal.SIGKILL)
         # Batches keep flowing while the peers it held redial, and none is short or repeated.
         for rollout_id in range(3, 9):
@@ -183,7 +185,7 @@ def test_a_stopped_gateway_is_replaced_and_its_peers_move_on(make_cluster):
     size, seen = cluster.config["rollout_batch_size"], set()
     with cluster.client() as client:
         _check_batch(client.generate(0), size, seen)
-        victim = next(g for g in _gateways(cluster) if g["connections"])
+        victim = next(g for g in _gateways(cluster) if g["peers"])
         os.kill(victim["pid"], signal.SIGSTOP)
         try:
             # Its peers' connection heartbeats time out and they redial: batches keep coming meanwhile.
@@ -203,3 +205,40 @@ def test_a_stopped_gateway_is_replaced_and_its_peers_move_on(make_cluster):
     assert again["restarts"] == 1
     assert f"gateway {victim['gateway']} (pid {victim['pid']}) has not reported for" in cluster.coordinator.text()
     assert {a: s["status"] for a, s in cluster.status()["agents"].items()} == dict.fromkeys(AGENTS, "alive")
+
+
+def test_a_burst_of_connections_is_served_by_every_gateway(make_cluster):
+    """Hundreds of peers connecting at once: each gateway races the others for every connection on the shared
+    socket; one that loses a race must not block (a blocking accept() once hung a gateway's whole I/O)."""
+    cluster = make_cluster(gateways=2)
+    cluster.start_coordinator()
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 1024)
+    socks = []
+    try:
+        for i in range(300):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(cluster.address)
+            sock.send(p.encode(p.Stats(i + 1)))
+            socks.append(sock)
+        poller = zmq.Poller()
+        for sock in socks:
+            poller.register(sock, zmq.POLLIN)
+        answered: set[int] = set()
+        deadline = time.monotonic() + 30
+        while len(answered) < len(socks) and time.monotonic() < deadline:
+            for sock, _ in poller.poll(1000):
+                msg = p.decode(sock.recv(), max_bytes=1 << 30)
+                answered.add(msg.req)
+                poller.unregister(sock)
+        assert len(answered) == len(socks), f"{len(socks) - len(answered)} of {len(socks)} peers never answered"
+        gateways = wait_for(
+            lambda: (lambda gs: gs if all(g["up"] for g in gs) else None)(_gateways(cluster)), 10, "both gateways up"
+        )
+        assert all(g["restarts"] == 0 for g in gateways), gateways
+        assert all(g["messages_in"] > 0 for g in gateways), gateways  # both took connections
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()
