@@ -292,6 +292,7 @@ def measure(
         c0, g0, t0 = cpu_s(coord.pid), sum(map(cpu_s, gateway_pids)), time.monotonic()
         time.sleep(max(0.0, end_at - time.time()))
         c1, g1, t1 = cpu_s(coord.pid), sum(map(cpu_s, gateway_pids)), time.monotonic()
+        procs.check()  # before the trainer's stop_at: every process was alive through the window
         rss, peak = rss_mb(coord.pid)
         alive = agents_alive(address)
         gateway_rss = sum(rss_mb(pid)[0] for pid in children_of(coord.pid))
@@ -301,7 +302,6 @@ def measure(
         if args.py_spy:
             spy_proc.popen.wait(timeout=30)
             procs.items.remove(spy_proc)
-        procs.check()
         results = []
         for load in loads:
             rc = load.popen.wait(timeout=60)
