@@ -20,8 +20,9 @@ relays, as ``[kind, payload]`` frames:
   malformed or oversized message is answered exactly as without gateways), ``user`` the CurveZMQ
   User-Id (the sender's public key) or None;
 - ``b"m"`` (from the core): msgpack of ``[[peer, frame], ...]``, sent on to each peer in order;
-- ``b"s"`` (to the core, every ``STATS_INTERVAL``): its counters and peers, for the status
-  page and metrics.
+and, on a socket of their own (a PUSH to the serving process's ``stats`` endpoint, read by its supervisor
+and never queued behind a backlog of messages, so a busy core does not take a live gateway for a hung one):
+``[prefix, msgpack of its counters and peers]`` every ``STATS_INTERVAL``, for the status page and metrics.
 
 So the core pays its socket reads, writes and wake-ups per batch, not per message. The relay keeps
 each peer's order both ways (one connection, one DEALER, one ROUTER). A message lost with a gateway
@@ -57,7 +58,7 @@ PEER_WINDOW = 5.0
 """A peer counts in the gateway's ``peers`` while it was heard from within this many seconds."""
 STATS_INTERVAL = 1.0
 """Seconds between the gateway's statistics messages to the core."""
-MESSAGES, STATS = b"m", b"s"
+MESSAGES = b"m"
 
 
 def prefix_of(index: int, incarnation: int) -> bytes:
@@ -78,7 +79,15 @@ def _die_with_parent(parent: int) -> None:
 
 class Gateway:
     def __init__(
-        self, *, core: str, listen_fd: int, bind: str, prefix: bytes, max_bytes: int, curve_dir: str | None = None
+        self,
+        *,
+        core: str,
+        stats: str,
+        listen_fd: int,
+        bind: str,
+        prefix: bytes,
+        max_bytes: int,
+        curve_dir: str | None = None,
     ):
         from common.transport import _common
 
@@ -106,6 +115,10 @@ class Gateway:
         self.back.setsockopt(zmq.SNDHWM, 0)
         self.back.setsockopt(zmq.RCVHWM, 0)
         self.back.connect(core)
+        self.stats_out = self.ctx.socket(zmq.PUSH)
+        self.stats_out.setsockopt(zmq.LINGER, 0)
+        self.stats_out.setsockopt(zmq.SNDHWM, 10)
+        self.stats_out.connect(stats)
         self.peers: dict[bytes, float] = {}  # routing id -> when it last sent something
         self.stats = {
             "pid": os.getpid(),
@@ -200,7 +213,10 @@ class Gateway:
                     if os.getppid() != parent:
                         log.warning("the coordinator (pid %d) is gone; this gateway exits", parent)
                         return
-                    self.back.send_multipart([STATS, msgpack.packb(self.stats)])
+                    try:
+                        self.stats_out.send_multipart([self.prefix, msgpack.packb(self.stats)], zmq.NOBLOCK)
+                    except zmq.Again:  # ten reports unread: the newest is what counts, and it will come
+                        pass
         finally:
             self.close()
 
@@ -209,12 +225,14 @@ class Gateway:
             self.gate.stop()
         self.front.close(linger=0)
         self.back.close(linger=0)
+        self.stats_out.close(linger=0)
         self.ctx.term()
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m coordinator.gateway", description=__doc__.split("\n\n")[0])
     ap.add_argument("--core", required=True, help="the core's private ipc:// endpoint")
+    ap.add_argument("--stats", required=True, help="the serving process's ipc:// endpoint for reports")
     ap.add_argument("--listen-fd", type=int, required=True, help="the listening socket's file descriptor")
     ap.add_argument("--bind", required=True, help="the public endpoint that socket is bound to")
     ap.add_argument("--index", type=int, required=True)
@@ -228,6 +246,7 @@ def main(argv=None) -> int:
     _die_with_parent(args.parent)
     gateway = Gateway(
         core=args.core,
+        stats=args.stats,
         listen_fd=args.listen_fd,
         bind=args.bind,
         prefix=prefix_of(args.index, args.incarnation),

@@ -10,8 +10,9 @@ after ``HUNG_AFTER`` seconds of silence and restarted the same way. Each restart
 new routing prefix (``gateway.prefix_of``), so the core never confuses a successor's peers with its
 predecessor's.
 
-The statistics each gateway sends every second are kept per gateway for the status page and the
-metrics; a gateway silent for ``STALE_AFTER`` seconds shows as not up.
+The statistics each gateway sends every second, on a socket of their own that this supervisor reads
+(never behind the core's backlog of messages), are kept per gateway for the status page and the metrics;
+a gateway silent for ``STALE_AFTER`` seconds shows as not up.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+
+import msgpack
+import zmq
 
 from common.errors import ConfigError
 from coordinator.gateway import prefix_of
@@ -99,6 +103,7 @@ class Slot:
 class GatewayPool:
     def __init__(
         self,
+        ctx: zmq.Context,
         count: int,
         bind: str,
         *,
@@ -110,6 +115,11 @@ class GatewayPool:
         self.listener, self._zmq_bind, self.endpoint = listen(bind)
         self._dir = tempfile.mkdtemp(prefix="rollfleet-gw-")  # 0700: only this user may connect
         self.core_endpoint = f"ipc://{self._dir}/core"
+        self.stats_endpoint = f"ipc://{self._dir}/stats"
+        self._stats = ctx.socket(zmq.PULL)
+        self._stats.setsockopt(zmq.LINGER, 0)
+        self._stats.setsockopt(zmq.RCVHWM, 1000)
+        self._stats.bind(self.stats_endpoint)
         self.slots = [Slot(i) for i in range(count)]
         self._by_prefix: dict[bytes, Slot] = {}
         self._args = ["--max-message-bytes", str(max_bytes), "--log-level", log_level, "--log-format", log_format]
@@ -123,6 +133,7 @@ class GatewayPool:
         self._by_prefix[prefix_of(slot.index, slot.incarnation)] = slot
         fd = self.listener.fileno()
         cmd = [sys.executable, "-m", "coordinator.gateway", "--core", self.core_endpoint, "--listen-fd", str(fd)]
+        cmd += ["--stats", self.stats_endpoint]
         cmd += ["--bind", self._zmq_bind, "--index", str(slot.index), "--incarnation", str(slot.incarnation)]
         cmd += ["--parent", str(os.getpid()), *self._args]
         env = dict(os.environ)
@@ -142,6 +153,7 @@ class GatewayPool:
         while not self.stopping:
             await asyncio.sleep(0.2)
             now = time.monotonic()
+            self._read_reports(now)
             stalled, last = now - last > 2.0, now
             for slot in self.slots:
                 if stalled and slot.seen is not None:
@@ -176,6 +188,16 @@ class GatewayPool:
     def _respawn(self, slot: Slot) -> None:
         if not self.stopping and slot.proc is None:
             self._spawn(slot)
+
+    def _read_reports(self, now: float) -> None:
+        while True:
+            try:
+                prefix, payload = self._stats.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:  # not two frames: not a gateway's
+                continue
+            self.on_stats(prefix, msgpack.unpackb(payload), now)
 
     def on_stats(self, prefix: bytes, stats: dict, now: float) -> None:
         slot = self._by_prefix.get(prefix)
@@ -215,4 +237,5 @@ class GatewayPool:
                 proc.kill()
                 proc.wait()
         self.listener.close()
+        self._stats.close(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -58,7 +58,7 @@ from common.shuffle import SHUFFLE_ORDER, epoch_permutation
 from common.transport import core_router, router, send_nowait, stop_on_signals
 from coordinator.core import CoordinatorCore, Persist, Send
 from coordinator.evaluation import EvalSpec
-from coordinator.gateway import MESSAGES, STATS
+from coordinator.gateway import MESSAGES
 from coordinator.gateways import GatewayPool
 from coordinator.ledger import Ledger
 from coordinator.sources import TRAIN
@@ -150,6 +150,7 @@ class CoordinatorServer:
                 # The gateways hold the public address and the CurveZMQ handshakes; the core listens
                 # on a private endpoint for them alone.
                 self.gateways = GatewayPool(
+                    self.ctx,
                     s.gateways,
                     bind,
                     max_bytes=s.max_message_bytes,
@@ -377,15 +378,12 @@ class CoordinatorServer:
             self._send(frames[0], p.Error("internal", "internal coordinator error; see its log", p.peek_req(frames[1])))
 
     def _on_batch(self, frames: list, now: float) -> int:
-        """A gateway's frames: a batch of its peers' messages (each handled as if it came straight from its
-        peer, whose id carries the gateway's prefix), or its statistics. How many messages there were."""
-        if len(frames) != 3:
+        """A gateway's batch of its peers' messages, each handled as if it came straight from its peer (whose
+        id carries the gateway's prefix); how many there were."""
+        if len(frames) != 3 or frames[1] != MESSAGES:
             log.warning("ignored a malformed batch from gateway %r (%d frames)", frames[0], len(frames))
             return 0
-        prefix, kind, payload = frames
-        if kind == STATS:
-            self.gateways.on_stats(prefix, msgpack.unpackb(payload), now)
-            return 0
+        prefix, _, payload = frames
         entries = msgpack.unpackb(payload, raw=False)
         for peer, rest, user in entries:
             self._on_frames([prefix + peer, *rest], now, user)
