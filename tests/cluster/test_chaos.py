@@ -1,8 +1,8 @@
 """The chaos suite (bounded): every failure kind while batches flow and weights change, then the invariants of a
 quiesced fleet.
 
-Agent, engine, coordinator and trainer SIGKILLs, a partition of an agent's coordinator link past its TTL and a
-node lost for good, each at least once (``harness/chaos.py``), while the trainer pushes a weight update every
+Agent, engine, coordinator, gateway and trainer SIGKILLs, a partition of an agent's coordinator link past its TTL
+and a node lost for good, each at least once (``harness/chaos.py``; the coordinator runs two gateways), while the trainer pushes a weight update every
 3 batches, disk and gloo broadcast in turn, runs an evaluation pass every 15 batches, and every sample is made
 in two turns by a generate function with a tool's tokens inserted between them: half of them with
 ``engine.generate``, half through the OpenAI client on the agent's endpoint (``harness.generate_fns:chaos_turns``).
