@@ -36,6 +36,16 @@ def _check_batch(batch, size: int, seen: set) -> None:
         seen.add((g.data_epoch, g.index))
 
 
+def _successor(cluster, victim: dict, timeout: float) -> dict:
+    """The gateway that took ``victim``'s place, once it reports."""
+
+    def replaced():
+        g = _gateways(cluster)[victim["gateway"]]
+        return g if g["up"] and g["pid"] != victim["pid"] else None
+
+    return wait_for(replaced, timeout, f"the coordinator to replace gateway {victim['gateway']}")
+
+
 def _child_of(pid: int, parent: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -95,11 +105,7 @@ def test_a_sigkilled_gateway_loses_and_doubles_nothing(make_cluster):
         for rollout_id in range(3, 9):
             _check_batch(client.generate(rollout_id), size, seen)
 
-    def restarted():
-        g = _gateways(cluster)[victim["gateway"]]
-        return g if g["up"] and g["pid"] != victim["pid"] else None
-
-    again = wait_for(restarted, 10, "the coordinator to restart the gateway")
+    again = _successor(cluster, victim, 10)
     assert again["restarts"] == 1 and again["incarnation"] == victim["incarnation"] + 1
     assert f"gateway {victim['gateway']} (pid {victim['pid']}) exited" in cluster.coordinator.text()
     stats = cluster.status()
@@ -191,12 +197,7 @@ def test_a_stopped_gateway_is_replaced_and_its_peers_move_on(make_cluster):
             # Its peers' connection heartbeats time out and they redial: batches keep coming meanwhile.
             for rollout_id in range(1, 5):
                 _check_batch(client.generate(rollout_id), size, seen)
-
-            def replaced():
-                g = _gateways(cluster)[victim["gateway"]]
-                return g if g["up"] and g["pid"] != victim["pid"] else None
-
-            again = wait_for(replaced, 30, "the coordinator to replace the stopped gateway")
+            again = _successor(cluster, victim, 30)
         finally:
             try:
                 os.kill(victim["pid"], signal.SIGCONT)  # if it was never killed, it ends with the cluster
