@@ -2,10 +2,11 @@
 quiesced fleet.
 
 Agent, engine, coordinator, gateway and trainer SIGKILLs, a partition of an agent's coordinator link past its TTL
-and a node lost for good, each at least once (``harness/chaos.py``; the coordinator runs two gateways), while
-the trainer pushes a weight update every 3 batches, disk and gloo broadcast in turn, runs an evaluation pass
-every 15 batches, and every sample is made in two turns by a generate function with a tool's tokens inserted between them: half of them with
-``engine.generate``, half through the OpenAI client on the agent's endpoint (``harness.generate_fns:chaos_turns``).
+and a node lost for good, each at least once (``harness/chaos.py``; the coordinator runs two gateways), while the
+trainer pushes a weight update every 3 batches, disk and gloo broadcast in turn, runs an evaluation pass every 15
+batches, and every sample is made in two turns by a generate function with a tool's tokens inserted between them:
+half of them with ``engine.generate``, half through the OpenAI client on the agent's endpoint
+(``harness.generate_fns:chaos_turns``).
 Then: prompt accounting over every state, the ledger against the agents' stores, 0 lost, 0 duplicated, replays
 identical, every serving engine on the coordinator's weight version and versions never backwards
 (``harness/chaos_check.py``), and each evaluation pass counting every evaluation prompt once
