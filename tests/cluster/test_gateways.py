@@ -36,6 +36,15 @@ def _check_batch(batch, size: int, seen: set) -> None:
         seen.add((g.data_epoch, g.index))
 
 
+def _fleet(make_cluster, *coordinator_flags: str):
+    """A coordinator with two gateways and ``AGENTS``."""
+    cluster = make_cluster(gateways=2)
+    cluster.start_coordinator(*coordinator_flags)
+    for name in AGENTS:
+        cluster.start_agent(name)
+    return cluster
+
+
 def _successor(cluster, victim: dict, timeout: float) -> dict:
     """The gateway that took ``victim``'s place, once it reports."""
 
@@ -55,10 +64,7 @@ def _child_of(pid: int, parent: int) -> bool:
 
 
 def test_a_fleet_served_through_gateways_shows_each_gateway(make_cluster):
-    cluster = make_cluster(gateways=2)
-    cluster.start_coordinator("--metrics-port", "0")
-    for name in AGENTS:
-        cluster.start_agent(name)
+    cluster = _fleet(make_cluster, "--metrics-port", "0")
     size, seen = cluster.config["rollout_batch_size"], set()
     with cluster.client() as client:
         for rollout_id in range(4):
@@ -91,10 +97,7 @@ def _metrics_url(cluster) -> str | None:
 
 
 def test_a_sigkilled_gateway_loses_and_doubles_nothing(make_cluster):
-    cluster = make_cluster(gateways=2)
-    cluster.start_coordinator()
-    for name in AGENTS:
-        cluster.start_agent(name)
+    cluster = _fleet(make_cluster)
     size, seen = cluster.config["rollout_batch_size"], set()
     with cluster.client() as client:
         for rollout_id in range(3):
@@ -184,10 +187,7 @@ def test_curve_keys_and_roles_hold_through_gateways(make_cluster):
 
 def test_a_stopped_gateway_is_replaced_and_its_peers_move_on(make_cluster):
     """SIGSTOP: the process holds its connections but answers nothing (a stuck gateway, not a dead one)."""
-    cluster = make_cluster(gateways=2)
-    cluster.start_coordinator()
-    for name in AGENTS:
-        cluster.start_agent(name)
+    cluster = _fleet(make_cluster)
     size, seen = cluster.config["rollout_batch_size"], set()
     with cluster.client() as client:
         _check_batch(client.generate(0), size, seen)
