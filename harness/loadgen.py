@@ -67,6 +67,9 @@ class LoadConfig:
     stop_at: float = 0.0
     """Wall-clock time the worker exits (after ``end_at``)."""
     seed: int = 0
+    curve_secret: str = ""
+    """With CurveZMQ: every simulated agent's key pair (one for all), and ``curve_server_key`` the coordinator's."""
+    curve_server_key: str = ""
 
 
 @dataclass
@@ -129,6 +132,11 @@ class LoadWorker:
         self._seen: dict[int, int] = {}
         self.engines = [{"url": f"http://sim:{i}", "state": "healthy", "tp": 1} for i in range(8)]
         pid = os.getpid()
+        keys = None
+        if cfg.curve_secret:
+            from common.curve import client_keys
+
+            keys = client_keys(cfg.curve_secret, cfg.curve_server_key, secret_flag="secret", server_flag="server")
         for i in range(cfg.agents):
             agent_id = f"sim-{cfg.first_agent + i}"
             sock = self.ctx.socket(zmq.DEALER)
@@ -136,6 +144,10 @@ class LoadWorker:
             sock.setsockopt(zmq.SNDHWM, 100_000)
             sock.setsockopt(zmq.RCVHWM, 100_000)
             sock.setsockopt(zmq.ROUTING_ID, agent_id.encode())
+            if keys is not None:
+                from common.curve import make_client
+
+                make_client(sock, keys)
             sock.connect(cfg.coordinator)
             agent = SimAgent(agent_id, sock, incarnation=(pid << 20) | i)
             self.agents.append(agent)

@@ -117,7 +117,12 @@ def run_trainer(spec: str) -> None:
 
     async def main() -> dict:
         out = {"batches": 0, "groups": 0, "cpu_s": 0.0, "wait_s": []}
-        async with RefsClient(cfg["coordinator"], retry_interval=5.0) as client:
+        keys = (
+            {"curve_secret": cfg["curve_secret"], "curve_server_key": cfg["curve_server_key"]}
+            if cfg.get("curve_secret")
+            else {}
+        )
+        async with RefsClient(cfg["coordinator"], retry_interval=5.0, **keys) as client:
             rollout_id = 0
             cpu0 = None
             while time.time() < cfg["stop_at"]:
@@ -154,15 +159,18 @@ def write_dataset(path: Path, rows: int) -> None:
             f.write("\n")
 
 
-def agents_alive(address: str) -> int:
+def agents_alive(address: str, curve: dict) -> int:
     """How many agents the coordinator counts alive now (its Stats answer); -1 if it does not answer."""
     import zmq
 
     from common import protocol as p
+    from common.curve import client_keys, make_client
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if curve:
+        make_client(sock, client_keys(curve["curve_secret"], curve["curve_server_key"], secret_flag="", server_flag=""))
     try:
         sock.connect(address)
         sock.send(p.encode(p.Stats(1)))
@@ -209,6 +217,19 @@ def measure(
         ]
         if args.no_sync:
             coord_argv.append("--no-sync")
+        agent_keys, trainer_keys = {}, {}
+        if args.curve:
+            from common.keygen import write_fleet
+
+            curve_dir = workdir / f"curve-{tag}"
+            write_fleet(curve_dir, ["sim"], ["trainer"])
+            coord_argv += ["--curve-dir", str(curve_dir)]
+            server = str(curve_dir / "coordinator.key")
+            agent_keys = {"curve_secret": str(curve_dir / "secrets" / "sim.key_secret"), "curve_server_key": server}
+            trainer_keys = {
+                "curve_secret": str(curve_dir / "secrets" / "trainer.key_secret"),
+                "curve_server_key": server,
+            }
         coord = procs.start(f"coordinator-{tag}", coord_argv)
 
         def endpoint():
@@ -247,6 +268,7 @@ def measure(
                         "start_at": start_at,
                         "end_at": end_at,
                         "stop_at": stop_at,
+                        **trainer_keys,
                     }
                 ),
             ],
@@ -274,6 +296,7 @@ def measure(
                 "end_at": end_at,
                 "stop_at": stop_at,
                 "seed": w,
+                **agent_keys,
             }
             first += count
             loads.append(
@@ -294,7 +317,7 @@ def measure(
         c1, g1, t1 = cpu_s(coord.pid), sum(map(cpu_s, gateway_pids)), time.monotonic()
         procs.check()  # before the trainer's stop_at: every process was alive through the window
         rss, peak = rss_mb(coord.pid)
-        alive = agents_alive(address)
+        alive = agents_alive(address, trainer_keys)
         gateway_rss = sum(rss_mb(pid)[0] for pid in children_of(coord.pid))
         for line in coord.log_text().splitlines():
             if "gateway" in line and ("WARNING" in line or "ERROR" in line or "Traceback" in line):
@@ -421,6 +444,11 @@ def main() -> int:
     ap.add_argument("--dataset-rows", type=int, default=200_000)
     ap.add_argument("--no-sync", action="store_true", help="ledger without fsync (report beside, never instead)")
     ap.add_argument(
+        "--curve",
+        action="store_true",
+        help="CurveZMQ on: every connection encrypted and authenticated (keys written per run)",
+    )
+    ap.add_argument(
         "--gateways",
         default="0",
         help="comma-separated coordinator serve --gateways values, each measured at every N (default 0)",
@@ -456,6 +484,7 @@ def main() -> int:
         "gen_ms": args.gen_ms,
         "rows_in_grants": args.rows,
         "profiled": bool(args.profile_cprofile or args.py_spy),
+        "curve": args.curve,
     }
     rows = []
     try:
