@@ -165,7 +165,8 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
         metavar="N|auto",
         help="relay processes that hold the agents' and trainers' connections and pass their messages to the "
         "coordinator in batches (docs/gateways.md); 0: none, the coordinator serves --bind itself; auto "
-        "(default): one per 8 cores of this machine, at most 4, none below 8 cores or for a non-tcp --bind",
+        "(default): one per 8 cores this process may use (affinity, cgroup quota), at most 4, none below 8 cores or "
+        "for a non-tcp --bind",
     )
     sp.add_argument("--no-sync", action="store_true", help="skip fsync on ledger commits (faster, not crash-safe)")
     sp.add_argument("--allow-config-change", action="store_true", help="restart with other batch settings; recorded")

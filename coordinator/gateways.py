@@ -52,9 +52,23 @@ they see their parent gone (well under a second)."""
 
 def auto_gateways(cores: int | None = None) -> int:
     """``--gateways auto``: none below 8 cores (the relay's processes would take the core's CPU), then one
-    per 8 cores, at most 4."""
-    cores = cores or os.cpu_count() or 1
+    per 8 cores, at most 4. ``cores``: default, those this process may use (``usable_cores``)."""
+    cores = cores or usable_cores()
     return 0 if cores < 8 else min(4, cores // 8)
+
+
+def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota (a container
+    limited to 4 CPUs on a 64-core host has 4, where ``os.cpu_count()`` says 64)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        with open(cpu_max) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 def listen(bind: str) -> tuple[socket.socket, str, str]:
