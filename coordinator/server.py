@@ -1,5 +1,9 @@
 """The coordinator's I/O shell: a ZeroMQ ROUTER, the ledger writer, the clock.
 
+The ROUTER is its own on ``--bind``, or, with ``--gateways``, one on a private
+endpoint that gateway processes relay batches to (``coordinator/peer_io.py``
+hides which: a read yields messages, a send queues or sends one).
+
 It reads frames in turns: whenever the ROUTER is readable it takes every
 message waiting (up to ``TURN_MESSAGES``) without awaiting between them,
 hands each to ``CoordinatorCore`` inside one core turn (one pump per turn,
@@ -43,7 +47,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-import msgpack
 import zmq
 
 from common import faults
@@ -55,12 +58,11 @@ from common.errors import ProtocolError, StorageFull
 from common.lmdb_env import MAP_SIZE
 from common.mixture import EPOCH_BITS
 from common.shuffle import SHUFFLE_ORDER, epoch_permutation
-from common.transport import core_router, router, send_nowait, stop_on_signals
+from common.transport import stop_on_signals
 from coordinator.core import CoordinatorCore, Persist, Send
 from coordinator.evaluation import EvalSpec
-from coordinator.gateway import MESSAGES
-from coordinator.gateways import GatewayPool
 from coordinator.ledger import Ledger
+from coordinator.peer_io import DirectIO, GatewayIO, open_peer_io
 from coordinator.sources import TRAIN
 
 log = logging.getLogger("rollfleet.coordinator")
@@ -121,7 +123,7 @@ class CoordinatorServer:
         """``mixture``: each training source's dataset and shuffle seed, in ``config.mixture``'s order (then
         ``dataset`` is their combination, ``training_fingerprint``); None: ``dataset`` is the one source."""
         s = self.settings = settings
-        data_dir, bind, seed, curve = s.data_dir, s.bind, s.seed, s.curve
+        data_dir, seed, curve = s.data_dir, s.seed, s.curve
         self.dataset = dataset
         self.eval_datasets = {name: ds for name, (ds, _) in (eval_datasets or {}).items()}
         self.source_datasets = {TRAIN: dataset, **{p.EVAL_SOURCE + n: ds for n, ds in self.eval_datasets.items()}}
@@ -134,7 +136,7 @@ class CoordinatorServer:
         # config) leaves the data dir as it was.
         self.ctx = zmq.Context()
         self.ledger = None
-        self.gate = None
+        self.io: DirectIO | GatewayIO | None = None
         self._roles: dict[str, set[str]] | None = None  # public key (Z85) -> its roles, with keys
         if curve is not None:
             self._roles = {}
@@ -142,32 +144,9 @@ class CoordinatorServer:
                 for key in keys:
                     self._roles.setdefault(key.decode("ascii"), set()).add(role)
         self.forbidden = 0
-        self.gateways: GatewayPool | None = None
-        self._out: dict[bytes, list] = {}  # gateway prefix -> [peer, frame] pairs to send it
-        self._flush_soon = False
         try:
-            if s.gateways:
-                # The gateways hold the public address and the CurveZMQ handshakes; the core listens
-                # on a private endpoint for them alone.
-                self.gateways = GatewayPool(
-                    self.ctx,
-                    s.gateways,
-                    bind,
-                    max_bytes=s.max_message_bytes,
-                    curve_dir=s.curve_dir if curve is not None else None,
-                    log_level=s.log_level,
-                    log_format=s.log_format,
-                )
-                self.endpoint = self.gateways.endpoint
-                self.sock = core_router(self.ctx, self.gateways.core_endpoint)
-            else:
-                if curve is not None:
-                    from common.zap import KeyGate
-
-                    self.gate = KeyGate(self.ctx, curve.allowed, "coordinator")
-                self.sock, self.endpoint = router(
-                    self.ctx, bind, max_bytes=s.max_message_bytes, curve=curve.pair if curve else None
-                )
+            self.io = open_peer_io(self.ctx, s)
+            self.sock, self.endpoint, self.gateways = self.io.sock, self.io.endpoint, self.io.gateways
             self.ledger = Ledger(data_dir, sync=s.sync, map_size=s.map_size)
             # The shuffle algorithm is part of the shape: positions in one order name other rows in another.
             order = SHUFFLE_ORDER if seed is not None else None
@@ -182,10 +161,8 @@ class CoordinatorServer:
         except BaseException:
             if self.ledger is not None:
                 self.ledger.close()
-            if hasattr(self, "sock"):
-                self.sock.close(linger=0)
-            if self.gateways is not None:
-                self.gateways.stop()
+            if self.io is not None:
+                self.io.close()
             self.ctx.term()
             raise
         self.core = CoordinatorCore(
@@ -206,6 +183,7 @@ class CoordinatorServer:
         )
         if self.gateways is not None:
             self.core.gateway_stats = self.gateways.statistics
+            self.io.after_flush = self._poke
         if self.core.start_ops:
             self.ledger.apply(self.core.start_ops)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
@@ -231,32 +209,9 @@ class CoordinatorServer:
             peer = to
         if faults.INJECTED is not None and faults.INJECTED.coordinator_drops(msg):  # tests only
             return
-        if self.gateways is not None:
-            out = self._out.get(peer[:4])
-            if out is None:
-                out = self._out[peer[:4]] = []
-            out.append((peer[4:], p.encode(msg)))
-            if not self._flush_soon:  # everything sent in this loop iteration leaves in one batch per gateway
-                self._flush_soon = True
-                asyncio.get_running_loop().call_soon(self._flush)
-            return
         # Peer gone (ROUTER_MANDATORY) or at its HWM: agents repair this by
         # resending (receipts) and heartbeat reconciliation; trainers retry.
-        send_nowait(
-            self.sock, [peer, p.encode(msg)], lambda exc: log.debug("send %s to %r failed: %s", msg.TYPE, peer, exc)
-        )
-
-    def _flush(self) -> None:
-        """Send each gateway the messages queued for its peers, as one batch."""
-        self._flush_soon = False
-        out, self._out = self._out, {}
-        for prefix, entries in out.items():
-            send_nowait(
-                self.sock,
-                [prefix, MESSAGES, msgpack.packb(entries, use_bin_type=True)],
-                lambda exc, prefix=prefix: log.debug("send to gateway %r failed: %s", prefix, exc),
-            )
-        self._poke()
+        self.io.send(peer, p.encode(msg), lambda exc: log.debug("send %s to %r failed: %s", msg.TYPE, peer, exc))
 
     def _deliver(self, s: Send) -> None:
         """Send now, unless an earlier message to the same destination still waits on a commit."""
@@ -377,41 +332,18 @@ class CoordinatorServer:
             log.exception("internal error handling a message from %r", frames[0][:40])
             self._send(frames[0], p.Error("internal", "internal coordinator error; see its log", p.peek_req(frames[1])))
 
-    def _on_batch(self, frames: list, now: float) -> int:
-        """A gateway's batch of its peers' messages, each handled as if it came straight from its peer (whose
-        id carries the gateway's prefix); how many there were."""
-        if len(frames) != 3 or frames[1] != MESSAGES:
-            log.warning("ignored a malformed batch from gateway %r (%d frames)", frames[0], len(frames))
-            return 0
-        prefix, _, payload = frames
-        entries = msgpack.unpackb(payload, raw=False)
-        for peer, rest, user in entries:
-            self._on_frames([prefix + peer, *rest], now, user)
-        return len(entries)
-
     def _turn(self) -> int:
         """Handle every message waiting (up to ``TURN_MESSAGES``) as one core turn; how many there were."""
-        sock, now, n = self.sock, time.monotonic(), 0
+        read, now, n = self.io.read, time.monotonic(), 0
         self.core.begin_turn()
         try:
             while n < TURN_MESSAGES:
-                if self.gateways is not None:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    n += self._on_batch(frames, now)
-                    continue
-                try:
-                    if self._roles is None:
-                        frames, user = sock.recv_multipart(zmq.NOBLOCK), None
-                    else:  # frames as zmq.Frame: their User-Id is the sender's public key
-                        raw = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        frames, user = [f.bytes for f in raw], raw[-1].get("User-Id")
-                except zmq.Again:
+                entries = read()  # one message, or one gateway's batch of them
+                if entries is None:
                     break
-                n += 1
-                self._on_frames(frames, now, user)
+                for peer, frames, user in entries:
+                    self._on_frames([peer, *frames], now, user)
+                n += len(entries)
         finally:
             self._run(self.core.end_turn(now))
         return n
@@ -467,8 +399,7 @@ class CoordinatorServer:
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
         stop_on_signals(loop, stop)
-        if self.gate is not None:
-            self.gate.start()  # until now every CURVE handshake failed (ZAP enforced): none got through
+        self.io.start()
         try:
             if self.settings.metrics_port is not None:
                 await self._start_observe()
@@ -478,13 +409,9 @@ class CoordinatorServer:
                     tg.create_task(self._recv_loop(), name="recv"),
                     tg.create_task(self._clock(), name="clock"),
                 ]
-                if self.gateways is not None:
-                    self.gateways.start()
-                    supervisor = tg.create_task(self.gateways.supervise(), name="gateways")
+                supervisor = tg.create_task(self.io.supervise(), name="gateways")
                 await stop.wait()
-                if self.gateways is not None:
-                    self.gateways.stopping = True
-                    supervisor.cancel()
+                supervisor.cancel()
                 log.info("coordinator shutting down: flushing the ledger")
                 tasks[1].cancel()
                 tasks[2].cancel()
@@ -509,12 +436,8 @@ class CoordinatorServer:
         log.info("coordinator metrics on %s/metrics, status page on %s/", url, url)
 
     def close(self) -> None:
-        if self.gate is not None:
-            self.gate.stop()
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
-        if self.gateways is not None:
-            self.gateways.stop()
-        self.sock.close(linger=0)
+        self.io.close()
         self.ctx.term()
         self.ledger.close()
