@@ -70,6 +70,7 @@ def router(
     max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     prefer_port: int | None = None,
     curve: KeyPair | None = None,
+    use_fd: int | None = None,
 ) -> tuple[zmq.asyncio.Socket, str]:
     """Bind a ROUTER; returns the socket and its resolved endpoint (port 0 resolved).
 
@@ -77,6 +78,10 @@ def router(
     port back, so peers' connections to it simply reconnect), then any port.
     An endpoint that cannot be bound (port in use, an address not on this
     machine) is a ConfigError naming it; the socket is closed.
+
+    ``use_fd``: accept on this already listening socket instead of opening one
+    (``ZMQ_USE_FD``; ``bind`` must name its address): the gateways of
+    coordinator/gateway.py share the coordinator's public socket this way.
     """
     sock = ctx.socket(zmq.ROUTER)
     try:
@@ -86,6 +91,8 @@ def router(
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes * 2 + 4096)
         if curve is not None:
             make_server(sock, curve)
+        if use_fd is not None:
+            sock.setsockopt(zmq.USE_FD, use_fd)
         endpoint = _bind(sock, bind, prefer_port)
     except zmq.ZMQError as exc:
         sock.close(linger=0)

@@ -89,26 +89,21 @@ class Gateway:
         max_bytes: int,
         curve_dir: str | None = None,
     ):
-        from common.transport import _common
+        from common.transport import router
 
         self.ctx = zmq.Context()
         self.prefix = prefix
         self.curve = curve_dir is not None
-        self.gate = None
-        self.front = self.ctx.socket(zmq.ROUTER)
-        _common(self.front)
-        self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.front.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.front.setsockopt(zmq.MAXMSGSIZE, max_bytes * 2 + 4096)
+        self.gate, pair = None, None
         if curve_dir is not None:
-            from common.curve import CoordinatorKeys, make_server
+            from common.curve import CoordinatorKeys
             from common.zap import KeyGate
 
             keys = CoordinatorKeys.load(curve_dir)
             self.gate = KeyGate(self.ctx, keys.allowed, "coordinator", threaded=True)
-            make_server(self.front, keys.pair)
-        self.front.setsockopt(zmq.USE_FD, listen_fd)
-        self.front.bind(bind)
+            pair = keys.pair
+        # The coordinator's own options (common/transport.py), on the socket it shares with the other gateways.
+        self.front, _ = router(self.ctx, bind, max_bytes=max_bytes, curve=pair, use_fd=listen_fd)
         self.back = self.ctx.socket(zmq.DEALER)
         self.back.setsockopt(zmq.LINGER, 0)
         self.back.setsockopt(zmq.ROUTING_ID, prefix)

@@ -76,7 +76,7 @@ from harness.chaos_evidence import (
     unfetched_by_agent,
 )
 from harness.chaos_trainer import rescue_from_disk
-from harness.cluster import ROOT, Cluster
+from harness.cluster import ROOT, Cluster, running_child
 from harness.polling import wait_for
 from harness.proxy import TcpProxy
 
@@ -244,7 +244,7 @@ class ChaosRun:
     def live_engines(self, name: str) -> list[int]:
         """Engine pids of ``name``'s current process that are running (not exited, not someone else's)."""
         parent = self.cluster.agents[name].pid
-        return [pid for pid in self.cluster.engine_pids_of(name) if _running_child(pid, parent)]
+        return [pid for pid in self.cluster.engine_pids_of(name) if running_child(pid, parent)]
 
     def unfetched(self) -> Counter:
         try:
@@ -361,7 +361,7 @@ class ChaosRun:
         except Exception:  # the coordinator is restarting
             return []
         parent = self.cluster.coordinator.pid
-        return [g for g in gateways if g.get("up") and g.get("pid") and _running_child(g["pid"], parent)]
+        return [g for g in gateways if g.get("up") and g.get("pid") and running_child(g["pid"], parent)]
 
     def _gateway(self) -> str | None:
         live = self.live_gateways()
@@ -633,12 +633,3 @@ def _kill(popen: subprocess.Popen) -> bool:
     except ProcessLookupError:
         pass
     return popen.wait(10) == -signal.SIGKILL
-
-
-def _running_child(pid: int, parent: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return fields[0] != "Z" and int(fields[1]) == parent

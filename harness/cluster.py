@@ -364,7 +364,7 @@ class Cluster:
     def _leaks(self) -> list[str]:
         leaks = [f"process {p.name} (pid {p.pid}) still running" for p in self.procs if p.alive()]
         # Engines die with their agent (PR_SET_PDEATHSIG); give the kernel a moment to reap them.
-        alive = lambda: [pid for pid in self.engine_pids if _pid_alive(pid)]  # noqa: E731
+        alive = lambda: [pid for pid in self.engine_pids if pid_alive(pid)]  # noqa: E731
         try:
             wait_for(lambda: not alive(), 5, "engines to exit")
         except AssertionError:
@@ -376,12 +376,24 @@ class Cluster:
         return leaks
 
 
-def _pid_alive(pid: int) -> bool:
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...); None if there is no such pid."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+            return f.read().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError):
-        return False
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"  # a zombie has exited
+
+
+def running_child(pid: int, parent: int) -> bool:
+    """``pid`` runs (not exited, not a zombie) and is ``parent``'s child: not a stranger that reused the pid."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z" and int(fields[1]) == parent
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:

@@ -161,26 +161,14 @@ def write_dataset(path: Path, rows: int) -> None:
 
 def agents_alive(address: str, curve: dict) -> int:
     """How many agents the coordinator counts alive now (its Stats answer); -1 if it does not answer."""
-    import zmq
+    from common.errors import RolloutError
+    from coordinator.client import RolloutClient
 
-    from common import protocol as p
-    from common.curve import client_keys, make_client
-
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if curve:
-        make_client(sock, client_keys(curve["curve_secret"], curve["curve_server_key"], secret_flag="", server_flag=""))
     try:
-        sock.connect(address)
-        sock.send(p.encode(p.Stats(1)))
-        if not sock.poll(10_000):
-            return -1
-        agents = p.decode(sock.recv(), max_bytes=1 << 30).result["agents"]
-        return sum(a["status"] == "alive" for a in agents.values())
-    finally:
-        sock.close(linger=0)
-        ctx.term()
+        with RolloutClient(address, timeout=10, attach=False, **curve) as client:
+            return sum(a["status"] == "alive" for a in client.stats()["agents"].values())
+    except RolloutError:
+        return -1
 
 
 def measure(

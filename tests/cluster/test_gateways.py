@@ -19,6 +19,7 @@ import zmq
 
 from common import protocol as p
 from common.errors import RemoteError
+from harness.cluster import pid_alive, running_child
 from harness.polling import wait_for
 
 AGENTS = ("agent-0", "agent-1", "agent-2")
@@ -55,14 +56,6 @@ def _successor(cluster, victim: dict, timeout: float) -> dict:
     return wait_for(replaced, timeout, f"the coordinator to replace gateway {victim['gateway']}")
 
 
-def _child_of(pid: int, parent: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1]) == parent
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def test_a_fleet_served_through_gateways_shows_each_gateway(make_cluster):
     cluster = _fleet(make_cluster, "--metrics-port", "0")
     size, seen = cluster.config["rollout_batch_size"], set()
@@ -77,7 +70,7 @@ def test_a_fleet_served_through_gateways_shows_each_gateway(make_cluster):
     )
     assert [g["gateway"] for g in gateways] == [0, 1]
     for g in gateways:
-        assert g["up"] and g["restarts"] == 0 and _child_of(g["pid"], cluster.coordinator.pid), g
+        assert g["up"] and g["restarts"] == 0 and running_child(g["pid"], cluster.coordinator.pid), g
     assert sum(g["messages_in"] for g in gateways) > 0 and sum(g["messages_out"] for g in gateways) > 0
     # The status page's JSON and the metrics show the same parts.
     url = wait_for(lambda: _metrics_url(cluster), 10, "the metrics address in the log")
@@ -126,18 +119,10 @@ def test_the_gateways_die_with_a_sigkilled_coordinator_and_its_restart_binds_aga
         pids = [g["pid"] for g in _gateways(cluster)]
         os.kill(cluster.coordinator.pid, signal.SIGKILL)  # the process alone, not its group
         cluster.coordinator.wait(10)
-        wait_for(lambda: not any(_alive(pid) for pid in pids), 5, "the gateways to exit with their coordinator")
+        wait_for(lambda: not any(pid_alive(pid) for pid in pids), 5, "the gateways to exit with their coordinator")
         cluster.start_coordinator()  # same port, same ledger
         for rollout_id in (1, 2):
             _check_batch(client.generate(rollout_id), size, seen)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def test_bad_input_through_a_gateway_is_answered_as_without_one(make_cluster):
