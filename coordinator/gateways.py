@@ -173,11 +173,11 @@ class GatewayPool:
                 if stalled and slot.seen is not None:
                     # This process itself did not run for a while: the reports it has not read yet are not silence.
                     slot.seen = max(slot.seen, now - STALE_AFTER)
-                code = slot.proc.poll() if slot.proc is not None else None
-                if code is None and not self.stopping:
-                    self._kill_if_hung(slot, now)
+                if slot.proc is None:  # exited, its restart pending
                     continue
-                if code is None or self.stopping:
+                code = slot.proc.poll()
+                if code is None:
+                    self._kill_if_hung(slot, now)
                     continue
                 ran = time.monotonic() - slot.started
                 slot.backoff = 0.0 if ran > STABLE_AFTER else min(MAX_BACKOFF, max(0.2, slot.backoff * 2))

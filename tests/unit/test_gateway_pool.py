@@ -1,13 +1,16 @@
-"""``coordinator serve --gateways auto``: how many gateways a machine gets, and the cores it counts."""
+"""``coordinator serve --gateways``: how many gateways ``auto`` starts, the socket they share, their supervisor."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 
 import pytest
+import zmq
 
 from common.errors import ConfigError
-from coordinator.gateways import auto_gateways, listen, usable_cores
+from coordinator.gateways import HUNG_AFTER, GatewayPool, auto_gateways, listen, usable_cores
 
 
 @pytest.mark.parametrize(("cores", "gateways"), [(1, 0), (2, 0), (7, 0), (8, 1), (16, 2), (31, 3), (64, 4), (512, 4)])
@@ -46,3 +49,23 @@ def test_the_shared_socket_is_non_blocking_and_port_0_resolves():
         assert zmq_bind == endpoint == f"tcp://127.0.0.1:{port}"
     finally:
         sock.close()
+
+
+def test_a_gateway_waiting_for_its_restart_is_not_judged_hung():
+    """Between an exit and the restart its backoff delays, a slot has no process: the supervisor must skip it,
+    however long the gateway was silent before, and keep running (its failure would stop the coordinator)."""
+    ctx = zmq.Context()
+    pool = GatewayPool(ctx, 1, "tcp://127.0.0.1:0", max_bytes=1 << 20)
+    try:
+        slot = pool.slots[0]
+        slot.proc, slot.started, slot.seen = None, time.monotonic() - 10 * HUNG_AFTER, time.monotonic() - 5 * HUNG_AFTER
+
+        async def supervise_a_while():
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(pool.supervise(), 0.6)
+
+        asyncio.run(supervise_a_while())
+        assert slot.proc is None and slot.restarts == 0
+    finally:
+        pool.stop()
+        ctx.term()
