@@ -11,6 +11,12 @@ wait on it: a group that can no longer form (an engine died in the rendezvous, t
 aborted the update) then fails at once on every rank, instead of each one waiting out its timeout.
 The sim engine mirrors SGLang's layout, so what works against it works against SGLang.
 
+With ``backend="nccl"`` the tensors live on the trainer's GPU and every engine rank on its own GPU.
+NCCL cannot tell that a peer died: a collective waits for it. ``broadcast`` therefore waits on each
+send with the update's timeout, which blocks this thread and raises (after aborting the communicator)
+when it passes; the group's own NCCL timeout, which its watchdog enforces by ending the process, is set
+``NCCL_WATCHDOG_MARGIN_S`` later, so the trainer gets the error rather than losing its process.
+
 torch is imported only when a group is formed: everything else in rollfleet runs without it.
 Every call here blocks; run them off the event loop.
 """
@@ -22,6 +28,7 @@ from datetime import timedelta
 from typing import Any
 
 DEFAULT_GROUP_NAME = "weight_update_group"
+NCCL_WATCHDOG_MARGIN_S = 60.0
 
 
 def host(master_address: str, master_port: int, timeout_s: float = 300.0) -> Any:
@@ -51,8 +58,11 @@ def join(
 
     timeout = timedelta(seconds=timeout_s)
     store = TCPStore(master_address, master_port, world_size, False, timeout)
+    # NCCL's watchdog ends the process when an operation outlives the group's timeout: let
+    # ``broadcast``'s own wait (same timeout as the store's) raise first.
+    op_timeout = timedelta(seconds=timeout_s + NCCL_WATCHDOG_MARGIN_S) if backend == "nccl" else timeout
     group, _ = _new_process_group_helper(
-        world_size, 0, [], backend, PrefixStore(group_name, store), group_name=group_name, timeout=timeout
+        world_size, 0, [], backend, PrefixStore(group_name, store), group_name=group_name, timeout=op_timeout
     )
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
@@ -79,12 +89,18 @@ def join_as_trainer(
     return group
 
 
-def broadcast(group: Any, tensors: Iterable[Any]) -> None:
-    """Send each tensor from rank 0 to every engine rank, in order (the order of the bucket's names)."""
+def broadcast(group: Any, tensors: Iterable[Any], timeout_s: float | None = None) -> None:
+    """Send each tensor from rank 0 to every engine rank, in order (the order of the bucket's names).
+
+    Returns once every send completed (for CUDA tensors too, whose collectives run on NCCL's stream);
+    raises if one fails or, with ``timeout_s``, outlives it."""
     import torch.distributed as dist
 
-    for tensor in tensors:
-        dist.broadcast(tensor, src=0, group=group)
+    works = [dist.broadcast(tensor, src=0, group=group, async_op=True) for tensor in tensors]
+    timeout = timedelta(seconds=timeout_s) if timeout_s else None
+    for work in works:
+        # An explicit timeout makes NCCL's wait block this thread until the send is done (or raise).
+        work.wait(timeout) if timeout is not None else work.wait()
 
 
 def destroy(group: Any) -> None:

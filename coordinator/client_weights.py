@@ -149,6 +149,7 @@ class WeightSender:
             raise ValueError("update_weights needs at least one named tensor")
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        check_backend(backend)
         what = f"update_weights({version})"
         beat = self._start_beat(what, f"weights-alive-{version}")
         try:
@@ -280,7 +281,7 @@ class WeightSender:
                     f"{what}: the coordinator kept group {begun['group_name']!r}, which this trainer no longer holds",
                     code="weights",
                 )
-            await self._send(self.group, update_id, items, backend, bucket_bytes, what)
+            await self._send(self.group, update_id, items, backend, bucket_bytes, timeout, what)
             self.updates += 1
             checked = verify if verify is not None else (begun["init"] or self.updates % VERIFY_EVERY == 0)
             values = verify_values(items) if checked else {}
@@ -342,9 +343,10 @@ class WeightSender:
         try:
             if not items:
                 raise ValueError("catch_up needs the named tensors of the current version")
+            check_backend(backend)
             log.info("catching up %d engine rank(s) to version %d", begun["world_size"] - 1, version)
             group, self._side_store = await self._form(address, port, begun, backend, timeout)
-            await self._send(group, update_id, items, backend, bucket_bytes, what)
+            await self._send(group, update_id, items, backend, bucket_bytes, timeout, what)
             values = verify_values(items) if verify else {}
             return await self.client._request(lambda s, req: p.FinishWeights(s, req, update_id, values), what)
         except (RemoteError, StateError):
@@ -359,7 +361,9 @@ class WeightSender:
                 await asyncio.shield(self._drop(group))
             self._side_store = None  # its group is gone: the rendezvous closes
 
-    async def _send(self, group, update_id: int, items: list, backend: str, bucket_bytes: int, what: str) -> None:
+    async def _send(
+        self, group, update_id: int, items: list, backend: str, bucket_bytes: int, timeout: float, what: str
+    ) -> None:
         """Every bucket of ``items``: announced (``WeightBucket``), then broadcast from rank 0 of ``group``.
 
         Pipelined: bucket k+1 is announced (coordinator -> agents -> engines, which queue it) while
@@ -390,7 +394,7 @@ class WeightSender:
             for i, (_, _, tensors) in enumerate(planned):
                 await pending
                 pending = announce(*planned[i + 1]) if i + 1 < len(planned) else None
-                await asyncio.to_thread(weight_group.broadcast, group, tensors)
+                await asyncio.to_thread(weight_group.broadcast, group, tensors, timeout)
         finally:
             if pending is not None and not pending.done():
                 pending.cancel()
@@ -426,8 +430,25 @@ class WeightSender:
 
 
 def _sendable(tensor: Any, backend: str) -> Any:
-    """A contiguous tensor the backend can send (gloo sends from CPU memory)."""
+    """A contiguous tensor the backend can send: gloo sends from CPU memory, NCCL from a GPU's (a CPU
+    tensor goes to the current CUDA device)."""
     tensor = tensor.detach()
     if backend == "gloo" and tensor.device.type != "cpu":
         tensor = tensor.cpu()
+    elif backend == "nccl" and tensor.device.type != "cuda":
+        tensor = tensor.cuda()
     return tensor.contiguous()
+
+
+def check_backend(backend: str) -> None:
+    """ValueError, before anything is sent, for a backend this trainer cannot use."""
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' (tensors on GPUs) or 'gloo' (CPU), got {backend!r}")
+    if backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"backend='nccl' needs CUDA on the trainer, and torch {torch.__version__} sees no GPU: "
+                "use backend='gloo' to broadcast from CPU memory"
+            )

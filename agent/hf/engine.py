@@ -2,9 +2,9 @@
 
 The engine has the duck-typed surface of :class:`agent.sim.engine.SimEngine`, so
 :func:`agent.sim.http.make_app`, the sim's request validation (:func:`agent.sim.params.parse_generate`,
-with the model's vocabulary and tokenizer), its weight endpoints
-(:mod:`agent.sim.weight_routes`, :class:`agent.sim.weights.WeightGroups` for gloo groups) and
-its response objects serve it unchanged. What differs: :class:`agent.hf.scheduler.HFScheduler`
+with the model's vocabulary and tokenizer), its weight endpoints (:mod:`agent.sim.weight_routes`,
+:class:`agent.sim.weights.WeightGroups`: gloo groups, and NCCL groups on a CUDA device) and its
+response objects serve it unchanged. What differs: :class:`agent.hf.scheduler.HFScheduler`
 decodes with the model in batches, and :meth:`HFEngine.apply_weights` copies tensors into the
 model (:mod:`agent.hf.weights`).
 
@@ -134,7 +134,13 @@ class HFEngine:
             executor=self.executor,
             device=torch.device(self.device),
         )
-        self.weight_groups = WeightGroups(timeout_s=float(cfg["weight_sync_timeout"]))
+        if self.device.startswith("cuda"):
+            # NCCL groups: a wait past --weight-sync-timeout raises in the waiting thread and aborts the
+            # communicator, instead of NCCL's watchdog ending this process (agent.sim.weights).
+            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        self.weight_groups = WeightGroups(
+            timeout_s=float(cfg["weight_sync_timeout"]), device=self.device, engine="rollfleet-hf"
+        )
         self.throughput = ThroughputMeter()
         self.ok_generate_calls = 0
 

@@ -17,10 +17,14 @@ TCP rendezvous ``tcp://master_address:master_port``, and the group's store keys 
 ``group_name`` then ``group_name/`` then ``cpu/``, exactly as a trainer's
 ``_new_process_group_helper(..., PrefixStore(group_name, store), group_name=group_name)`` lays
 them out (SGLang's and slime's recipe; a plain ``init_process_group`` default group uses other
-keys and would never meet the engine). The gloo backend is built directly, not registered with
-``torch.distributed``, so several engines and groups can live in one process. Only ``gloo``
-runs here (the sim has no GPU). ``--weight-sync-timeout`` bounds the rendezvous and every
-collective, so a trainer that dies mid-broadcast fails the call instead of hanging it.
+keys and would never meet the engine). The backend is built directly, not registered with
+``torch.distributed``, so several engines and groups can live in one process. ``gloo`` always;
+``nccl`` only for an engine whose model is on a CUDA device (the hf engine with ``--device cuda``;
+its keys are prefixed ``cuda/`` instead of ``cpu/``, and buckets are received into that GPU's
+memory). ``--weight-sync-timeout`` bounds the rendezvous and every collective, so a trainer that
+dies mid-broadcast fails the call instead of hanging it: gloo notices the closed connection at
+once; NCCL cannot, so its wait blocks until the timeout and then aborts the communicator (the
+engine process sets ``TORCH_NCCL_BLOCKING_WAIT=1`` so that NCCL's watchdog never ends it instead).
 
 torch is imported only here, only in worker threads, and only when a weights file or a group is
 used; without it those calls fail with a :class:`WeightError` saying so. Blocking torch calls
@@ -42,6 +46,7 @@ from common.weights_digest import weights_digest
 ACCURACY_KEY = "sim.accuracy"
 CHECKPOINT_FILES = ("model.safetensors", "weights.pt")
 DEFAULT_GROUP = "weight_update_group"
+NCCL_WATCHDOG_MARGIN_S = 60.0
 
 
 class WeightError(Exception):
@@ -167,11 +172,12 @@ def parse_bucket(data: dict, torch: Any) -> list[tuple[str, Any, list[int]]]:
 
 
 class _Group:
-    """One engine's membership of a group: a gloo backend per rank of the engine."""
+    """One engine's membership of a group: a backend (gloo or NCCL) per rank of the engine."""
 
-    def __init__(self, backends: list[Any], stores: list[Any]):
+    def __init__(self, backends: list[Any], stores: list[Any], kind: str = "gloo"):
         self.backends = backends
         self.stores = stores  # the rendezvous store clients: kept alive as long as the group
+        self.kind = kind  # "gloo" (tensors received in CPU memory) or "nccl" (on the engine's GPU)
 
     def shutdown(self) -> None:
         for backend in self.backends:
@@ -185,9 +191,11 @@ class _Group:
 class WeightGroups:
     """The engine's weight-update groups by name: join, receive a bucket by broadcast, destroy."""
 
-    def __init__(self, *, timeout_s: float, tp_size: int = 1):
+    def __init__(self, *, timeout_s: float, tp_size: int = 1, device: str = "cpu", engine: str = "rollfleet-sim"):
         self.timeout_s = timeout_s
         self.tp_size = tp_size
+        self.device = device  # where received tensors live: "cpu", or "cuda"/"cuda:N" for NCCL groups
+        self.engine = engine  # for error messages
         self._groups: dict[str, _Group] = {}
         self._busy = asyncio.Lock()
         # One thread per rank: every rank of a tp>1 engine must enter the rendezvous and the collective at once.
@@ -228,8 +236,7 @@ class WeightGroups:
         backend = data.get("backend") or "nccl"
         if not isinstance(group_name, str):
             raise WeightError(f"group_name must be a string, got {group_name!r}")
-        if backend != "gloo":
-            raise WeightError(f"backend {backend!r} is not available in rollfleet-sim (CPU only): use 'gloo'")
+        self.check_backend(backend)
         if not 0 < port < 65536:
             raise WeightError(f"master_port must be in 1..65535, got {port}")
         if rank_offset < 1 or rank_offset + self.tp_size > world_size:
@@ -247,29 +254,63 @@ class WeightGroups:
             ranks = range(rank_offset, rank_offset + self.tp_size)
             init_method = f"tcp://{address}:{port}"
             results = await self._blocking(
-                [(self._join, torch, init_method, rank, world_size, group_name) for rank in ranks]
+                [(self._join, torch, init_method, rank, world_size, group_name, backend) for rank in ranks]
             )
             failures = [r for r in results if isinstance(r, BaseException)]
             joined = [r for r in results if not isinstance(r, BaseException)]
             if failures:
                 _Group([b for b, _ in joined], [s for _, s in joined]).shutdown()
                 raise WeightError(f"Failed to initialize custom process group: {failures[0]}.")
-            self._groups[group_name] = _Group([b for b, _ in joined], [s for _, s in joined])
+            self._groups[group_name] = _Group([b for b, _ in joined], [s for _, s in joined], backend)
         return "Succeeded to initialize custom process group."
 
-    def _join(self, torch: Any, init_method: str, rank: int, world_size: int, group_name: str) -> tuple[Any, Any]:
-        from torch._C._distributed_c10d import ProcessGroupGloo
+    def check_backend(self, backend: Any) -> None:
+        """WeightError unless this engine can join a group of ``backend``."""
+        if backend == "gloo" or (backend == "nccl" and self.device.startswith("cuda")):
+            return
+        if backend == "nccl" and self.engine == "rollfleet-sim":
+            raise WeightError(f"backend 'nccl' is not available in {self.engine} (CPU only): use 'gloo'")
+        if backend == "nccl":
+            raise WeightError(
+                f"backend 'nccl' needs the model on a CUDA device, and this {self.engine} engine runs on "
+                f"{self.device}: use 'gloo', or start the engine with --device cuda"
+            )
+        raise WeightError(f"backend {backend!r} is not available in {self.engine}: use 'gloo' or 'nccl'")
+
+    def _join(
+        self, torch: Any, init_method: str, rank: int, world_size: int, group_name: str, backend_name: str
+    ) -> tuple[Any, Any]:
         from torch.distributed import PrefixStore, rendezvous
 
         timeout = timedelta(seconds=self.timeout_s)
         store, _, _ = next(rendezvous(init_method, rank, world_size, timeout=timeout))
         store.set_timeout(timeout)
         # The keys of SGLang's init_custom_process_group: PrefixStore(group_name), then the helper's
-        # "group_name/", then the device's "cpu/".
-        prefixed = PrefixStore("cpu/", PrefixStore(f"{group_name}/", PrefixStore(group_name, store)))
-        backend = ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        # "group_name/", then the device's "cpu/" (gloo) or "cuda/" (nccl).
+        prefix = "cuda/" if backend_name == "nccl" else "cpu/"
+        prefixed = PrefixStore(prefix, PrefixStore(f"{group_name}/", PrefixStore(group_name, store)))
+        if backend_name == "nccl":
+            backend = self._nccl(torch, prefixed, rank, world_size, group_name, timeout)
+        else:
+            from torch._C._distributed_c10d import ProcessGroupGloo
+
+            backend = ProcessGroupGloo(prefixed, rank, world_size, timeout)
         backend._set_sequence_number_for_group()
         return backend, store
+
+    def _nccl(self, torch: Any, store: Any, rank: int, world_size: int, group_name: str, timeout: timedelta) -> Any:
+        """An NCCL backend on this engine's GPU, with the options a trainer's ``_new_process_group_helper`` uses.
+        Its communicator forms at the first broadcast (NCCL's unique id travels through ``store``)."""
+        from torch._C._distributed_c10d import ProcessGroupNCCL
+
+        torch.cuda.set_device(torch.device(self.device))
+        options = ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        # The watchdog's limit, past the waits' own (``timeout``), which raise and abort first.
+        options._timeout = timeout + timedelta(seconds=NCCL_WATCHDOG_MARGIN_S)
+        options.group_name = group_name
+        options.global_ranks_in_group = list(range(world_size))
+        return ProcessGroupNCCL(store, rank, world_size, options)
 
     async def receive(self, data: dict) -> dict[str, Any]:
         """Receive one bucket by ``broadcast(src=0)`` in ``names`` order; the tensors by name."""
@@ -280,7 +321,10 @@ class WeightGroups:
         async with self._busy:
             self.require(group_name)  # it may have been destroyed while this call waited
             group = self._groups[group_name]
-            results = await self._blocking([(self._broadcast, torch, backend, specs) for backend in group.backends])
+            device = self.device if group.kind == "nccl" else "cpu"
+            results = await self._blocking(
+                [(self._broadcast, torch, backend, specs, device) for backend in group.backends]
+            )
         for result in results:
             if isinstance(result, BaseException):
                 raise WeightError(
@@ -289,7 +333,9 @@ class WeightGroups:
                 )
         return results[0]
 
-    def _broadcast(self, torch: Any, backend: Any, specs: list[tuple[str, Any, list[int]]]) -> dict[str, Any]:
+    def _broadcast(
+        self, torch: Any, backend: Any, specs: list[tuple[str, Any, list[int]]], device: str = "cpu"
+    ) -> dict[str, Any]:
         from torch._C._distributed_c10d import BroadcastOptions
 
         timeout = timedelta(seconds=self.timeout_s)
@@ -297,9 +343,11 @@ class WeightGroups:
         options.rootRank = 0
         options.rootTensor = 0
         options.timeout = timeout
+        if device != "cpu":
+            torch.cuda.set_device(torch.device(device))
         received, works = {}, []
         for name, dtype, shape in specs:
-            tensor = torch.empty(shape, dtype=dtype)
+            tensor = torch.empty(shape, dtype=dtype, device=device)
             works.append(backend.broadcast([tensor], options))
             received[name] = tensor
         for work in works:

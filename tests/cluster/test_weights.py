@@ -179,6 +179,11 @@ def test_a_new_trainer_replaces_one_that_left_an_update_in_flight(make_cluster):
     assert cluster.status()["weights"]["lock"] is not None
     second = cluster.client()
     wait_for(lambda: cluster.status()["weights"]["lock"] is None, 10, "the abandoned update to be aborted")
+    if not torch.cuda.is_available():
+        # NCCL (the default) on a trainer without a GPU: refused before anything starts, saying what to use.
+        with pytest.raises(ValueError, match="backend='nccl' needs CUDA on the trainer.*backend='gloo'"):
+            second.update_weights({"w": torch.ones(8)}, 1, timeout=60)
+        assert cluster.status()["weights"]["lock"] is None
     result = second.update_weights({"w": torch.ones(8)}, 1, backend="gloo", timeout=60)
     assert set(result["engines"].values()) == {1}
     assert cluster.engine_pids_of("a1") == pids

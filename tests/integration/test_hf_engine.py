@@ -190,6 +190,20 @@ async def test_weight_updates_by_broadcast_and_from_disk_change_the_model_and_ke
             assert (await r.json())["weight_digest"] == info2["weight_digest"]
 
 
+async def test_an_nccl_group_is_refused_on_a_cpu_engine_with_what_to_do_instead(hf_model_dir):
+    from tests.integration.test_sim_weights import free_port, post
+
+    async with serve_hf(hf_model_dir, device="cpu") as (engine, s):
+        body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+                "group_name": GROUP, "backend": "nccl"}  # fmt: skip
+        status, out = await post(s, "/init_weights_update_group", body)
+        assert status == 400 and out["success"] is False, out
+        assert "needs the model on a CUDA device" in out["message"] and "--device cuda" in out["message"], out
+        assert (await server_info(s))["hf"]["weight_groups"] == []  # nothing was joined
+        status, out = await post(s, "/init_weights_update_group", {**body, "backend": "mpi"})
+        assert status == 400 and "'mpi' is not available in rollfleet-hf" in out["message"], out
+
+
 async def test_sampling_and_finish_rules(hf_model_dir):
     async with serve_hf(hf_model_dir) as (engine, s):
         prompt = list(b"The answer is")
