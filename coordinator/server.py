@@ -22,8 +22,8 @@ outside a turn re-checks ``zmq.EVENTS`` afterwards (``_poke``).
 
 Nothing blocking runs on the event loop: ledger commits run on the writer
 thread, and the dataset rows a Grant carries (``Send.with_rows``, for agents
-without their own replica) are read on a reader thread after the commit,
-before the Grant leaves in its place in line.
+without their own replica) are read there right after the commit, in the same
+job, before the Grant leaves in its place in line.
 
 With CurveZMQ keys (``curve``, common/curve.py) the ROUTER is a CURVE server and
 ``KeyGate`` (common/zap.py), started before the loops, admits only the agents' and
@@ -186,9 +186,9 @@ class CoordinatorServer:
             self.io.after_flush = self._poke
         if self.core.start_ops:
             self.ledger.apply(self.core.start_ops)
+        # One thread for the ledger's commits and the dataset rows Grants carry (the datasets' file
+        # handles are used from it alone).
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer")
-        # One thread: the dataset's file handle is used from it alone.
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dataset-reader")
         self._persist_queue: asyncio.Queue[Persist | None] = asyncio.Queue()
         self._held: dict = {}  # destination -> the last queued Persist holding a message to it
         self._writing = False  # the writer holds a batch it has not finished sending
@@ -243,14 +243,14 @@ class CoordinatorServer:
             while not self._persist_queue.empty():
                 batch.append(self._persist_queue.get_nowait())
             ops = [op for eff in batch for op in eff.ops]
+            grants = [s for eff in batch for s in eff.then if s.with_rows]
             try:
-                await loop.run_in_executor(self._writer, self.ledger.apply, ops)
+                # One hop to the writer thread and back: the commit, then the rows its Grants carry.
+                filled = await loop.run_in_executor(self._writer, self._commit, ops, grants)
             except StorageFull as exc:
                 # Nothing held behind this write is sent; the coordinator stops (the TaskGroup ends).
                 log.error("%s; the coordinator stops", exc)
                 raise
-            grants = [s for eff in batch for s in eff.then if s.with_rows]
-            filled = await loop.run_in_executor(self._reader, self._read_rows, grants) if grants else {}
             for eff in batch:
                 for s in eff.then:
                     msg = filled.get(id(s), s.msg) if s.with_rows else s.msg
@@ -261,8 +261,14 @@ class CoordinatorServer:
             self._writing = False
             self._poke()
 
+    def _commit(self, ops: list, grants: list[Send]) -> dict[int, p.Grant | None]:
+        """Writer thread: commit ``ops``, then fill ``grants`` with their rows (``_read_rows``)."""
+        self.ledger.apply(ops)
+        return self._read_rows(grants) if grants else {}
+
     def _read_rows(self, grants: list[Send]) -> dict[int, p.Grant | None]:
-        """Each Grant with its leases' dataset rows added (reader thread); None if a row is unreadable.
+        """Each Grant with its leases' dataset rows added (writer thread, after the commit); None if a row
+        is unreadable.
 
         A Grant that is not sent is repaired like a lost one: the agent's next
         heartbeat omits its leases, which are then released.
@@ -437,7 +443,6 @@ class CoordinatorServer:
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)
-        self._reader.shutdown(wait=True)
         self.io.close()
         self.ctx.term()
         self.ledger.close()

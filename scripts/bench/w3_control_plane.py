@@ -300,6 +300,7 @@ def measure(
             spy = [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(coord.pid), "--nonblocking"]
             spy += ["--threads", "-r", "200", "-d", str(int(args.seconds)), "-f", "raw"]
             spy_proc = procs.start(f"py-spy-{tag}", spy + ["-o", str(Path(args.py_spy) / f"{tag}.txt")])
+            procs.items.remove(spy_proc)  # it ends by itself with the window (-d): not a failure for check()
         c0, g0, t0 = cpu_s(coord.pid), sum(map(cpu_s, gateway_pids)), time.monotonic()
         time.sleep(max(0.0, end_at - time.time()))
         c1, g1, t1 = cpu_s(coord.pid), sum(map(cpu_s, gateway_pids)), time.monotonic()
@@ -312,7 +313,6 @@ def measure(
                 progress(f"coordinator: {line}")
         if args.py_spy:
             spy_proc.popen.wait(timeout=30)
-            procs.items.remove(spy_proc)
         results = []
         for load in loads:
             rc = load.popen.wait(timeout=60)
