@@ -445,8 +445,10 @@ def check_backend(backend: str) -> None:
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl' (tensors on GPUs) or 'gloo' (CPU), got {backend!r}")
     if backend == "nccl":
-        import torch
-
+        try:
+            import torch
+        except ImportError:
+            raise ValueError("update_weights needs torch on the trainer (pip install torch)") from None
         if not torch.cuda.is_available():
             raise ValueError(
                 f"backend='nccl' needs CUDA on the trainer, and torch {torch.__version__} sees no GPU: "
