@@ -22,12 +22,12 @@ def main(address: str, version: int, timeout: float) -> None:
     broadcast = weight_group.broadcast
     calls = []
 
-    def stalling(group, tensors):
+    def stalling(group, tensors, timeout_s=None):
         calls.append(len(tensors))
         if len(calls) > 1:
             print(f"stalled in bucket {len(calls) - 1}", flush=True)
             threading.Event().wait()  # until killed
-        return broadcast(group, tensors)
+        return broadcast(group, tensors, timeout_s)
 
     weight_group.broadcast = stalling
     client = RolloutClient(address, timeout=60, retry_interval=0.5)
