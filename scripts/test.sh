@@ -17,13 +17,12 @@ fi
 .venv/bin/python -m ruff check . || exit 1
 .venv/bin/python -m ruff format --check . || { echo "run: .venv/bin/ruff format ." >&2; exit 1; }
 # ROLLFLEET_TEST_WORKERS=N (default 2; 1: one process, in order) runs the tests on N workers (pytest-xdist,
-# --dist loadgroup): each file's tests on one worker, in order, and the heavy files (models training, chaos,
-# silent partitions, weight updates under faults: tests/conftest.py HEAVY_FILES) one after another on a single
-# worker, so no two of them share the cores while the other worker runs the rest.
+# --dist load): each idle worker takes the next test, so the long files (models training, chaos, silent
+# partitions) spread over the workers and both stay busy to the end. No test depends on another's order.
 workers="${ROLLFLEET_TEST_WORKERS:-2}"
 parallel=()
 if [ "$workers" -gt 1 ] 2>/dev/null; then
-  parallel=(-n "$workers" --dist loadgroup)
+  parallel=(-n "$workers" --dist load)
 fi
 started=$(date +%s)
 .venv/bin/python -m pytest "${parallel[@]}" "$@"

@@ -51,18 +51,14 @@ HEAVY_FILES = {
     "tests/cluster/test_weight_failures.py",
     "tests/cluster/test_weights.py",
     "tests/integration/test_hf_engine.py",
+    "tests/cluster/test_nccl_two_gpus.py",
 }
 """Files whose tests are marked ``heavy``: CPU-bound (models training, chaos) or bounded in seconds on a loaded
-machine (silent partitions, weight updates under faults). Under pytest-xdist (``scripts/test.sh``) they form one
-group that runs on one worker, one test at a time, while the other workers take the rest file by file."""
+machine (silent partitions, weight updates under faults). ``-m "not heavy"`` leaves them out of a quick run."""
 
 
 def pytest_collection_modifyitems(config, items):
     root = config.rootpath
     for item in items:
-        path = item.path.relative_to(root).as_posix()
-        heavy = path in HEAVY_FILES
-        if heavy:
+        if item.path.relative_to(root).as_posix() in HEAVY_FILES:
             item.add_marker(pytest.mark.heavy)
-        # --dist loadgroup: a file's tests stay together and in order; the heavy files are one group.
-        item.add_marker(pytest.mark.xdist_group("heavy" if heavy else path))
