@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def progress(msg: str) -> None:
@@ -168,3 +169,56 @@ def venv_script(name: str) -> str:
     if not found:
         raise SystemExit(f"w1: cannot find the {name!r} console script (is rollfleet installed?)")
     return found
+
+
+def run_ranks(workdir: Path, argvs: list[list[str]], timeout: float = 900) -> str:
+    """Run one process per argv (a group's ranks, all at once, logs in ``workdir/floor-rankN.log``) until every
+    one exits; rank 0's last output line. RuntimeError with a rank's log tail if it fails."""
+    procs = []
+    try:
+        for rank, argv in enumerate(argvs):
+            with open(workdir / f"floor-rank{rank}.log", "wb") as log:
+                procs.append(
+                    subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT)
+                )
+        for rank, p in enumerate(procs):
+            rc = p.wait(timeout=timeout)
+            if rc != 0:
+                tail = (workdir / f"floor-rank{rank}.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"floor rank {rank} exited with {rc}:\n{tail}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return (workdir / "floor-rank0.log").read_text().strip().splitlines()[-1]
+
+
+def floor_times(reps: int, tensors, sync=lambda: None) -> list[float]:
+    """A floor rank's seconds per repetition of broadcasting every tensor ``tensors()`` yields from rank 0 of
+    the default ``torch.distributed`` group: a barrier, the broadcasts, ``sync()``, a barrier. ``tensors()``
+    runs inside the window (receiving ranks allocate there). The first of ``reps + 1`` is warm-up, left out."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(reps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for tensor in tensors():
+            dist.broadcast(tensor, src=0)
+        sync()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return times[1:]
+
+
+def end_floor(out: dict, rank: int) -> int:
+    """Leave the floor's group; rank 0 prints ``out`` as its last line (what ``run_ranks`` returns)."""
+    import json
+
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps(out), flush=True)
+    return 0

@@ -35,7 +35,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +49,7 @@ from common.errors import WeightUpdateError  # noqa: E402
 from harness.chaos_check import NO_ENGINE_UP  # noqa: E402
 from harness.cluster import Cluster, free_port  # noqa: E402
 from harness.polling import wait_for  # noqa: E402
-from scripts.bench.benchlib import progress  # noqa: E402
+from scripts.bench.benchlib import end_floor, floor_times, progress, run_ranks  # noqa: E402
 
 BENCH = "nccl_broadcast"
 MB = 1 << 20
@@ -111,22 +110,16 @@ def floor_rank(args) -> int:
             if args.floor_rank == 0
             else None
         )
-        times = []
-        for _ in range(args.reps + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for i, ((shape, _), dt) in enumerate(zip(tensors, dtypes, strict=True)):
-                t = sent[i] if sent is not None else torch.empty(shape, dtype=dt, device=device)
-                dist.broadcast(t, src=0)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            dist.barrier()
-            times.append(time.perf_counter() - t0)
-        out[size_mb] = times[1:]
-    dist.destroy_process_group()
-    if args.floor_rank == 0:
-        print(json.dumps(out), flush=True)
-    return 0
+        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        out[size_mb] = floor_times(
+            args.reps,
+            lambda: (
+                sent[i] if sent is not None else torch.empty(shape, dtype=dt, device=device)
+                for i, ((shape, _), dt) in enumerate(zip(tensors, dtypes, strict=True))
+            ),
+            sync,
+        )
+    return end_floor(out, args.floor_rank)
 
 
 def run_floor(workdir: Path, named, sizes: list[int], args) -> dict[int, list[float]]:
@@ -137,27 +130,13 @@ def run_floor(workdir: Path, named, sizes: list[int], args) -> dict[int, list[fl
     spec_file = workdir / "floor-specs.json"
     spec_file.write_text(json.dumps(specs))
     port = free_port()
-    procs = []
-    try:
-        for rank in (0, 1):
-            with open(workdir / f"floor-rank{rank}.log", "wb") as log:
-                argv = [sys.executable, "-W", "ignore", os.path.abspath(__file__), "--floor-rank", str(rank)]
-                argv += ["--floor-port", str(port), "--floor-specs", str(spec_file), "--reps", str(args.reps)]
-                argv += ["--backend", args.backend, "--trainer-device", args.trainer_device]
-                argv += ["--engine-device", args.engine_device]
-                procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
-        for rank, p in enumerate(procs):
-            rc = p.wait(timeout=900)
-            if rc != 0:
-                tail = (workdir / f"floor-rank{rank}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"floor rank {rank} exited with {rc}:\n{tail}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    lines = (workdir / "floor-rank0.log").read_text().strip().splitlines()
-    return {int(k): v for k, v in json.loads(lines[-1]).items()}
+    argvs = []
+    for rank in (0, 1):
+        argv = [sys.executable, "-W", "ignore", os.path.abspath(__file__), "--floor-rank", str(rank)]
+        argv += ["--floor-port", str(port), "--floor-specs", str(spec_file), "--reps", str(args.reps)]
+        argvs.append(argv + ["--backend", args.backend, "--trainer-device", args.trainer_device,
+                             "--engine-device", args.engine_device])  # fmt: skip
+    return {int(k): v for k, v in json.loads(run_ranks(workdir, argvs)).items()}
 
 
 # --------------------------------------------------------------------------- the fleet

@@ -37,7 +37,6 @@ import os
 import shutil
 import signal
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from harness.cluster import Cluster, free_port  # noqa: E402
 from harness.polling import wait_for  # noqa: E402
+from scripts.bench.benchlib import end_floor, floor_times, run_ranks  # noqa: E402
 
 BENCH = "weight_update"
 AGENTS = 2
@@ -144,63 +144,35 @@ def floor_rank(args) -> int:
     for size_mb in args.sizes:
         shapes = tensor_shapes(size_mb)
         sent = make_tensors(size_mb, 1.0) if args.floor_rank == 0 else None
-        times = []
-        for _ in range(args.reps + 1):  # the first repetition is warm-up
-            dist.barrier()
-            t0 = time.perf_counter()
-            for name, numel in shapes:
-                t = sent[name] if sent is not None else torch.empty(numel, dtype=torch.float32)
-                dist.broadcast(t, src=0)
-            dist.barrier()
-            times.append(time.perf_counter() - t0)
-        out[size_mb] = times[1:]
-    dist.destroy_process_group()
-    if args.floor_rank == 0:
-        print(json.dumps(out), flush=True)
-    return 0
+        out[size_mb] = floor_times(
+            args.reps,
+            lambda: (
+                sent[name] if sent is not None else torch.empty(numel, dtype=torch.float32) for name, numel in shapes
+            ),
+        )
+    return end_floor(out, args.floor_rank)
 
 
 def run_floor(workdir: Path, sizes: list[int], reps: int) -> dict[int, list[float]]:
     port = free_port()
-    procs = []
-    try:
-        for rank in range(RECEIVERS + 1):
-            log = open(workdir / f"floor-rank{rank}.log", "wb")
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-W",
-                        "ignore",
-                        os.path.abspath(__file__),
-                        "--floor-rank",
-                        str(rank),
-                        "--floor-port",
-                        str(port),
-                        "--sizes",
-                        ",".join(map(str, sizes)),
-                        "--reps",
-                        str(reps),
-                    ],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    cwd=ROOT,
-                )
-            )
-            log.close()
-        for rank, p in enumerate(procs):
-            rc = p.wait(timeout=600)
-            if rc != 0:
-                tail = (workdir / f"floor-rank{rank}.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"floor rank {rank} exited with {rc}:\n{tail}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    lines = (workdir / "floor-rank0.log").read_text().strip().splitlines()
-    return {int(k): v for k, v in json.loads(lines[-1]).items()}
+    argvs = [
+        [
+            sys.executable,
+            "-W",
+            "ignore",
+            os.path.abspath(__file__),
+            "--floor-rank",
+            str(rank),
+            "--floor-port",
+            str(port),
+            "--sizes",
+            ",".join(map(str, sizes)),
+            "--reps",
+            str(reps),
+        ]  # fmt: skip
+        for rank in range(RECEIVERS + 1)
+    ]
+    return {int(k): v for k, v in json.loads(run_ranks(workdir, argvs, timeout=600)).items()}
 
 
 # --------------------------------------------------------------------------- rollfleet
