@@ -104,8 +104,15 @@ def broadcast(group: Any, tensors: Iterable[Any], timeout_s: float | None = None
 
 
 def destroy(group: Any) -> None:
-    """Tear the trainer's end of the group down (the engines' ends go with /destroy_weights_update_group)."""
-    import torch.distributed as dist
+    """Tear the trainer's end of the group down (the engines' ends go with /destroy_weights_update_group).
 
-    dist.destroy_process_group(group)
+    An NCCL group is aborted, not shut down: a shutdown may wait on its peers, and a group is often
+    dropped because one of them died."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if dist.get_backend(group) == "nccl" and hasattr(distributed_c10d, "_abort_process_group"):
+        distributed_c10d._abort_process_group(group)
+    else:
+        dist.destroy_process_group(group)
     _hosted.pop(id(group), None)

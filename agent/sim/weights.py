@@ -182,7 +182,8 @@ class _Group:
     def shutdown(self) -> None:
         for backend in self.backends:
             try:
-                backend.shutdown()
+                # NCCL: abort, which never waits on a peer (the trainer may be the reason for leaving).
+                backend.abort() if self.kind == "nccl" else backend.shutdown()
             except Exception:  # gloo may not implement shutdown; dropping the references frees it
                 pass
         self.backends, self.stores = [], []
@@ -259,7 +260,7 @@ class WeightGroups:
             failures = [r for r in results if isinstance(r, BaseException)]
             joined = [r for r in results if not isinstance(r, BaseException)]
             if failures:
-                _Group([b for b, _ in joined], [s for _, s in joined]).shutdown()
+                _Group([b for b, _ in joined], [s for _, s in joined], backend).shutdown()
                 raise WeightError(f"Failed to initialize custom process group: {failures[0]}.")
             self._groups[group_name] = _Group([b for b, _ in joined], [s for _, s in joined], backend)
         return "Succeeded to initialize custom process group."
