@@ -215,14 +215,17 @@ class Fleet:
         return time.perf_counter() - t0, result
 
     def check_batch(self) -> tuple[float, int]:
-        """The current version's samples of the next batch (or up to two more, when groups generated
-        before the last push filled it) against this model: (largest gap, samples compared)."""
+        """The samples of the next batch generated wholly on the current version (or of up to two more
+        batches, when groups begun before the last push filled it) against this model: (largest gap,
+        samples compared)."""
         label = str(self.version) if self.version else "default"
         seen: set[str] = set()
         for _ in range(3):
             batch = self.client.generate(self.rollout_id)
             self.rollout_id += 1
-            samples = [s for s in batch.samples if s.weight_version == label]
+            # Only samples generated wholly on the current weights: one caught by the push in flight has an
+            # earlier span (partial rollouts), whose logprobs are the earlier weights'.
+            samples = [s for s in batch.samples if {str(v) for v, _, _ in s.weight_versions} == {label}]
             seen |= {s.weight_version for s in batch.samples}
             if samples:
                 break
