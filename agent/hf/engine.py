@@ -3,7 +3,7 @@
 The engine has the duck-typed surface of :class:`agent.sim.engine.SimEngine`, so
 :func:`agent.sim.http.make_app`, the sim's request validation (:func:`agent.sim.params.parse_generate`,
 with the model's vocabulary and tokenizer), its weight endpoints (:mod:`agent.sim.weight_routes`,
-:class:`agent.sim.weights.WeightGroups`: gloo groups, and NCCL groups on a CUDA device) and its
+:class:`agent.sim.weight_groups.WeightGroups`: gloo groups, and NCCL groups on a CUDA device) and its
 response objects serve it unchanged. What differs: :class:`agent.hf.scheduler.HFScheduler`
 decodes with the model in batches, and :meth:`HFEngine.apply_weights` copies tensors into the
 model (:mod:`agent.hf.weights`).
@@ -36,7 +36,8 @@ from agent.sim.config import CRASH_EXIT_CODE
 from agent.sim.info import ThroughputMeter
 from agent.sim.params import parse_generate
 from agent.sim.sample import Sample
-from agent.sim.weights import WeightError, WeightGroups
+from agent.sim.weight_groups import WeightGroups
+from agent.sim.weights import WeightError
 
 log = logging.getLogger("rollfleet.hf_engine")
 
@@ -136,7 +137,7 @@ class HFEngine:
         )
         if self.device.startswith("cuda"):
             # NCCL groups: a wait past --weight-sync-timeout raises in the waiting thread and aborts the
-            # communicator, instead of NCCL's watchdog ending this process (agent.sim.weights).
+            # communicator, instead of NCCL's watchdog ending this process (agent.sim.weight_groups).
             os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         self.weight_groups = WeightGroups(
             timeout_s=float(cfg["weight_sync_timeout"]), device=self.device, engine="rollfleet-hf"

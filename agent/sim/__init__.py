@@ -19,9 +19,9 @@ Modules, one role each:
 - :mod:`~agent.sim.engine`: :class:`SimEngine`, settings, readiness, crash switch;
   :mod:`~agent.sim.info`: the info endpoints' payloads.
 - :mod:`~agent.sim.weights`: the tensors the engine holds (``sim.accuracy`` sets the answer
-  accuracy; ``weight_digest`` fingerprints them, :mod:`common.weights_digest`), checkpoints
-  on disk and SGLang's distributed weight-update groups (real gloo, torch optional);
-  :mod:`~agent.sim.weight_routes`: the weight endpoints.
+  accuracy; ``weight_digest`` fingerprints them, :mod:`common.weights_digest`) and checkpoints
+  on disk; :mod:`~agent.sim.weight_groups`: SGLang's distributed weight-update groups (real gloo,
+  and NCCL on a CUDA engine; torch optional); :mod:`~agent.sim.weight_routes`: the weight endpoints.
 - :mod:`~agent.sim.http`: the aiohttp app and SSE streaming; :mod:`~agent.sim.replies`:
   request bodies and error shapes; :mod:`~agent.sim.cli` and :mod:`~agent.sim.config`: flags,
   ``run`` and ``main``.

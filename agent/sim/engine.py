@@ -2,8 +2,8 @@
 
 The engine owns a :class:`~agent.sim.scheduler.Scheduler` (the request path), an
 :class:`~agent.sim.output.OutputModel` and its weights (:mod:`agent.sim.weights`: the tensors it
-holds, of which ``sim.accuracy`` sets the output model's accuracy, and its weight-update
-groups). HTTP lives in :mod:`agent.sim.http`, the info endpoints' payloads in
+holds, of which ``sim.accuracy`` sets the output model's accuracy; :mod:`agent.sim.weight_groups`:
+its weight-update groups). HTTP lives in :mod:`agent.sim.http`, the info endpoints' payloads in
 :mod:`agent.sim.info`. ``/generate`` answers 503 while the engine is starting
 (``--startup-delay``) or ``--unhealthy``: SGLang opens its port only once ready.
 """
@@ -24,7 +24,8 @@ from agent.sim.output import OutputModel
 from agent.sim.params import parse_generate
 from agent.sim.sample import Sample
 from agent.sim.scheduler import Scheduler
-from agent.sim.weights import WeightGroups, WeightStore
+from agent.sim.weight_groups import WeightGroups
+from agent.sim.weights import WeightStore
 
 # The logger keeps the name it had when the engine was one module, so existing log filters still match.
 log = logging.getLogger("rollfleet.sim_engine")
