@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -47,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.errors import WeightUpdateError  # noqa: E402
 from harness.chaos_check import NO_ENGINE_UP  # noqa: E402
+from harness.chaos_evidence import serving_engines  # noqa: E402
 from harness.cluster import Cluster, free_port  # noqa: E402
 from harness.polling import wait_for  # noqa: E402
 from scripts.bench.benchlib import end_floor, floor_times, progress, run_ranks  # noqa: E402
@@ -61,11 +63,6 @@ LOGPROB_TOLERANCE = 1e-3
 
 def emit(metric: str, value, unit: str, **extra) -> None:
     print(json.dumps({"bench": BENCH, "metric": metric, "value": value, "unit": unit, **extra}), flush=True)
-
-
-def median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
 
 def prefix_of(named: list[tuple[str, object]], size_mb: int) -> list[tuple[str, object]]:
@@ -144,9 +141,8 @@ def run_floor(workdir: Path, named, sizes: list[int], args) -> dict[int, list[fl
 
 def model_info(cluster: Cluster, agent: str) -> dict:
     """The ``/model_info`` of the agent's healthy engine; {} if it has none."""
-    entry = cluster.status()["agents"].get(agent, {})
-    urls = [e["url"] for e in entry.get("engines", ()) if e.get("state") == "healthy"]
-    if entry.get("status") != "alive" or not urls:
+    urls = [url for key, url in serving_engines(cluster.status()).items() if key.startswith(f"{agent}/")]
+    if not urls:
         return {}
     with urllib.request.urlopen(f"{urls[0]}/model_info", timeout=30) as resp:
         return json.loads(resp.read())
@@ -305,18 +301,18 @@ def run(args) -> int:
             part = prefix_of(fleet.named(), size)
             times = [fleet.push(part, bucket_mb=max(size, args.bucket_mb))[0] for _ in range(args.reps)]
             fleet.check_digest()
-            ratio = median(times) / median(floor[size])
-            emit("update_s", round(median(times), 4), "s", size_mb=size, samples=[round(t, 4) for t in times])
-            emit("floor_broadcast_s", round(median(floor[size]), 4), "s", size_mb=size,
-                 samples=[round(t, 4) for t in floor[size]])  # fmt: skip
+            update, bare = statistics.median(times), statistics.median(floor[size])
+            ratio = update / bare
+            emit("update_s", round(update, 4), "s", size_mb=size, samples=[round(t, 4) for t in times])
+            emit("floor_broadcast_s", round(bare, 4), "s", size_mb=size, samples=[round(t, 4) for t in floor[size]])
             emit("ratio_to_floor", round(ratio, 2), "ratio", size_mb=size, target=1.3)
             results[f"ratio_{size}mb"] = round(ratio, 2)
 
         largest = prefix_of(fleet.named(), sizes[-1])
         for bucket_mb in args.sweep:
             times = [fleet.push(largest, bucket_mb=bucket_mb)[0] for _ in range(max(1, args.reps // 2))]
-            emit("sweep_update_s", round(median(times), 4), "s", size_mb=sizes[-1], bucket_mb=bucket_mb)
-            results[f"sweep_{bucket_mb}mb"] = round(median(times), 4)
+            results[f"sweep_{bucket_mb}mb"] = round(statistics.median(times), 4)
+            emit("sweep_update_s", results[f"sweep_{bucket_mb}mb"], "s", size_mb=sizes[-1], bucket_mb=bucket_mb)
         fleet.check_digest()
 
         progress("SIGKILL of the engine, then an update")

@@ -47,6 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from harness.chaos_evidence import serving_engines  # noqa: E402
 from harness.cluster import Cluster, free_port  # noqa: E402
 from harness.polling import wait_for  # noqa: E402
 from scripts.bench.benchlib import end_floor, floor_times, run_ranks  # noqa: E402
@@ -183,22 +184,11 @@ def model_info(url: str) -> dict:
         return json.loads(resp.read())
 
 
-def serving_engines(cluster: Cluster) -> dict[str, str]:
-    status = cluster.status()
-    return {
-        f"{a}/{e['name']}": e["url"]
-        for a, entry in status["agents"].items()
-        if entry["status"] == "alive"
-        for e in entry["engines"]
-        if e.get("state") == "healthy"
-    }
-
-
 def check_engines(cluster: Cluster, version: int, digest: str | None) -> None:
     """Every engine serves ``version`` (and holds ``digest``); waits briefly for health to catch up."""
 
     def ok():
-        urls = serving_engines(cluster)
+        urls = serving_engines(cluster.status())
         if len(urls) != RECEIVERS:
             return False
         for url in urls.values():
@@ -221,7 +211,7 @@ def run_rollfleet(workdir: Path, sizes: list[int], reps: int, bucket_bytes: int,
         cluster.start_coordinator("--no-sync")
         for i in range(AGENTS):
             cluster.start_agent(f"agent-{i}", "--no-sync", engines=ENGINES_PER_AGENT, concurrency=32)
-        wait_for(lambda: len(serving_engines(cluster)) == RECEIVERS, 60, f"{RECEIVERS} healthy engines")
+        wait_for(lambda: len(serving_engines(cluster.status())) == RECEIVERS, 60, f"{RECEIVERS} healthy engines")
         progress(f"cluster ready: coordinator {cluster.address}, {AGENTS} agents x {ENGINES_PER_AGENT} sim engines")
         version = 0
         with cluster.client(timeout=300) as client:
