@@ -57,7 +57,7 @@ BATCH_BYTES = 8 << 20
 PEER_WINDOW = 5.0
 """A peer counts in the gateway's ``peers`` while it was heard from within this many seconds."""
 STATS_INTERVAL = 1.0
-"""Seconds between the gateway's statistics messages to the core."""
+"""Seconds between the gateway's statistics messages to the supervisor (coordinator/gateways.py)."""
 MESSAGES = b"m"
 
 

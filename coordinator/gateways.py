@@ -135,6 +135,7 @@ class GatewayPool:
         self._stats.setsockopt(zmq.RCVHWM, 1000)
         self._stats.bind(self.stats_endpoint)
         self.slots = [Slot(i) for i in range(count)]
+        self._resumed = float("-inf")  # silence before this does not count towards a hang (this process stalled)
         self._by_prefix: dict[bytes, Slot] = {}
         self._args = ["--max-message-bytes", str(max_bytes), "--log-level", log_level, "--log-format", log_format]
         if curve_dir is not None:
@@ -168,11 +169,11 @@ class GatewayPool:
             await asyncio.sleep(0.2)
             now = time.monotonic()
             self._read_reports(now)
-            stalled, last = now - last > 2.0, now
+            if now - last > 2.0:
+                # This process itself did not run for a while: the reports it has not read yet are not silence.
+                self._resumed = now - STALE_AFTER
+            last = now
             for slot in self.slots:
-                if stalled and slot.seen is not None:
-                    # This process itself did not run for a while: the reports it has not read yet are not silence.
-                    slot.seen = max(slot.seen, now - STALE_AFTER)
                 if slot.proc is None:  # exited, its restart pending
                     continue
                 code = slot.proc.poll()
@@ -194,7 +195,7 @@ class GatewayPool:
                 asyncio.get_running_loop().call_later(slot.backoff, self._respawn, slot)
 
     def _kill_if_hung(self, slot: Slot, now: float) -> None:
-        silent = now - (slot.seen if slot.seen is not None else slot.started)
+        silent = now - max(slot.seen if slot.seen is not None else slot.started, self._resumed)
         if silent > HUNG_AFTER:
             log.warning("gateway %d (pid %d) has not reported for %.1fs; killing it", slot.index, slot.proc.pid, silent)
             slot.proc.kill()

@@ -162,8 +162,8 @@ class CoordinatorCollector:
             "type",
             admission.fenced,
         )
-        if self.server.gateways is not None:
-            yield from _gateway_metrics(self.server.gateways.statistics(now))
+        if gateways := self.server.io.statistics(now):  # none without --gateways
+            yield from _gateway_metrics(gateways)
 
 
 def _gateway_metrics(gateways: list[dict]):
@@ -253,5 +253,5 @@ def status_snapshot(server: CoordinatorServer) -> dict:
         "weights": core.weights.statistics(now),
         "paused": core.trainer.paused,
         "starved": core.admission.starvation.reason,
-        "gateways": server.gateways.statistics(now) if server.gateways is not None else [],
+        "gateways": server.io.statistics(now),
     }

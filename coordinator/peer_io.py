@@ -13,8 +13,8 @@ shutdown do not depend on which:
     gateway, and everything sent in one loop iteration leaves as one batch per gateway.
 
 Either way a read returns ``(peer, frames after the routing id, CurveZMQ User-Id or None)`` entries,
-and a failed send (a peer or gateway gone, a full queue) goes to the caller's ``on_error``: the
-protocol repairs lost messages, not the transport.
+``statistics(now)`` lists the gateways (none for ``DirectIO``), and a failed send (a peer or gateway
+gone, a full queue) is logged at debug level: the protocol repairs lost messages, not the transport.
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ Entry = tuple[bytes, list, str | None]
 
 
 class DirectIO:
-    gateways: GatewayPool | None = None
-
     def __init__(self, ctx: zmq.Context, bind: str, *, max_bytes: int, curve: CoordinatorKeys | None):
         self.gate = None
         if curve is not None:
@@ -58,17 +56,24 @@ class DirectIO:
                 frames, user = [f.bytes for f in raw], raw[-1].get("User-Id")
         except zmq.Again:
             return None
-        return [(frames[0], frames[1:], user)] if frames else []
+        return [(frames[0], frames[1:], user)]
 
-    def send(self, peer: bytes, frame: bytes, on_error: Callable[[BaseException], None]) -> None:
-        send_nowait(self.sock, [peer, frame], on_error)
+    def send(self, peer: bytes, frame: bytes, what: str) -> None:
+        """Send ``frame`` (a ``what`` message) to ``peer`` now, non-blocking."""
+        try:
+            self.sock.send_multipart([peer, frame], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or at its HWM
+            log.debug("send %s to %r failed: %s", what, peer, exc)
+
+    def statistics(self, now: float) -> list:
+        return []
 
     def start(self) -> None:
         if self.gate is not None:
             self.gate.start()  # until now every CURVE handshake failed (ZAP enforced): none got through
 
     async def supervise(self) -> None:
-        return
+        """Nothing to supervise: no gateways."""
 
     def close(self) -> None:
         if self.gate is not None:
@@ -77,7 +82,17 @@ class DirectIO:
 
 
 class GatewayIO:
-    def __init__(self, ctx: zmq.Context, bind: str, count: int, *, max_bytes: int, curve_dir: str | None, log_args):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        bind: str,
+        count: int,
+        *,
+        max_bytes: int,
+        curve_dir: str | None,
+        log_args,
+        after_flush: Callable[[], None],
+    ):
         self.gateways = GatewayPool(ctx, count, bind, max_bytes=max_bytes, curve_dir=curve_dir, **log_args)
         self.endpoint = self.gateways.endpoint
         try:
@@ -87,7 +102,7 @@ class GatewayIO:
             raise
         self._out: dict[bytes, list] = {}  # gateway prefix -> [peer, frame] pairs to send it
         self._flush_soon = False
-        self.after_flush: Callable[[], None] = lambda: None
+        self.after_flush = after_flush
         """Called after each flush (the server re-checks its socket: a send may consume the FD's edge)."""
 
     def read(self) -> list[Entry] | None:
@@ -102,7 +117,8 @@ class GatewayIO:
         prefix = frames[0]
         return [(prefix + peer, rest, user) for peer, rest, user in msgpack.unpackb(frames[2], raw=False)]
 
-    def send(self, peer: bytes, frame: bytes, on_error: Callable[[BaseException], None]) -> None:
+    def send(self, peer: bytes, frame: bytes, what: str) -> None:
+        """Queue ``frame`` for ``peer``'s gateway (a failed batch is logged when it leaves)."""
         out = self._out.get(peer[:4])
         if out is None:
             out = self._out[peer[:4]] = []
@@ -125,16 +141,23 @@ class GatewayIO:
     def start(self) -> None:
         self.gateways.start()
 
+    def statistics(self, now: float) -> list:
+        return self.gateways.statistics(now)
+
     async def supervise(self) -> None:
-        await self.gateways.supervise()
+        """Supervise the gateways until cancelled; none is started after that (a restart may be pending)."""
+        try:
+            await self.gateways.supervise()
+        finally:
+            self.gateways.stopping = True
 
     def close(self) -> None:
         self.gateways.stop()
         self.sock.close(linger=0)
 
 
-def open_peer_io(ctx: zmq.Context, settings) -> DirectIO | GatewayIO:
-    """The server's peer I/O for its ``ServeSettings`` (coordinator/server.py)."""
+def open_peer_io(ctx: zmq.Context, settings, after_flush: Callable[[], None]) -> DirectIO | GatewayIO:
+    """The server's peer I/O for its ``ServeSettings`` (coordinator/server.py); ``after_flush``: see GatewayIO."""
     s = settings
     if not s.gateways:
         return DirectIO(ctx, s.bind, max_bytes=s.max_message_bytes, curve=s.curve)
@@ -147,4 +170,5 @@ def open_peer_io(ctx: zmq.Context, settings) -> DirectIO | GatewayIO:
         max_bytes=s.max_message_bytes,
         curve_dir=s.curve_dir if s.curve is not None else None,
         log_args={"log_level": s.log_level, "log_format": s.log_format},
+        after_flush=after_flush,
     )

@@ -145,8 +145,8 @@ class CoordinatorServer:
                     self._roles.setdefault(key.decode("ascii"), set()).add(role)
         self.forbidden = 0
         try:
-            self.io = open_peer_io(self.ctx, s)
-            self.sock, self.endpoint, self.gateways = self.io.sock, self.io.endpoint, self.io.gateways
+            self.io = open_peer_io(self.ctx, s, after_flush=lambda: self._poke())
+            self.sock, self.endpoint = self.io.sock, self.io.endpoint
             self.ledger = Ledger(data_dir, sync=s.sync, map_size=s.map_size)
             # The shuffle algorithm is part of the shape: positions in one order name other rows in another.
             order = SHUFFLE_ORDER if seed is not None else None
@@ -181,9 +181,7 @@ class CoordinatorServer:
             eval_specs=[spec for _, spec in (eval_datasets or {}).values()],
             over_sampling=s.over_sampling,
         )
-        if self.gateways is not None:
-            self.core.gateway_stats = self.gateways.statistics
-            self.io.after_flush = self._poke
+        self.core.gateway_stats = self.io.statistics
         if self.core.start_ops:
             self.ledger.apply(self.core.start_ops)
         # One thread for the ledger's commits and the dataset rows Grants carry (the datasets' file
@@ -209,9 +207,9 @@ class CoordinatorServer:
             peer = to
         if faults.INJECTED is not None and faults.INJECTED.coordinator_drops(msg):  # tests only
             return
-        # Peer gone (ROUTER_MANDATORY) or at its HWM: agents repair this by
-        # resending (receipts) and heartbeat reconciliation; trainers retry.
-        self.io.send(peer, p.encode(msg), lambda exc: log.debug("send %s to %r failed: %s", msg.TYPE, peer, exc))
+        # A failed send (peer gone, or at its HWM) is repaired by the protocol: agents
+        # resend (receipts) and heartbeats reconcile; trainers retry.
+        self.io.send(peer, p.encode(msg), msg.TYPE)
 
     def _deliver(self, s: Send) -> None:
         """Send now, unless an earlier message to the same destination still waits on a commit."""
@@ -326,17 +324,17 @@ class CoordinatorServer:
             return
         self._run(self.core.handle(peer, msg, now))
 
-    def _on_frames(self, frames: list, now: float, user: str | None = None) -> None:
-        if len(frames) != 2:
-            if frames:
-                self._send(frames[0], p.Error("malformed", f"expected one message frame, got {len(frames) - 1}"))
+    def _on_frames(self, peer: bytes, frames: list, now: float, user: str | None = None) -> None:
+        """``frames``: what followed the peer's routing id, one message frame."""
+        if len(frames) != 1:
+            self._send(peer, p.Error("malformed", f"expected one message frame, got {len(frames)}"))
             return
         try:
-            self._dispatch(frames[0], frames[1], now, user)
+            self._dispatch(peer, frames[0], now, user)
         except Exception:
             # A bug handling one message must not take the fleet down; it is logged loudly.
-            log.exception("internal error handling a message from %r", frames[0][:40])
-            self._send(frames[0], p.Error("internal", "internal coordinator error; see its log", p.peek_req(frames[1])))
+            log.exception("internal error handling a message from %r", peer[:40])
+            self._send(peer, p.Error("internal", "internal coordinator error; see its log", p.peek_req(frames[0])))
 
     def _turn(self) -> int:
         """Handle every message waiting (up to ``TURN_MESSAGES``) as one core turn; how many there were."""
@@ -348,7 +346,7 @@ class CoordinatorServer:
                 if entries is None:
                     break
                 for peer, frames, user in entries:
-                    self._on_frames([peer, *frames], now, user)
+                    self._on_frames(peer, frames, now, user)
                 n += len(entries)
         finally:
             self._run(self.core.end_turn(now))

@@ -374,12 +374,8 @@ class ChaosRun:
             return None
         self.hit_at = time.monotonic()
 
-        def restarted():
-            entry = next(x for x in self.cluster.status(timeout=2)["gateways"] if x["gateway"] == g["gateway"])
-            return entry if entry["up"] and entry["pid"] != g["pid"] else None
-
         try:
-            wait_for(restarted, GATEWAY_RESTART_S, f"the coordinator to restart gateway {g['gateway']}")
+            self.cluster.gateway_successor(g, GATEWAY_RESTART_S)
         except AssertionError as exc:
             self.stuck.append(str(exc))
         return f"gateway {g['gateway']} pid {g['pid']}"

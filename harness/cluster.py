@@ -335,6 +335,15 @@ class Cluster:
 
     # ------------------------------------------------------------ teardown
 
+    def gateway_successor(self, victim: dict, timeout: float) -> dict:
+        """The gateway that took ``victim``'s place (its ``status()["gateways"]`` entry), once it reports."""
+
+        def replaced():
+            g = next(x for x in self.status(timeout=2)["gateways"] if x["gateway"] == victim["gateway"])
+            return g if g["up"] and g["pid"] != victim["pid"] else None
+
+        return wait_for(replaced, timeout, f"the coordinator to replace gateway {victim['gateway']}")
+
     def stop_all(self) -> list[str]:
         """End every process this cluster started; return the leaks found afterwards (empty when clean)."""
         for c in self._clients:
@@ -386,8 +395,9 @@ def _stat(pid: int) -> list[str] | None:
 
 
 def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie waiting to be reaped, or a dying ``X``, counts as exited)."""
     fields = _stat(pid)
-    return fields is not None and fields[0] != "Z"  # a zombie has exited
+    return fields is not None and fields[0] not in ("Z", "X")
 
 
 def running_child(pid: int, parent: int) -> bool:

@@ -134,7 +134,7 @@ class LoadWorker:
         pid = os.getpid()
         keys = None
         if cfg.curve_secret:
-            from common.curve import client_keys
+            from common.curve import client_keys, make_client
 
             keys = client_keys(cfg.curve_secret, cfg.curve_server_key, secret_flag="secret", server_flag="server")
         for i in range(cfg.agents):
@@ -145,8 +145,6 @@ class LoadWorker:
             sock.setsockopt(zmq.RCVHWM, 100_000)
             sock.setsockopt(zmq.ROUTING_ID, agent_id.encode())
             if keys is not None:
-                from common.curve import make_client
-
                 make_client(sock, keys)
             sock.connect(cfg.coordinator)
             agent = SimAgent(agent_id, sock, incarnation=(pid << 20) | i)

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
 from harness.chaos_evidence import alive_engines as engines  # noqa: E402
-from harness.cluster import Cluster  # noqa: E402
+from harness.cluster import Cluster, pid_alive  # noqa: E402
 from harness.polling import wait_for  # noqa: E402
 from scripts.bench.benchlib import progress  # noqa: E402
 
@@ -94,14 +94,6 @@ def one(cluster, client, tensors, version, key: str, t_up: float) -> dict:
     return {"catch_up_s": called, "up_to_serving_s": serving, "pauses_of_serving_engines": paused}
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=float, default=10.0, help="tensor bytes broadcast, in MiB")
@@ -130,7 +122,7 @@ def main() -> int:
             try:
                 for rep in range(args.reps):
                     before = {k: e["url"] for k, e in engines(cluster.status()).items() if k.startswith("a1/")}
-                    live = [pid for pid in cluster.engine_pids_of("a1") if _running(pid)]
+                    live = [pid for pid in cluster.engine_pids_of("a1") if pid_alive(pid)]
                     os.kill(live[rep % len(live)], signal.SIGKILL)
 
                     def behind(before=before):

@@ -307,7 +307,8 @@ def measure(
         procs.check()  # before the trainer's stop_at: every process was alive through the window
         rss, peak = rss_mb(coord.pid)
         alive = agents_alive(address, trainer_keys)
-        gateway_rss = sum(rss_mb(pid)[0] for pid in children_of(coord.pid))
+        # The same gateways as the CPU figure (one restarted meanwhile has exited).
+        gateway_rss = sum(rss_mb(pid)[0] for pid in gateway_pids if proc_stat(pid))
         for line in coord.log_text().splitlines():
             if "gateway" in line and ("WARNING" in line or "ERROR" in line or "Traceback" in line):
                 progress(f"coordinator: {line}")

@@ -26,6 +26,7 @@ from agent.store import GroupStore
 from common.errors import NoCapacity
 from common.faults import ENV
 from common.types import Group
+from harness.cluster import pid_alive
 from harness.polling import wait_for
 
 SLOW = "--token-latency-ms 10 --output-len-dist fixed --output-len-median 32"
@@ -34,16 +35,6 @@ REGISTERED = re.compile(r"registered \(session \w+, capacity \d+ samples, (\d+) 
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie waiting to be reaped counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def read_store(data_dir: Path) -> tuple[dict[str, bytes], dict[str, dict]]:

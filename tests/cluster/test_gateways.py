@@ -46,16 +46,6 @@ def _fleet(make_cluster, *coordinator_flags: str):
     return cluster
 
 
-def _successor(cluster, victim: dict, timeout: float) -> dict:
-    """The gateway that took ``victim``'s place, once it reports."""
-
-    def replaced():
-        g = _gateways(cluster)[victim["gateway"]]
-        return g if g["up"] and g["pid"] != victim["pid"] else None
-
-    return wait_for(replaced, timeout, f"the coordinator to replace gateway {victim['gateway']}")
-
-
 def test_a_fleet_served_through_gateways_shows_each_gateway(make_cluster):
     cluster = _fleet(make_cluster, "--metrics-port", "0")
     size, seen = cluster.config["rollout_batch_size"], set()
@@ -101,7 +91,7 @@ def test_a_sigkilled_gateway_loses_and_doubles_nothing(make_cluster):
         for rollout_id in range(3, 9):
             _check_batch(client.generate(rollout_id), size, seen)
 
-    again = _successor(cluster, victim, 10)
+    again = cluster.gateway_successor(victim, 10)
     assert again["restarts"] == 1 and again["incarnation"] == victim["incarnation"] + 1
     assert f"gateway {victim['gateway']} (pid {victim['pid']}) exited" in cluster.coordinator.text()
     stats = cluster.status()
@@ -182,7 +172,7 @@ def test_a_stopped_gateway_is_replaced_and_its_peers_move_on(make_cluster):
             # Its peers' connection heartbeats time out and they redial: batches keep coming meanwhile.
             for rollout_id in range(1, 5):
                 _check_batch(client.generate(rollout_id), size, seen)
-            again = _successor(cluster, victim, 30)
+            again = cluster.gateway_successor(victim, 30)
         finally:
             try:
                 os.kill(victim["pid"], signal.SIGCONT)  # if it was never killed, it ends with the cluster
