@@ -404,7 +404,9 @@ def test_partitioned_agent_is_presumed_dead_and_its_late_receipts_create_no_dupl
     cluster.start_coordinator()
     proxy = TcpProxy("127.0.0.1", cluster.port)
     try:
-        cluster.start_agent("cut", "--coordinator", proxy.address, sim_args=SLOW)
+        # The cut-off agent's groups take about 3 s, so one seen generating is still generating when the
+        # partition starts, also on a loaded machine whose stats lag a second behind.
+        cluster.start_agent("cut", "--coordinator", proxy.address, sim_args=SLOW.replace("-ms 20", "-ms 60"))
         cluster.start_agent("direct", sim_args=SLOW)
         watch = cluster.client(attach=False)  # the trainer connects directly
         trainer = TrainerLoop(cluster.client(), range(6))
