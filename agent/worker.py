@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import logging
 import time
 from pathlib import Path
@@ -75,6 +74,7 @@ from common import protocol as p
 from common.curve import ClientKeys, with_server_key
 from common.errors import EngineError, StorageFull
 from common.filters import load_filter
+from common.gc_tuning import quiet_gc
 from common.lmdb_env import MAP_SIZE
 from common.rewards import load_reward
 from common.tokenizer import BYTE_TOKENIZER_NAME, check_tokenizer, load_tokenizer
@@ -203,10 +203,8 @@ class Agent:
             log.info("agent %s: OpenAI endpoint for generate functions on %s", self.agent_id, await self.openai.start())
             # Engine responses are hundreds of thousands of small [logprob, id, text]
             # lists that die young; default GC thresholds make the collector rescan
-            # everything live many times a second. Freeze start-up objects and
-            # collect less often (measured: ~25% of agent CPU in W1).
-            gc.freeze()
-            gc.set_threshold(50_000, 50, 100)
+            # everything live many times a second (measured: ~25% of agent CPU in W1).
+            quiet_gc()
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 link = tg.create_task(self.link.run(), name="link")

@@ -46,6 +46,7 @@ import time
 import msgpack
 import zmq
 
+from common.gc_tuning import quiet_gc
 from common.logs import add_log_flags, setup_logging
 
 log = logging.getLogger("rollfleet.gateway")
@@ -249,6 +250,7 @@ def main(argv=None) -> int:
         curve_dir=args.curve_dir,
     )
     log.info("gateway %d (incarnation %d) relaying %s to the core", args.index, args.incarnation, args.bind)
+    quiet_gc()
     gateway.run(args.parent)
     return 0
 

@@ -55,6 +55,7 @@ from common.config import Liveness, RolloutConfig
 from common.curve import CoordinatorKeys
 from common.dataset import Dataset
 from common.errors import ProtocolError, StorageFull
+from common.gc_tuning import quiet_gc
 from common.lmdb_env import MAP_SIZE
 from common.mixture import EPOCH_BITS
 from common.shuffle import SHUFFLE_ORDER, epoch_permutation
@@ -407,6 +408,7 @@ class CoordinatorServer:
         try:
             if self.settings.metrics_port is not None:
                 await self._start_observe()
+            quiet_gc()  # the ledger's state and the dataset are loaded: out of every later collection
             async with asyncio.TaskGroup() as tg:
                 tasks = [
                     tg.create_task(self._ledger_writer(), name="ledger-writer"),
