@@ -228,8 +228,8 @@ class CoordinatorCore:
         self.now = now
         return self.admission.tick(now) + self.weights.tick(now)
 
-    def heartbeats(self) -> list[Send]:
-        return self.admission.heartbeats()
+    def heartbeats(self, part: int = 0, parts: int = 1) -> list[Send]:
+        return self.admission.heartbeats(part, parts)
 
     def _on_stats(self, peer: bytes, msg: p.Stats, now: float) -> list:
         return [Send(peer, p.Ok(msg.req, asdict(self.statistics(now))))]
