@@ -750,3 +750,15 @@ def test_a_state_dict_while_paused_waits_for_a_lease_an_agent_declared_after_the
     eff, _ = receipt(core, welcome.session, g, now=5.5)
     [ok] = [s.msg for s in sends(eff, p.Ok) if s.msg.req == 8]
     assert ok.result["rollout_id"] == 0
+
+
+def test_heartbeats_in_slices_reach_every_live_agent_once_per_round():
+    core = make_core()
+    names = [f"agent-{i}" for i in range(50)]
+    for name in names:
+        register(core, name)
+    parts = 10
+    round_ = [s.to for part in range(parts) for s in core.heartbeats(part, parts)]
+    assert sorted(round_) == sorted(names)  # each once, none left out
+    assert max(len(core.heartbeats(part, parts)) for part in range(parts)) < len(names)  # spread, not one burst
+    assert sorted(s.to for s in core.heartbeats()) == sorted(round_)  # one slice of one: everyone
