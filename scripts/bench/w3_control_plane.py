@@ -59,8 +59,6 @@ from benchlib import CLK_TCK, Procs, children_of, proc_stat, venv_script, wait_u
 BENCH = "W3"
 GROUP = 8
 READY_TIMEOUT = 60.0
-HEARTBEAT_INTERVAL = 1.0
-"""``coordinator serve``'s default: it sends each agent a heartbeat every half interval."""
 
 
 def progress(msg: str) -> None:
@@ -202,6 +200,12 @@ def measure(
             "WARNING",
             "--gateways",
             str(gateways),
+            "--heartbeat-interval",
+            str(args.heartbeat_interval),
+            "--agent-ttl",
+            str(5 * args.heartbeat_interval),
+            "--retire-after",
+            str(max(60.0, 12 * args.heartbeat_interval)),
         ]
         if args.no_sync:
             coord_argv.append("--no-sync")
@@ -357,7 +361,7 @@ def measure(
         "receipt_ack_p99_ms": percentile(ack, 0.99) * 1e3,
         "heartbeat_gap_p50_ms": percentile(beats, 0.5) * 1e3,
         "heartbeat_gap_p99_ms": percentile(beats, 0.99) * 1e3,
-        "heartbeat_lag_p99_ms": (percentile(beats, 0.99) - HEARTBEAT_INTERVAL / 2) * 1e3,
+        "heartbeat_lag_p99_ms": (percentile(beats, 0.99) - args.heartbeat_interval / 2) * 1e3,
         "coordinator_rss_mb": rss + gateway_rss,
         "core_rss_mb": rss,
         "coordinator_rss_peak_mb": peak,
@@ -424,6 +428,12 @@ def main() -> int:
     )
     ap.add_argument("--filtered-rate", type=float, default=0.05, help="fraction of groups reported filtered")
     ap.add_argument("--release-rate", type=float, default=0.01, help="fraction of leases released unfinished")
+    ap.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=1.0,
+        help="the coordinator's --heartbeat-interval; --agent-ttl is 5 times it, as by default (1 s, TTL 5 s)",
+    )
     ap.add_argument("--capacity-interval", type=float, default=10.0, help="seconds between Capacity messages")
     ap.add_argument("--batch-groups", type=int, default=1024, help="groups per trainer batch")
     ap.add_argument(
