@@ -52,6 +52,10 @@ DEALER_HEARTBEAT_TIMEOUT_MS = 2000
 """A connecting socket that hears nothing (no PONG, no data) for 2 s after a PING redials."""
 HANDSHAKE_IVL_MS = 3000
 """A ZMTP/CurveZMQ handshake not done in this long drops the connection (libzmq's default is 30 s)."""
+LISTEN_BACKLOG = 4096
+"""Connections a bound socket's kernel queue holds before accept (libzmq's default is 100). A fleet reconnecting
+at once, after a coordinator restart, overflows 100: the kernel drops the rest's SYNs and each waits out a
+redial. The kernel caps it at ``net.core.somaxconn`` (4096 by default since Linux 5.4)."""
 
 
 def _common(sock: zmq.Socket) -> None:
@@ -89,6 +93,7 @@ def router(
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes * 2 + 4096)
+        sock.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         if curve is not None:
             make_server(sock, curve)
         if use_fd is not None:

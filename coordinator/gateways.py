@@ -33,6 +33,7 @@ import msgpack
 import zmq
 
 from common.errors import ConfigError
+from common.transport import LISTEN_BACKLOG
 from coordinator.gateway import prefix_of
 
 log = logging.getLogger("rollfleet.coordinator")
@@ -85,7 +86,7 @@ def listen(bind: str) -> tuple[socket.socket, str, str]:
     deadline = time.monotonic() + BIND_RETRY_S
     while True:
         try:
-            sock = socket.create_server((address, int(port_text)), family=family, backlog=4096)
+            sock = socket.create_server((address, int(port_text)), family=family, backlog=LISTEN_BACKLOG)
             break
         except OSError as exc:
             if exc.errno == 98 and time.monotonic() < deadline:  # EADDRINUSE
