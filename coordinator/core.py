@@ -71,7 +71,6 @@ would have, and messages to one destination still leave in order.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 from common import protocol as p
@@ -232,7 +231,7 @@ class CoordinatorCore:
         return self.admission.heartbeats(part, parts)
 
     def _on_stats(self, peer: bytes, msg: p.Stats, now: float) -> list:
-        return [Send(peer, p.Ok(msg.req, asdict(self.statistics(now))))]
+        return [Send(peer, p.Ok(msg.req, self.statistics(now).to_dict()))]
 
     # ------------------------------------------------------------------ shared
 

@@ -30,7 +30,7 @@ handed to a ``Persist`` can never change before the ledger writes it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from types import MappingProxyType
 
 from common.protocol import TRAIN_SOURCE
@@ -404,7 +404,7 @@ class AgentStats:
 class CoordinatorStats:
     """A read-only view of the coordinator at one moment (``coordinator status``, ``client.stats()``).
 
-    Serialised with ``dataclasses.asdict``; its keys are the JSON keys.
+    Serialised with ``to_dict`` (what ``dataclasses.asdict`` gives); its keys are the JSON keys.
     """
 
     agents: dict[str, AgentStats]
@@ -450,3 +450,13 @@ class CoordinatorStats:
     """Each gateway of ``coordinator serve --gateways`` (empty without): ``{"gateway", "pid", "up",
     "incarnation", "restarts", "peers", "messages_in", "messages_out", "batches_in", "batches_out", "bytes_in",
     "bytes_out", "send_failures"}``; ``peers``: those heard from in the last 5 s (coordinator/gateways.py)."""
+
+    def to_dict(self) -> dict:
+        """``dataclasses.asdict(self)`` with the agents built directly: asdict copies every value it walks,
+        12 ms per 1,000 agents, the event loop held meanwhile (``coordinator status`` on a large fleet)."""
+        out = asdict(replace(self, agents={}))
+        out["agents"] = {name: {k: getattr(a, k) for k in _AGENT_FIELDS} for name, a in self.agents.items()}
+        return out
+
+
+_AGENT_FIELDS = tuple(f.name for f in fields(AgentStats))

@@ -762,3 +762,16 @@ def test_heartbeats_in_slices_reach_every_live_agent_once_per_round():
     assert sorted(round_) == sorted(names)  # each once, none left out
     assert max(len(core.heartbeats(part, parts)) for part in range(parts)) < len(names)  # spread, not one burst
     assert sorted(s.to for s in core.heartbeats()) == sorted(round_)  # one slice of one: everyone
+
+
+def test_stats_on_the_wire_are_the_statistics_as_asdict_gives_them():
+    from dataclasses import asdict
+
+    core = make_core()
+    for name in ("a", "b", "c"):
+        register(core, name)
+    eff = core.handle(b"probe", p.Stats(1), 0.5)
+    wire = sends(eff, p.Ok)[0].msg.result
+    assert wire == asdict(core.statistics(0.5))
+    assert set(wire["agents"]) == {"a", "b", "c"} and wire["agents"]["a"]["status"] == "alive"
+    p.decode(p.encode(sends(eff, p.Ok)[0].msg))  # every value encodes
