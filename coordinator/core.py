@@ -325,13 +325,14 @@ class CoordinatorCore:
             fenced_messages=dict(self.admission.fenced),
             weights=self.weights.statistics(self.now if now is None else now),
             evaluations=self.evaluations.statistics(),
-            sources=self._source_stats(),
+            sources=self.source_statistics(),
             held=len(self.admission.held),
             receipts={"accepted": self.counters.receipts_accepted, "refused": self.counters.receipts_refused},
             gateways=self.gateway_stats(at) if self.gateway_stats is not None else [],
         )
 
-    def _source_stats(self) -> dict:
+    def source_statistics(self) -> dict:
+        """``CoordinatorStats.sources``: each training dataset's weight, prompts by state, epochs, filtered."""
         training = self.admission.training
         weights = training.weights_at(self.batches.last_rollout_id + 1)
         return {

@@ -237,7 +237,7 @@ def status_snapshot(server: CoordinatorServer) -> dict:
             "leases_in_flight": len(core.admission.leases),
             "leases_held": len(core.admission.held),
             "groups_ready": len(batches.ready_info),
-            "datasets": core.statistics(now).sources,
+            "datasets": core.source_statistics(),  # not the whole statistics(): those build a record per agent
         },
         "batches": {
             "assembled": c.batches,
