@@ -78,9 +78,9 @@ def _senders(cls) -> set[str]:
 SENDERS = {cls: _senders(cls) for cls in p.message_types().values()}
 
 TURN_MESSAGES = 256
-"""Most messages handled in one turn before the loop lets the writer and the clock run: at about
-40 us a message a turn holds back the sends of a finished commit for at most ~10 ms, and a pump
-is still shared by up to this many messages."""
+"""Most messages handled in one turn before the loop lets the writer and the clock run. A pump is
+shared by up to this many messages; the sends of a finished commit wait for the turn in progress,
+about 10 ms at 40 us a message, and up to about 100 ms when a loaded machine slows each message."""
 HEARTBEAT_SLICES = 10
 """Steps the clock spreads each round of heartbeats over (see ``_clock``)."""
 
