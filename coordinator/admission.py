@@ -495,19 +495,3 @@ class Admission:
         if ops:
             out.append(core.persist(ops, []))
         return out + core.pump(now)
-
-    def heartbeats(self, part: int = 0, parts: int = 1) -> list[Send]:
-        """One heartbeat per live agent of slice ``part`` of ``parts``, carrying what repairs a lost
-        Grant or Control. An agent's slice is fixed for the process's life (its id's hash), so the
-        clock can send one slice per step and each agent still hears once per round.
-
-        ``paused`` lets an agent that missed a pause/resume catch up;
-        ``max_lease`` (the highest lease granted to it) lets it list, in its
-        next heartbeat, the grants it never received, which are then released.
-        """
-        paused = self.core.trainer.paused
-        return [
-            Send(r.agent_id, p.Heartbeat(r.session, {"paused": paused, "max_lease": r.max_granted}))
-            for r in self.core.membership.alive()
-            if parts == 1 or hash(r.agent_id) % parts == part
-        ]

@@ -81,7 +81,7 @@ from coordinator.batches import Batches
 from coordinator.counters import CoreCounters
 from coordinator.effects import Persist, Send
 from coordinator.evaluation import EvalSpec, Evaluations
-from coordinator.membership import Membership
+from coordinator.membership import ALIVE, Membership
 from coordinator.mix_frontier import MixFrontier
 from coordinator.oversampling import OverSampling
 from coordinator.records import AgentStats, CoordinatorStats, LedgerSnapshot, SetCursors, SetMixture
@@ -161,7 +161,8 @@ class CoordinatorCore:
         self.now = now
         """The time of the event being handled (batch metrics read it)."""
         self.gateway_stats: Callable[[float], list] | None = None
-        """The serving process's gateways, for ``statistics`` (set by coordinator/server.py when it runs any)."""
+        """The serving process's gateways, for ``statistics`` (set by coordinator/server.py; none without)."""
+        self._beat_round: list[str] = []  # the agents of the heartbeat round in progress (heartbeats)
         self._in_turn = False
         self._pump_due = False
         a, t, w = self.admission, self.trainer, self.weights
@@ -228,7 +229,24 @@ class CoordinatorCore:
         return self.admission.tick(now) + self.weights.tick(now)
 
     def heartbeats(self, part: int = 0, parts: int = 1) -> list[Send]:
-        return self.admission.heartbeats(part, parts)
+        """One heartbeat to each live agent of slice ``part`` of ``parts`` of the round, carrying what
+        repairs a lost Grant or Control. Slice 0 starts a round with the agents known then, so the clock
+        can send one slice a step (coordinator/server.py) and each agent still hears once a round.
+
+        ``paused`` lets an agent that missed a pause/resume catch up; ``max_lease`` (the highest lease
+        granted to it) lets it list, in its next heartbeat, the grants it never received, which are
+        then released.
+        """
+        agents = self.membership.agents
+        if part == 0:
+            self._beat_round = list(agents)
+        paused = self.trainer.paused
+        out = []
+        for agent_id in self._beat_round[part::parts]:
+            r = agents.get(agent_id)
+            if r is not None and r.status == ALIVE:
+                out.append(Send(r.agent_id, p.Heartbeat(r.session, {"paused": paused, "max_lease": r.max_granted})))
+        return out
 
     def _on_stats(self, peer: bytes, msg: p.Stats, now: float) -> list:
         return [Send(peer, p.Ok(msg.req, self.statistics(now).to_dict()))]

@@ -148,7 +148,7 @@ class CoordinatorServer:
                     self._roles.setdefault(key.decode("ascii"), set()).add(role)
         self.forbidden = 0
         try:
-            self.io = open_peer_io(self.ctx, s, after_flush=lambda: self._poke())
+            self.io = open_peer_io(self.ctx, s, after_flush=self._poke)
             self.sock, self.endpoint = self.io.sock, self.io.endpoint
             self.ledger = Ledger(data_dir, sync=s.sync, map_size=s.map_size)
             # The shuffle algorithm is part of the shape: positions in one order name other rows in another.

@@ -97,7 +97,7 @@ MUTATIONS = [
         "3",
         "lost-grant-never-released",
         "leases the agent never received are never given back",
-        "coordinator/admission.py",
+        "coordinator/core.py",
         '{"paused": paused, "max_lease": r.max_granted}',
         '{"paused": paused, "max_lease": 0}',
         G + "test_a_lost_grant_is_released_by_heartbeat_reconciliation_and_its_prompts_generated",
