@@ -12,6 +12,13 @@ One client, hence one aiohttp session and connection pool, serves an agent's
 request path and its engine supervisor's health probes.  The session is made
 on first use, so a client can be built before the event loop runs.
 
+SGLang 0.5.23 differs from older servers in ways the agent detects per engine: distributed updates run
+inside a weight-update session (``/begin_weight_update`` ... ``/end_weight_update``; a 404 on begin means
+an older server that needs none); ``/get_weights_by_name`` exists only for some model classes, and
+``/weights_checker`` gives per-tensor checksums for any model. Pooled connections are dropped after
+``KEEPALIVE`` seconds, under the 5 s after which SGLang's server (uvicorn) closes an idle one, and the
+control calls that are safe to repeat are sent once more when a pooled connection turns out closed.
+
 Errors are split the way the caller must react:
 - ``EngineBusy`` (an ``EngineUnavailable``): 503 with SGLang's "The request
   queue is full." — backpressure from ``--max-queued-requests``; the engine is
@@ -32,13 +39,35 @@ import orjson
 
 from common.errors import Closed, EngineBusy, EngineError, EngineRejected, EngineUnavailable
 
+KEEPALIVE = 4.0
+"""Seconds an idle pooled connection is kept: below SGLang's ``SGLANG_TIMEOUT_KEEP_ALIVE`` (5 s), so the
+agent never sends on a connection the server is closing."""
+
+REPEATABLE = frozenset(
+    {
+        "/abort_request",
+        "/pause_generation",
+        "/continue_generation",
+        "/flush_cache",
+        "/update_weight_version",
+        "/update_weights_from_disk",
+        "/get_weights_by_name",
+        "/weights_checker",
+        "/tokenize",
+    }
+)
+"""Control calls that may be sent again when a pooled connection was closed under them (the same call twice
+has the effect of one); ``/generate``, group calls, buckets and session calls are never repeated."""
+
 QUEUE_FULL = b"The request queue is full"
 """SGLang's 503 message when ``--max-queued-requests`` is reached (backpressure, not an engine failure)."""
 
 
 class EngineClient:
-    def __init__(self, *, limit: int = 0, request_timeout: float | None = None):
+    def __init__(self, *, limit: int = 0, request_timeout: float | None = None, api_key: str = ""):
         self._limit = limit
+        # SGLang's ``--api-key``/``--admin-api-key``: every route but /health*, /ready and /metrics needs it.
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._request_timeout = request_timeout
         self._http: aiohttp.ClientSession | None = None
         self._closed = False
@@ -49,10 +78,11 @@ class EngineClient:
             if self._closed:
                 raise Closed("the engine client was closed")
             # limit=0: the agent's pool bounds concurrency; aiohttp must not add a second queue.
-            connector = aiohttp.TCPConnector(limit=self._limit, limit_per_host=0, keepalive_timeout=60)
+            connector = aiohttp.TCPConnector(limit=self._limit, limit_per_host=0, keepalive_timeout=KEEPALIVE)
             self._http = aiohttp.ClientSession(
                 connector=connector,
                 timeout=aiohttp.ClientTimeout(total=self._request_timeout, connect=10),
+                headers=self._headers,
                 json_serialize=lambda o: orjson.dumps(o).decode(),
             )
         return self._http
@@ -65,6 +95,14 @@ class EngineClient:
             await http.close()
 
     async def _post(self, url: str, path: str, body: dict, *, timeout: float | None = None) -> dict | list | None:
+        try:
+            return await self._post_once(url, path, body, timeout=timeout)
+        except EngineUnavailable as exc:
+            if path not in REPEATABLE or not exc.__cause__ or not isinstance(exc.__cause__, _STALE):
+                raise
+            return await self._post_once(url, path, body, timeout=timeout)  # a fresh connection, once
+
+    async def _post_once(self, url: str, path: str, body: dict, *, timeout: float | None = None) -> dict | list | None:
         try:
             async with self._session.post(
                 url + path,
@@ -86,7 +124,9 @@ class EngineClient:
                     return orjson.loads(raw)
                 except orjson.JSONDecodeError:
                     return {"text": raw.decode(errors="replace")}
-        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError, ConnectionError) as exc:
+        except _STALE as exc:
+            raise EngineUnavailable(f"{url}{path}: {type(exc).__name__}: {exc}") from exc
+        except (TimeoutError, aiohttp.ClientConnectionError, ConnectionError) as exc:
             raise EngineUnavailable(f"{url}{path}: {type(exc).__name__}: {exc}") from None
 
     async def generate(self, url: str, input_ids: list[int], sampling_params: dict, rid: str) -> dict:
@@ -132,11 +172,21 @@ class EngineClient:
             await asyncio.sleep(interval)
 
     async def update_weights_from_disk(
-        self, url: str, model_path: str, weight_version: str | None, *, flush_cache: bool = True
+        self,
+        url: str,
+        model_path: str,
+        weight_version: str | None,
+        *,
+        flush_cache: bool = True,
+        load_format: str | None = None,
     ) -> dict:
+        """``load_format`` None: the server's launch format (SGLang's default), which refuses every load
+        when the engine was launched with ``--load-format dummy``."""
         body = {"model_path": model_path, "flush_cache": flush_cache, "abort_all_requests": False}
         if weight_version is not None:
             body["weight_version"] = weight_version
+        if load_format is not None:
+            body["load_format"] = load_format
         return await self._weights_call(url, "/update_weights_from_disk", body)
 
     async def init_weights_update_group(
@@ -189,11 +239,57 @@ class EngineClient:
         body = {"new_version": new_version, "abort_all_requests": False}
         return await self._weights_call(url, "/update_weight_version", body)
 
+    async def begin_weight_update(self, url: str) -> bool:
+        """Open a weight-update session (SGLang 0.5.23: distributed and tensor updates run only inside
+        one); False when the engine has no such endpoint (404: an older server that needs none).
+        EngineRejected when it refuses, e.g. "a weight-update session is already open"."""
+        return await self._session_call(url, "/begin_weight_update", {"selector": "all"})
+
+    async def end_weight_update(self, url: str) -> bool:
+        """Close the weight-update session (it re-packs the weights; read-backs come after it); False on 404.
+        EngineRejected when it refuses, e.g. "no weight-update session is open"."""
+        return await self._session_call(url, "/end_weight_update", {})
+
+    async def _session_call(self, url: str, path: str, body: dict) -> bool:
+        try:
+            await self._weights_call(url, path, body)
+        except EngineRejected as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def weights_checker(self, url: str, action: str = "checksum") -> dict:
+        """SGLang's ``/weights_checker``: for ``checksum``, ``{"ranks": [{"checksums": {name: hex}, "parallelism_info":
+        {...}}, ...], "per_engine_checksum"}``; EngineRejected (status 404 on servers without it) otherwise."""
+        return await self._weights_call(url, "/weights_checker", {"action": action})
+
+    async def server_info(self, url: str) -> dict:
+        """``GET /server_info`` (``/get_server_info`` on older servers): the server's launch arguments and more."""
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                async with self._session.get(url + path, timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                    raw = await resp.read()
+                    if resp.status == 404 and path == "/server_info":
+                        continue
+                    if resp.status >= 400:
+                        raise EngineRejected(f"{url}{path}: HTTP {resp.status}: {raw[:200]!r}", status=resp.status)
+                    out = orjson.loads(raw)
+            except (TimeoutError, aiohttp.ClientConnectionError, orjson.JSONDecodeError) as exc:
+                raise EngineUnavailable(f"{url}{path}: {type(exc).__name__}: {exc}") from None
+            if not isinstance(out, dict):
+                raise EngineError(f"{url}{path}: unexpected response shape: {str(out)[:200]}")
+            return out
+        raise EngineRejected(f"{url}: neither /server_info nor /get_server_info exists", status=404)
+
     async def get_weights_by_name(self, url: str, name: str, truncate_size: int) -> list | float:
         """SGLang's ``/get_weights_by_name``: the first ``truncate_size`` rows of parameter ``name``."""
         try:
             body = {"name": name, "truncate_size": truncate_size}
             return await self._post(url, "/get_weights_by_name", body, timeout=60)
+        except EngineRejected as exc:
+            message = f"{url}/get_weights_by_name {name!r} failed: {_message(str(exc))}"
+            raise EngineRejected(message, status=exc.status) from None
         except EngineError as exc:
             raise type(exc)(f"{url}/get_weights_by_name {name!r} failed: {_message(str(exc))}") from None
 
@@ -250,6 +346,10 @@ class EngineClient:
                 return orjson.loads(await resp.read())
         except (TimeoutError, aiohttp.ClientConnectionError) as exc:
             raise EngineUnavailable(f"{url}/model_info: {type(exc).__name__}: {exc}") from None
+
+
+_STALE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+"""What sending on a pooled connection the server has just closed raises: worth one more try."""
 
 
 def parse_version(label) -> int | None:

@@ -49,6 +49,7 @@ from dataclasses import replace
 from agent.engine_client import EngineClient, parse_version
 from agent.events import EngineVersion, RunWeightsStep, WeightsRecord, WeightsStepDone
 from agent.supervisor import EngineSupervisor
+from agent.weight_checks import PausedEngines, Reading, compare_checksums, lacks_read_back, reading
 from common import protocol as p
 from common.errors import EngineError, EngineRejected
 
@@ -57,8 +58,14 @@ log = logging.getLogger("rollfleet.agent.weights")
 STEP_DEADLINE = 600.0
 """Seconds one engine may take for one step (an init waits for the trainer to join)."""
 
-CONFIRM_DEADLINE = 2.0
-"""Seconds one engine may take to be confirmed for a group, or to leave a failed one."""
+CONFIRM_DEADLINE = 3.0
+"""Seconds one engine may take to be confirmed for a group, or to leave a failed one. SGLang 0.5.23's pause
+(mode ``abort``) aborts, then re-checks once a second until no request holds its lock: with requests in
+flight it answers after one second, sometimes two."""
+
+CONTINUE_DEADLINE = 120.0
+"""Seconds the continue of an engine whose pause outlived ``CONFIRM_DEADLINE`` may wait: SGLang's continue
+queues behind the pause still running there, so the engine is never left paused."""
 
 STEPS = {
     p.WeightsBegin: "begin",
@@ -101,6 +108,14 @@ class WeightsExecutor:
         self._touched: set[str] = set()  # engines the open update sent weights to
         self.held: dict[str, str] = {}  # engines that did not leave a failed group: name -> group name
         self._members: list[str] = []  # engines the last ``begin`` confirmed
+        self.sessions: dict[str, str] = {}  # engines with a weight-update session we opened: name -> url
+        self._sessionless: set[str] = set()  # engines without session endpoints (SGLang before 0.5.23)
+        self._read_mode: dict[str, str] = {}  # how an engine's weights are read back: "values" or "checksum"
+        self._server_info: dict[str, dict] = {}  # an engine's /server_info, read at its first checksum
+        self._disk_format: dict[str, str | None] = {}  # the load_format its disk loads need (None: its own)
+        self._limited: set[str] = set()  # engines whose verification was said to be limited (said once)
+        self.paused_engines = PausedEngines()  # urls this executor paused: per-request aborts wait for them
+        self._background: set[asyncio.Task] = set()  # continues sent after a pause that outlived its deadline
         self._queue: asyncio.Queue[RunWeightsStep | WeightsRecord] = asyncio.Queue()
         self._step: tuple[RunWeightsStep, asyncio.Task] | None = None
         self._silenced: set[int] = set()  # updates whose running step our own abort cancelled: not reported
@@ -143,6 +158,14 @@ class WeightsExecutor:
 
     async def run(self) -> None:
         """The executor's life: one job at a time until cancelled."""
+        try:
+            await self._run()
+        finally:
+            for task in list(self._background):
+                task.cancel()
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    async def _run(self) -> None:
         while True:
             job = await self._queue.get()
             if isinstance(job, WeightsRecord):
@@ -175,9 +198,21 @@ class WeightsExecutor:
         self.group.pop(name, None)
         self.side.pop(name, None)
         self.held.pop(name, None)  # a new process holds no group
+        self.sessions.pop(name, None)  # nor a weight-update session
+        for known in (self._sessionless, self._limited):
+            known.discard(name)
+        for cached in (self._read_mode, self._server_info, self._disk_format):
+            cached.pop(name, None)
         self.stale.discard(name)
         try:
-            self.versions[name] = await self.client.weight_version(url)
+            info = await self.client.model_info(url)
+            label = info.get("weight_version", "default")
+            self.versions[name] = parse_version(label)
+            if self.versions[name] is None:
+                raise EngineError(f"{url}/model_info: weight_version {label!r} is not an integer version")
+            # Launched with ``--load-format dummy`` (random weights, real ones to come): a disk load in the
+            # server's own format would be refused, so it is asked for in the checkpoint's.
+            self._disk_format[name] = "auto" if info.get("load_format") == "dummy" else None
         except EngineError as exc:
             log.warning("engine %s: cannot read its weight version: %s", name, exc)
             self.versions[name] = None
@@ -224,6 +259,7 @@ class WeightsExecutor:
             if not engines:
                 return {}, None  # all current: the serving engines were never paused
         self.supervisor.pause_health_checks()
+        pause_sent: set[str] = set()
 
         async def confirm(name: str, url: str) -> None:
             if not self.supervisor.alive(name):
@@ -235,9 +271,13 @@ class WeightsExecutor:
                 except EngineRejected:
                     pass  # 400: the group is gone already (its broadcast failed and cleaned up)
                 self.held.pop(name, None)
-            await self.client.pause_generation(url, "abort")
+            pause_sent.add(name)
+            await self._pause(url)
+            await self._open_session(name, url)
 
         failed = await self._each(engines, confirm, deadline=self.confirm_deadline)
+        for name in failed.keys() & pause_sent:
+            self._continue_later(name, engines[name])  # left out: it must not stay paused
         for name, why in failed.items():
             log.warning("engine %s left out of weight update %#x: %s", name, msg.update_id, why)
             if name in self.held:
@@ -257,12 +297,14 @@ class WeightsExecutor:
         self._paused.update(engines)
 
         async def load(name: str, url: str) -> None:
-            await self.client.pause_generation(url, "abort")
+            await self._pause(url)
             self._touched.add(name)  # loading: it may hold part of the checkpoint until the load ends
             try:
-                await self.client.update_weights_from_disk(url, msg.path, str(msg.version), flush_cache=True)
+                await self.client.update_weights_from_disk(
+                    url, msg.path, str(msg.version), flush_cache=True, load_format=self._disk_format.get(name)
+                )
             finally:
-                await self.client.continue_generation(url)
+                await self._continue(url)
             await self._verify(name, url, msg.version)
             self._touched.discard(name)  # a load that completed is whole: the engine holds the version
 
@@ -330,15 +372,24 @@ class WeightsExecutor:
         catch_up = msg.update_id == self._side_update
         updated = dict(self.side if catch_up else self.group)
 
-        async def label(name: str, url: str) -> None:
+        readings: dict[str, Reading] = {}
+
+        async def end(name: str, url: str) -> None:
             await self.client.update_weight_version(url, str(msg.version))
+            await self._close_session(name, url)  # re-packs the weights: read-backs come after it
             await self.client.flush_cache(url, deadline=self.flush_deadline)
             if msg.verify:
-                await self._check_values(name, url, msg.verify)
-            await self.client.continue_generation(url)
+                got = await self._read_back(name, url, msg.verify)
+                if got is not None:
+                    readings[name] = got
+
+        async def serve(name: str, url: str) -> None:
+            await self._continue(url)
             await self._verify(name, url, msg.version)
 
-        errors = await self._each(updated, label)
+        errors = await self._each(updated, end)
+        errors.update(self._compare(readings, msg.verify))
+        errors.update(await self._each({n: u for n, u in updated.items() if n not in errors}, serve))
         dead = await self._drop_dead(errors, msg.update_id, "finishing")
         for name in updated:
             self._paused.pop(name, None)
@@ -359,6 +410,7 @@ class WeightsExecutor:
     async def _end_catch_up(self, errors: dict[str, str]) -> dict[str, str]:
         """A catch-up ends: its group goes (the fleet's stays), every engine it paused continues."""
         side, self.side, self._side_update = self.side, {}, 0
+        await self._close_sessions()
         for name in await self._leave(side, self.side_name):
             self.stale.add(name)
             self._set_serving(name, False)
@@ -402,6 +454,7 @@ class WeightsExecutor:
         group, self.group = self.group, {}
         for name in await self._leave(group, self.group_name):
             self.stale.add(name)  # still blocked in the failed broadcast: no update may count on it
+        await self._close_sessions()
         errors = await self._continue_paused(deadline=self.confirm_deadline)
         for name in errors:
             self.stale.add(name)  # paused and not answering: it must not serve
@@ -433,14 +486,126 @@ class WeightsExecutor:
 
     async def _continue_paused(self, *, deadline: float | None = None) -> dict[str, str]:
         paused, self._paused = self._paused, {}
-        return await self._each(paused, lambda name, url: self.client.continue_generation(url), deadline=deadline)
+        return await self._each(paused, lambda name, url: self._continue(url), deadline=deadline)
+
+    async def _pause(self, url: str) -> None:
+        """Pause in mode ``abort`` (in-flight samples come back partial); per-request aborts wait from now."""
+        self.paused_engines.hold(url)
+        await self.client.pause_generation(url, "abort")
+
+    async def _continue(self, url: str) -> None:
+        await self.client.continue_generation(url)
+        self.paused_engines.release(url)
+
+    def _continue_later(self, name: str, url: str) -> None:
+        """Continue an engine whose pause outlived its deadline: the pause goes on on the server (a client that
+        gives up does not end it) and the continue queues behind it there, so the engine serves again."""
+
+        async def resume() -> None:
+            try:
+                async with asyncio.timeout(CONTINUE_DEADLINE):
+                    await self._continue(url)
+            except (EngineError, TimeoutError) as exc:
+                log.warning("engine %s: continuing it after its late pause failed: %s", name, exc)
+            else:
+                log.info("engine %s continued after a pause that outlived the weight update's deadline", name)
+
+        task = asyncio.ensure_future(resume())
+        task.set_name(f"continue-{name}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _open_session(self, name: str, url: str) -> None:
+        """Open the engine's weight-update session (SGLang 0.5.23 refuses broadcasts outside one); nothing on
+        an engine without the endpoints. One left open (an update whose end never reached it) is closed first."""
+        if name in self._sessionless:
+            return
+        try:
+            opened = await self.client.begin_weight_update(url)
+        except EngineRejected as exc:
+            if "already open" not in str(exc):
+                raise
+            log.warning("engine %s had a weight-update session open: closing it before this update", name)
+            await self.client.end_weight_update(url)
+            opened = await self.client.begin_weight_update(url)
+        if opened:
+            self.sessions[name] = url
+        else:
+            self._sessionless.add(name)
+            log.info("engine %s has no weight-update sessions (SGLang before 0.5.23): updates run without", name)
+
+    async def _close_session(self, name: str, url: str) -> None:
+        if self.sessions.get(name) != url:
+            return
+        try:
+            await self.client.end_weight_update(url)
+        except EngineRejected as exc:
+            if "no weight-update session" not in str(exc):
+                raise
+        self.sessions.pop(name, None)
+
+    async def _close_sessions(self) -> None:
+        """Every session this agent opened is closed, each within ``confirm_deadline``; one that cannot be (an
+        engine still blocked in a failed broadcast) is closed by the next update's begin."""
+        stuck = await self._each(dict(self.sessions), self._close_session, deadline=self.confirm_deadline)
+        for name, why in stuck.items():
+            log.warning("engine %s: its weight-update session is still open (%s): the next update closes it", name, why)
+
+    async def _read_back(self, name: str, url: str, verify: dict) -> Reading | None:
+        """A verified update on one engine: the sampled rows where its model has ``/get_weights_by_name``
+        (checked here), else its ``/weights_checker`` checksums (a Reading, compared by :meth:`_compare`)."""
+        mode = self._read_mode.get(name)
+        if mode != "checksum" and verify.get("values"):
+            try:
+                await self._check_values(name, url, verify)
+            except EngineRejected as exc:
+                if mode == "values" or not lacks_read_back(exc):
+                    raise
+                self._read_mode[name] = "checksum"
+                log.info("engine %s: %s; its updates are verified with /weights_checker", name, exc)
+            else:
+                self._read_mode[name] = "values"
+                return None
+        try:
+            out = await self.client.weights_checker(url, "checksum")
+        except EngineRejected as exc:
+            if exc.status != 404:
+                raise
+            raise EngineError(
+                f"{url} cannot verify weights: its model has no /get_weights_by_name and the server no "
+                "/weights_checker; push with verify=False"
+            ) from None
+        if name not in self._server_info:
+            try:
+                self._server_info[name] = await self.client.server_info(url)
+            except EngineError as exc:
+                log.warning("engine %s: cannot read /server_info: %s", name, exc)
+                self._server_info[name] = {}
+        return reading(url, out, self._server_info[name])
+
+    def _compare(self, readings: dict[str, Reading], verify: dict) -> dict[str, str]:
+        """Checksums against the trainer's where they can be compared, and engines of one layout against each
+        other; an engine checked neither way is said once (its verification is limited)."""
+        errors, unchecked = compare_checksums(readings, dict(verify.get("checksums") or {}))
+        for name, why in unchecked.items():
+            if name not in self._limited:
+                self._limited.add(name)
+                log.warning("engine %s: weight verification limited: %s", name, why)
+        return errors
 
     async def _check_values(self, name: str, url: str, verify: dict) -> None:
         """A verified update: the engine holds exactly the rows the trainer sent of each sampled tensor
         (``/get_weights_by_name``); EngineError naming the first tensor that differs."""
         rows = int(verify.get("rows", 1))
+        dp = int(getattr(self.supervisor, "dp", lambda _name: 1)(name))
         for tensor, expected in dict(verify.get("values", {})).items():
             got = await self.client.get_weights_by_name(url, tensor, rows)
+            if dp > 1 and isinstance(got, list) and len(got) == dp:
+                # One answer per data-parallel rank: every replica must hold the rows.
+                bad = next((i for i, one in enumerate(got) if not _same(one, expected)), None)
+                if bad is None:
+                    continue
+                got = got[bad]
             if not _same(got, expected):
                 raise EngineError(
                     f"{url} holds weights that differ from what the trainer sent: {tensor!r} (first {rows} rows: "
@@ -470,6 +635,7 @@ class WeightsExecutor:
             log.warning("engine %s died %s for weight update %#x: left out: %s", name, doing, update_id, why)
             self._touched.discard(name)
             self.group.pop(name, None)
+            self.sessions.pop(name, None)  # a dead process holds none
             self.stale.add(name)
         return gone
 
@@ -509,11 +675,13 @@ class WeightsExecutor:
             return False
         try:
             async with asyncio.timeout(self.step_deadline):
-                await self.client.pause_generation(url, "abort")
+                await self._pause(url)
                 try:
-                    await self.client.update_weights_from_disk(url, record.path, str(record.version))
+                    await self.client.update_weights_from_disk(
+                        url, record.path, str(record.version), load_format=self._disk_format.get(name)
+                    )
                 finally:
-                    await self.client.continue_generation(url)
+                    await self._continue(url)
                 await self._verify(name, url, record.version)
         except (EngineError, TimeoutError) as exc:
             log.error(

@@ -85,6 +85,9 @@ log = logging.getLogger("rollfleet.agent")
 SHUTDOWN_BUDGET = 10.0
 """Seconds an orderly stop may take before the services are cancelled regardless."""
 
+ABORT_WAIT = 600.0
+"""Seconds a per-request abort waits for its engine, paused by a weight update, to continue."""
+
 __all__ = ["Agent", "AgentExit"]
 
 
@@ -375,6 +378,9 @@ class Agent:
             self._tg.create_task(self._abort_quietly(ins.url, request_id), name=f"abort-{request_id}")
 
     async def _abort_quietly(self, url: str, request_id: str) -> None:
+        # Not while this agent has the engine paused: SGLang would drop the abort of a request held at its
+        # pause gate, and every later one of it (agent/weight_checks.PausedEngines).
+        await self.weights.paused_engines.wait_released(url, ABORT_WAIT)
         try:
             await self.client.abort(url, request_id)
         except EngineError as exc:

@@ -47,7 +47,7 @@ from urllib.parse import urlsplit
 from common import protocol as p
 from common import weight_group
 from common.errors import RemoteError, RolloutError, StateError, WeightUpdateError
-from common.weight_rows import leading_rows
+from common.weight_rows import leading_rows, tensor_checksum
 
 if TYPE_CHECKING:
     from coordinator.client import AsyncRolloutClient
@@ -108,14 +108,16 @@ def buckets(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int) -> list
 
 
 def verify_values(items: list[tuple[str, Any]], rows: int = VERIFY_ROWS) -> dict:
-    """``FinishWeights.verify`` for ``items``: the first ``rows`` rows (as floats) of the first, middle and
-    last tensor sent, which every engine must then hold (``/get_weights_by_name``)."""
+    """``FinishWeights.verify`` for ``items``: of the first, middle and last tensor sent, the first ``rows``
+    rows (as floats), read back where the engine has ``/get_weights_by_name``, and the checksum of the
+    whole tensor as sent, compared with ``/weights_checker``'s where it does not (docs/weights.md)."""
     picks = sorted({0, len(items) // 2, len(items) - 1})
-    values = {}
+    values, checksums = {}, {}
     for i in picks:
         name, tensor = items[i]
         values[name] = leading_rows(tensor, rows)
-    return {"rows": rows, "values": values}
+        checksums[name] = tensor_checksum(tensor)
+    return {"rows": rows, "values": values, "checksums": checksums}
 
 
 class WeightSender:
