@@ -115,9 +115,11 @@ def compare_checksums(readings: dict[str, Reading], expected: dict[str, str]) ->
         if len(names) < 2:
             continue
         checked.update(names)
-        votes = Counter(readings[n].ranks for n in names)
+        votes = Counter(_signature(readings[n]) for n in names)
         top, count = votes.most_common(1)[0]
-        majority = top if count * 2 > len(names) else None
+        majority = next((readings[n].ranks for n in names if _signature(readings[n]) == top), None)
+        if count * 2 <= len(names):
+            majority = None
         for name in names:
             ranks = readings[name].ranks
             if ranks == majority:
@@ -133,6 +135,10 @@ def compare_checksums(readings: dict[str, Reading], expected: dict[str, str]) ->
         if name not in checked and name not in errors
     }
     return errors, unchecked
+
+
+def _signature(got: Reading) -> tuple:
+    return tuple(tuple(sorted(sums.items())) for sums in got.ranks)
 
 
 def _first_difference(ranks: tuple[dict[str, str], ...], ref: tuple[dict[str, str], ...]) -> str:
