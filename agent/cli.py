@@ -18,7 +18,7 @@ import shlex
 import sys
 
 from common.config import ArgumentParser, map_size, number, seconds
-from common.config_file import add_config_flag, parse_args_with_config
+from common.config_file import REDACTED, add_config_flag, parse_args_with_config
 from common.curve import check_exposure, client_keys, is_loopback
 from common.errors import ConfigError, DatasetError, EngineStartError, RolloutError, StorageFull
 from common.logs import add_log_flags, setup_logging
@@ -26,6 +26,22 @@ from common.transport import advertised_host, validate_endpoint
 
 # Flags whose value is itself a list of flags: ``--sim-args --unhealthy`` means ``--sim-args=--unhealthy``.
 _ARGS_FLAGS = ("--sim-args", "--hf-args", "--sglang-args")
+
+ENGINE_API_KEY_ENV = "ROLLFLEET_ENGINE_API_KEY"
+"""The environment variable ``--engine-api-key`` defaults to (the systemd unit's agent.env sets it)."""
+
+
+def engine_api_key(args, environ=os.environ) -> str:
+    """``--engine-api-key`` (from the command line or the config file), else ``$ROLLFLEET_ENGINE_API_KEY``, else "".
+
+    ConfigError for a key that cannot travel in an HTTP header (spaces, control or non-ASCII characters)."""
+    given = args.engine_api_key
+    flag = "--engine-api-key" if given else ENGINE_API_KEY_ENV
+    key = given if given else environ.get(ENGINE_API_KEY_ENV, "")
+    bad = sorted({repr(c) for c in key if not 33 <= ord(c) <= 126})
+    if bad:
+        raise ConfigError(f"{flag}: the key holds {', '.join(bad)}; an API key is printable ASCII without spaces")
+    return key
 
 
 def _gpu_ids(text: str) -> list[int]:
@@ -62,6 +78,14 @@ def _join_args(sp: argparse.ArgumentParser) -> None:
     g.add_argument("--sim-args", default="", help="extra flags for each sim engine, e.g. '--token-latency-ms 5'")
     g.add_argument(
         "--hf-args", default="", help="extra flags for each hf engine, e.g. '--device cuda --dtype bfloat16'"
+    )
+    g.add_argument(
+        "--engine-api-key",
+        default=None,
+        metavar="KEY",
+        help=f"the engines' API key (SGLang --api-key): sent to every engine as 'Authorization: Bearer KEY', and "
+        f"sim and sglang engines launched here are started with it; default: ${ENGINE_API_KEY_ENV}, which keeps it "
+        "off the command line",
     )
     g.add_argument(
         "--concurrency", type=number(int, min=1), default=64, help="concurrent requests (samples) per engine"
@@ -294,9 +318,10 @@ def join(args) -> int:
 
     validate_endpoint(args.coordinator, "--coordinator")
     kind = _engine_kind(args)
+    api_key = engine_api_key(args)
     specs = []
     if kind == "sim":
-        specs += plan_engines("sim", count=args.engines, sim_args=_sim_argv(args.sim_args))
+        specs += plan_engines("sim", count=args.engines, sim_args=_sim_argv(args.sim_args), api_key=api_key)
     elif kind == "hf":
         specs += plan_engines(
             "hf", count=args.engines, model_path=args.model_path, hf_args=_hf_argv(args.hf_args, args.engines)
@@ -309,6 +334,7 @@ def join(args) -> int:
             tp_size=args.tp_size or 1,
             gpu_ids=args.gpu_ids,
             sglang_args=_split("--sglang-args", args.sglang_args),
+            api_key=api_key,
         )
     if args.engine_url:
         specs += plan_engines("url", urls=args.engine_url)
@@ -350,6 +376,7 @@ def join(args) -> int:
             "start_timeout": args.engine_start_timeout,
             "health_interval": args.health_interval,
             "max_restarts": args.max_restarts,
+            "api_key": api_key,  # the supervisor's; the agent's EngineClient sends it too (agent/worker.py)
         },
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
@@ -357,6 +384,8 @@ def join(args) -> int:
     )
     if exposed:
         logging.getLogger("rollfleet.agent").warning("%s", exposed)
+    if api_key and not args.engine_api_key:
+        args.effective_config["engine-api-key"] = f"{REDACTED} (from ${ENGINE_API_KEY_ENV})"
     logging.getLogger("agent").info("effective config: %s", json.dumps(args.effective_config, sort_keys=True))
     print(f"agent {agent.agent_id} joining {args.coordinator}; payloads at {agent.payload_address}", flush=True)
     failures: list[BaseException] = []

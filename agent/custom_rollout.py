@@ -29,6 +29,14 @@ carries ``openai_base_url`` / ``openai_api_key``, and the endpoint's calls go th
 an HTTP error, so it is handed to :func:`_sample` instead, which cancels the function and acts on it
 as if ``generate`` had raised it. The function's None (or ``{reward, metadata}``) is the recording.
 
+**Request ids.** Every ``/generate`` call gets its own rid, ``<base>-c<k>``: ``base`` is the sample's id in
+the assignment (``rf-<lease>-<attempt>-<sample>``, fixed width, so ``<base>-c<k>`` prefix-matches only
+calls of the same sample) and ``k`` counts the sample's calls. A function may run several calls of one
+sample at once (``asyncio.gather``); SGLang refuses a second live request with the same rid (400
+"Duplicate request ID detected"). The calls in flight are listed in the lease context's
+:class:`LiveRids`, so that an abort of a sample's base rid (the core names base rids) can reach them:
+SGLang ignores an abort of a rid it does not hold exactly.
+
 Invariant: the core is asked about an abort only when none of the group's calls is in flight, as
 for single-turn groups, so a new assignment never races an old request.
 """
@@ -71,6 +79,44 @@ def load_generate(spec: str):
     return import_callable(spec, kind="generate")
 
 
+class LiveRids:
+    """The request ids in flight per base rid: what an abort of a sample must name on SGLang.
+
+    A custom generate function's calls run as ``<base>-c<k>`` (see the module docstring); SGLang's
+    ``/abort_request`` ignores a rid its tokenizer manager does not hold exactly, so an abort of
+    ``base`` must be sent for each live call rid instead (:meth:`expand`). Entries leave with their
+    calls: the registry holds only what is in flight. Event-loop thread only.
+    """
+
+    __slots__ = ("_live",)
+
+    def __init__(self) -> None:
+        self._live: dict[str, set[str]] = {}
+
+    def add(self, base: str, rid: str) -> None:
+        self._live.setdefault(base, set()).add(rid)
+
+    def discard(self, base: str, rid: str) -> None:
+        rids = self._live.get(base)
+        if rids is not None:
+            rids.discard(rid)
+            if not rids:
+                del self._live[base]
+
+    def expand(self, base: str) -> list[str]:
+        """The live call rids of ``base`` (sorted), or ``[base]`` when none is live (the built-in
+        single-turn path sends the base rid itself)."""
+        rids = self._live.get(base)
+        return sorted(rids) if rids else [base]
+
+    def expand_all(self, bases) -> list[str]:
+        """:meth:`expand` of each of ``bases``, in order."""
+        return [rid for base in bases for rid in self.expand(base)]
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self._live.values())
+
+
 class _Restart(BaseException):
     """Internal: start every sample of the group over (``engine_failed``: on another engine).
 
@@ -101,8 +147,11 @@ class _Gate:
         self._open.set()
         self._resolution: asyncio.Future | None = None
 
-    async def send(self, sample: int, input_ids: list[int], params: dict) -> tuple[dict, Any]:
+    async def send(self, sample: int, call: int, input_ids: list[int], params: dict) -> tuple[dict, Any]:
         """One ``/generate`` on the current assignment; returns the answer and the assignment it ran on.
+
+        The call runs as ``<base>-c<call>`` (``call``: the sample's call counter), listed in the lease
+        context's :class:`LiveRids` while it is in flight.
 
         A call about to start while a weight update runs on the agent (or after one began since the
         assignment) is not sent to the paused engine: the group asks the core first, as an aborted
@@ -116,12 +165,16 @@ class _Gate:
             if not (await self.aborted()).resume:
                 raise _Restart("a weight update began")
         assignment = self.assignment
+        base = assignment.request_ids[sample]
+        rid = f"{base}-c{call}"
+        live = self.runner.ctx.live_rids
+        live.add(base, rid)
         self.in_flight += 1
         self._idle.clear()
         try:
-            client = self.runner.ctx.client
-            return await client.generate(assignment.url, input_ids, params, assignment.request_ids[sample]), assignment
+            return await self.runner.ctx.client.generate(assignment.url, input_ids, params, rid), assignment
         finally:
+            live.discard(base, rid)
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
@@ -158,6 +211,7 @@ class EngineHandle:
         self._partial = partial
         self._tokenizer = tokenizer
         self._session = None  # the sample's OpenAI endpoint while its function runs (agent/openai_server.py)
+        self._calls = 0  # the sample's /generate calls so far: each runs with its own rid (``<base>-c<k>``)
 
     @property
     def openai_base_url(self) -> str:
@@ -210,7 +264,8 @@ class EngineHandle:
         while True:
             ids, budget = continuation(list(input_ids), answers, merged)
             try:
-                out, assignment = await self._gate.send(self._sample, ids, budget)
+                self._calls += 1
+                out, assignment = await self._gate.send(self._sample, self._calls, ids, budget)
             except EngineBusy:
                 busy_rounds += 1
                 await asyncio.sleep(busy_backoff(busy_rounds))

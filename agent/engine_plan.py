@@ -29,6 +29,11 @@ Engine kinds
 ``url``
     An SGLang-API server somebody else runs: no process, health checks only.
 
+Parallel layout (:class:`EngineLayout`): what an engine's ``/server_info`` says of its parallelism
+(``tp_size``, ``dp_size``, ``quantization``, ``device``, ``enable_dp_attention``);
+:func:`layout_from_server_info` reads it, :func:`planned_layout` is what the plan alone implies
+(``sglang``: its GPUs; the rest: 1).
+
 Restart policy (:class:`RestartBudget`): a broken engine is restarted after
 0.5 s, doubling per restart still inside the window, capped at 30 s; a restart
 that would exceed ``max_restarts`` within ``window`` seconds is refused (the
@@ -52,13 +57,17 @@ from common.errors import ConfigError
 __all__ = [
     "KINDS",
     "SIM_MODULE",
+    "EngineLayout",
     "EngineSpec",
     "RestartBudget",
     "check_positive",
     "check_specs",
     "fix_listen_url",
+    "key_args",
+    "layout_from_server_info",
     "parse_listen_url",
     "plan_engines",
+    "planned_layout",
     "reprobe_delay",
     "sglang_command",
     "version_args",
@@ -93,6 +102,51 @@ class EngineSpec:
     argv: list[str] | None
     env: dict[str, str] | None = dataclasses.field(repr=False)
     gpu_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLayout:
+    """An engine's parallel layout, as its ``/server_info`` reports it (or as planned, if it does not).
+
+    ``tp_size`` is the number of consecutive ranks the engine takes in a weight-update group (each TP
+    worker joins as ``rank_offset + tp_rank``); SGLang refuses such a group with ``dp_size > 1``
+    unless ``enable_dp_attention``.
+    """
+
+    tp_size: int = 1
+    dp_size: int = 1
+    quantization: str | None = None
+    device: str | None = None
+    enable_dp_attention: bool = False
+    from_server: bool = False
+    """True if read from the engine's ``/server_info``; False: planned (the engine did not say)."""
+
+
+def planned_layout(spec: EngineSpec) -> EngineLayout:
+    """What the plan alone implies: an ``sglang`` engine's tp is its GPUs; sim, hf and url engines 1."""
+    device = "cpu" if spec.kind == "sim" else ("cuda" if spec.kind == "sglang" else None)
+    return EngineLayout(tp_size=max(1, len(spec.gpu_ids)), device=device)
+
+
+def layout_from_server_info(info: dict, planned: EngineLayout) -> EngineLayout:
+    """The layout in a ``/server_info`` answer (SGLang's ServerArgs fields); ``planned`` fills what is absent."""
+
+    def size(key: str, default: int) -> int:
+        value = info.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else default
+
+    def text(key: str, default: str | None) -> str | None:
+        value = info.get(key)
+        return value if isinstance(value, str) and value else default
+
+    return EngineLayout(
+        tp_size=size("tp_size", planned.tp_size),
+        dp_size=size("dp_size", planned.dp_size),
+        quantization=text("quantization", planned.quantization),
+        device=text("device", planned.device),
+        enable_dp_attention=bool(info.get("enable_dp_attention", planned.enable_dp_attention)),
+        from_server=True,
+    )
 
 
 def check_specs(specs: Sequence[EngineSpec]) -> None:
@@ -207,11 +261,13 @@ def sglang_command(
     module: str = "sglang.launch_server",
     extra_args: Sequence[str] = (),
     weight_version: int | None = None,
+    api_key: str = "",
 ) -> list[str]:
     """The argv of one SGLang server (GPUs are chosen via CUDA_VISIBLE_DEVICES).
 
     ``weight_version`` labels the weights it launches with (``--weight-version``; without it
-    SGLang says ``"default"``, which the agent reads as version 0).
+    SGLang says ``"default"``, which the agent reads as version 0). ``api_key``: ``--api-key``, so
+    that every route but ``/health*``, ``/ready`` and ``/metrics`` wants ``Authorization: Bearer KEY``.
     """
     if not model_path:
         raise ConfigError("sglang engines need a model path (--model-path)")
@@ -228,8 +284,14 @@ def sglang_command(
         "--base-gpu-id", "0",
         "--skip-server-warmup",
         *version_args(weight_version),
+        *key_args(api_key),
         *[str(a) for a in extra_args],
     ]  # fmt: skip
+
+
+def key_args(api_key: str) -> list[str]:
+    """``--api-key KEY`` for an engine the agent launches with ``--engine-api-key`` (none without a key)."""
+    return ["--api-key", api_key] if api_key else []
 
 
 def version_args(weight_version: int | None) -> list[str]:
@@ -251,8 +313,12 @@ def plan_engines(
     sglang_args: Sequence[str] = (),
     sglang_module: str = "sglang.launch_server",
     weight_version: int | None = None,
+    api_key: str = "",
 ) -> list[EngineSpec]:
     """The engines of one node.  Names are ``<kind>-<i>``; ``weight_version`` labels their launch weights.
+
+    ``api_key`` (``--engine-api-key``) protects the ``sim`` and ``sglang`` engines launched here
+    (``--api-key``); ``hf`` engines take no key, and ``url`` engines have their own.
 
     * ``sim``: ``count`` sim engines on ``host``, port chosen by the engine.
     * ``hf``: ``count`` hf engines serving ``model_path`` on ``host``, port chosen by the engine.
@@ -279,6 +345,7 @@ def plan_engines(
             "--port",
             "0",
             *version_args(weight_version),
+            *key_args(api_key),
             *[str(a) for a in sim_args],
         ]
         return [
@@ -299,7 +366,7 @@ def plan_engines(
         return [
             EngineSpec(name=f"hf-{i}", kind="hf", url=None, argv=list(argv), env=None, gpu_ids=[]) for i in range(count)
         ]
-    return _plan_sglang(count, model_path, tp_size, gpu_ids, host, sglang_args, sglang_module, weight_version)
+    return _plan_sglang(count, model_path, tp_size, gpu_ids, host, sglang_args, sglang_module, weight_version, api_key)
 
 
 def _plan_urls(urls: Sequence[str]) -> list[EngineSpec]:
@@ -323,6 +390,7 @@ def _plan_sglang(
     sglang_args: Sequence[str],
     sglang_module: str,
     weight_version: int | None = None,
+    api_key: str = "",
 ) -> list[EngineSpec]:
     if not model_path:
         raise ConfigError("--engine sglang needs --model-path")
@@ -356,6 +424,7 @@ def _plan_sglang(
             module=sglang_module,
             extra_args=sglang_args,
             weight_version=weight_version,
+            api_key=api_key,
         )
         url = f"http://{url_host(host)}:{port}"
         specs.append(EngineSpec(name=f"sglang-{i}", kind="sglang", url=url, argv=argv, env=env, gpu_ids=group))

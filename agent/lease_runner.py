@@ -27,6 +27,10 @@ Invariants:
   other 5xx) is reported (the supervisor decides about the engine) and the group is retried on
   another engine, at most ``MAX_ENGINE_FAILURES`` times, then the prompt fails. A failed prompt
   is a ``LeaseFailed``: the coordinator counts it like a failing reward (``Starved`` when all fail).
+- A single-turn sample runs as its base rid (``AssignEngine.request_ids[i]``): one call per sample
+  per round, every round's calls done (or cancelled) before the next, and each round on a new
+  assignment (new rids), so no two calls of one sample are ever in flight and an abort of the base
+  rid reaches it. Generate functions' calls carry ``<base>-c<k>`` (agent/custom_rollout.py).
 - The per-token work is two C-level ``map(itemgetter)`` passes per sample
   (agent/spans.py); only a sample a weight update interrupted has several answers to join.
 """
@@ -120,6 +124,10 @@ class LeaseContext:
     """``--tool-parser``, loaded (agent/tool_parsers.py)."""
     loaded: dict = field(default_factory=dict)
     """Training sources' own rewards and filters (``LeaseGrant.reward``, ``filter``), loaded once each."""
+    live_rids: custom_rollout.LiveRids = field(default_factory=custom_rollout.LiveRids)
+    """The rids of generate functions' calls in flight, by the sample's base rid (agent/custom_rollout.py):
+    an abort of a base rid must name them (``live_rids.expand(base)``). Pass the agent's one registry so
+    that it outlives a reconfiguration."""
 
     def reward_for(self, spec: str) -> Any:
         """The reward of a grant whose source names ``spec`` ("": the fleet's)."""

@@ -31,6 +31,12 @@ Invariants
 * Structured concurrency: one task per engine, named ``engine-<name>``, owned by the
   supervisor's task owner; :meth:`stop` cancels and awaits them, then kills every process
   group.  Cancellation is always re-raised.  All timing uses ``time.monotonic()``.
+* Once an engine answers healthy, and before ``prepare``, its ``/server_info`` (fallback
+  ``/get_server_info``) gives its parallel layout (:meth:`layout`, :meth:`tp`, :meth:`dp`), read
+  again at every (re)start: a ``url`` engine may come back as another server. An engine that does
+  not answer it keeps the planned layout (tp 1 but for ``sglang`` engines) with a warning; one
+  that refuses it for want of the API key (HTTP 401/403) is retired with an error naming
+  ``--engine-api-key``: no retry can fix a missing key.
 * Health checks can be paused around weight updates (a paused SGLang server fails
   ``/health_generate``); results of checks that overlapped a pause are discarded.
   Process-exit detection keeps running while paused; resuming with ``force`` checks every
@@ -50,16 +56,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.engine_client import EngineClient
-from agent.engine_plan import EngineSpec, RestartBudget, check_positive, check_specs, reprobe_delay
+from agent.engine_plan import (
+    EngineLayout,
+    EngineSpec,
+    RestartBudget,
+    check_positive,
+    check_specs,
+    layout_from_server_info,
+    planned_layout,
+    reprobe_delay,
+)
 from agent.engine_process import KILL_GRACE, EngineProcess, wait_ready
 from agent.task_owner import TaskOwner
-from common.errors import Closed, EngineStartError, EngineUnavailable, StateError
+from common.errors import Closed, EngineError, EngineRejected, EngineStartError, EngineUnavailable, StateError
 
 __all__ = ["EngineSupervisor"]
 
 log = logging.getLogger("rollfleet.agent.supervisor")
 
 STATES = ("starting", "healthy", "stale", "down", "retired")
+
+KEY_HINT = "pass the engines' key with --engine-api-key KEY (or ROLLFLEET_ENGINE_API_KEY in the agent's environment)"
 
 
 @dataclass(eq=False)
@@ -75,6 +92,8 @@ class _Engine:
     report: str | None = None
     error: str | None = None
     forced: bool = False  # check at once, whatever the interval
+    layout: EngineLayout | None = None  # from its /server_info once it answered healthy (None: planned)
+    info: dict = dataclasses.field(default_factory=dict)  # that /server_info answer ({}: none)
 
     @property
     def name(self) -> str:
@@ -115,6 +134,7 @@ class EngineSupervisor:
         on_change: Callable[[str, str], None] | None = None,
         client: EngineClient | None = None,
         prepare: Callable[[str, str], Awaitable[str]] | None = None,
+        api_key: str = "",
     ):
         specs = list(specs)
         check_specs(specs)
@@ -131,6 +151,8 @@ class EngineSupervisor:
             )
             for s in specs
         }
+        self.api_key = api_key
+        """``--engine-api-key``: the supervisor's own client sends it (a client passed in must carry it already)."""
         self._client = client
         self._own_client = client is None
         self._tasks: TaskOwner | None = None
@@ -160,7 +182,7 @@ class EngineSupervisor:
         self._run_wake = asyncio.Event()
         self._log_dir.mkdir(parents=True, exist_ok=True)
         if self._client is None:
-            self._client = EngineClient()
+            self._client = EngineClient(api_key=self.api_key)
         self._tasks = TaskOwner(self._task_failed)
         for eng in self._engines.values():
             eng.url = eng.spec.url if eng.spec.kind != "sim" else None
@@ -286,9 +308,23 @@ class EngineSupervisor:
             return not self.alive(name)
         return await eng.proc.wait_exited(within)
 
+    def layout(self, name: str) -> EngineLayout:
+        """The engine's parallel layout: from its ``/server_info`` once it answered one, else as planned."""
+        eng = self._engines[name]
+        return eng.layout if eng.layout is not None else planned_layout(eng.spec)
+
+    def server_info(self, name: str) -> dict:
+        """The engine's last ``/server_info`` answer, read when it last came up ({} if it gave none)."""
+        return self._engines[name].info
+
     def tp(self, name: str) -> int:
-        """The engine's tensor-parallel size (its GPUs; 1 for sim and url engines)."""
-        return max(1, len(self._engines[name].spec.gpu_ids))
+        """The engine's tensor-parallel size (the ranks it takes in a weight-update group): its
+        ``/server_info`` ``tp_size``; before that, or if it never said, its GPUs (1 for sim, hf, url)."""
+        return self.layout(name).tp_size
+
+    def dp(self, name: str) -> int:
+        """The engine's data-parallel size (``/server_info`` ``dp_size``; 1 when it does not say)."""
+        return self.layout(name).dp_size
 
     def mark(self, name: str, state: str) -> bool:
         """Move a ``healthy`` or ``stale`` engine to ``state`` (one of the two); False if it is in neither."""
@@ -361,7 +397,8 @@ class EngineSupervisor:
             await self._kill(eng)
             self._retire(eng, str(e))
             return
-        self._set_state(eng, await self._prepared(eng))
+        if not await self._enter(eng):
+            return
         eng.settled.set()
         log.info("engine %s %s at %s (pid %d)", eng.name, eng.state, eng.url, eng.proc.pid)
         while True:
@@ -370,9 +407,8 @@ class EngineSupervisor:
             eng.error = reason
             self._went_down(eng)
             await self._kill(eng)
-            if not await self._restart(eng):
+            if not await self._restart(eng) or not await self._enter(eng):
                 return
-            self._set_state(eng, await self._prepared(eng))
             log.info("engine %s %s again at %s (pid %d)", eng.name, eng.state, eng.url, eng.proc.pid)
 
     async def _restart(self, eng: _Engine) -> bool:
@@ -409,7 +445,8 @@ class EngineSupervisor:
             self._set_state(eng, "down")
             eng.settled.set()
             await self._probe_until_up(eng)
-        self._set_state(eng, await self._prepared(eng))
+        if not await self._enter(eng):
+            return
         eng.settled.set()
         log.info("engine %s %s at %s", eng.name, eng.state, eng.url)
         while True:
@@ -418,8 +455,51 @@ class EngineSupervisor:
             log.warning("engine %s down: %s", eng.name, reason)
             self._went_down(eng)
             await self._probe_until_up(eng)
-            self._set_state(eng, await self._prepared(eng))
+            if not await self._enter(eng):
+                return
             log.info("engine %s %s again at %s", eng.name, eng.state, eng.url)
+
+    async def _enter(self, eng: _Engine) -> bool:
+        """A (re)started engine answered healthy: read its layout, then enter the state ``prepare`` says.
+
+        False if it was retired instead: it refuses ``/server_info`` for want of the API key.
+        """
+        try:
+            await self._read_layout(eng)
+        except EngineRejected as exc:
+            await self._kill(eng)
+            self._retire(eng, f"engine {eng.name}: {exc}")
+            return False
+        self._set_state(eng, await self._prepared(eng))
+        return True
+
+    async def _read_layout(self, eng: _Engine) -> None:
+        """``eng.layout`` from its ``/server_info``; the planned one, with a warning, if it does not answer.
+
+        Raises EngineRejected (401/403) for an engine that wants an API key it was not given."""
+        assert self._client is not None and eng.url is not None
+        planned = planned_layout(eng.spec)
+        eng.info = {}
+        try:
+            info = await self._client.server_info(eng.url)
+        except EngineRejected as exc:
+            if exc.status in (401, 403):
+                why = "refuses the key given" if self.api_key else "wants an API key (the server runs with --api-key)"
+                raise EngineRejected(f"{exc}: the engine {why}; {KEY_HINT}", status=exc.status) from None
+            info, why = None, str(exc)
+        except EngineError as exc:
+            info, why = None, str(exc)
+        if info is None:
+            log.warning("engine %s: no /server_info (%s); taking tp_size=%d, dp_size=1", eng.name, why, planned.tp_size)
+            eng.layout = planned
+            return
+        eng.info = info
+        eng.layout = layout_from_server_info(info, planned)
+        if eng.spec.kind == "sglang" and eng.layout.tp_size != planned.tp_size:
+            log.warning("engine %s: /server_info says tp_size=%d, launched on %d GPU(s)",
+                        eng.name, eng.layout.tp_size, planned.tp_size)  # fmt: skip
+        if eng.layout != dataclasses.replace(planned, from_server=True):
+            log.info("engine %s: %s", eng.name, eng.layout)
 
     async def _prepared(self, eng: _Engine) -> str:
         """The state a (re)started engine enters: ``prepare`` brings it to the fleet's weights first."""

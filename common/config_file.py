@@ -11,7 +11,8 @@ the flag itself, so a file can hold nothing the command line would refuse, and e
 
 Precedence is command line over file over built-in defaults: the file's values become the parser's
 defaults, so any flag given on the command line wins. A required flag given in the file is no longer
-required on the command line. ``effective_config`` is what the process runs with, printed at start.
+required on the command line. ``effective_config`` is what the process runs with, printed at start
+(the values of ``SECRET_FLAGS`` as ``***``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from typing import Any
 from common.errors import ConfigError
 
 _SKIP_DESTS = ("help", "config")
+
+SECRET_FLAGS = ("engine-api-key",)
+"""Flags whose value ``effective_config`` shows as ``REDACTED`` (it is logged at start)."""
+
+REDACTED = "***"
 
 
 def config_path(argv: list[str]) -> str | None:
@@ -149,6 +155,8 @@ def effective_config(sp: argparse.ArgumentParser, args: argparse.Namespace) -> d
         if action.dest in _SKIP_DESTS or not longs or not hasattr(args, action.dest):
             continue
         value = getattr(args, action.dest)
+        if longs[0][2:] in SECRET_FLAGS and value:
+            value = REDACTED
         out[longs[0][2:]] = value if isinstance(value, (str, int, float, bool, list, type(None))) else str(value)
     return dict(sorted(out.items()))
 

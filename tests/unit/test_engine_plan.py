@@ -11,13 +11,16 @@ import pytest
 
 from agent.engine_plan import (
     SIM_MODULE,
+    EngineLayout,
     RestartBudget,
     check_positive,
     check_specs,
     default_gpu_ids,
     fix_listen_url,
+    layout_from_server_info,
     parse_listen_url,
     plan_engines,
+    planned_layout,
     reprobe_delay,
     sglang_command,
     url_host,
@@ -206,3 +209,31 @@ def test_reprobe_delay():
     assert [reprobe_delay(a, 0.2) for a in range(4)] == [0.5, 1.0, 2.0, 2.0]  # at least 2 s cap
     assert reprobe_delay(10, 300.0) == 30.0  # at most the restart cap
     assert reprobe_delay(100_000, 5.0) == 5.0  # a server down for days does not overflow
+
+
+# ---------------------------------------------------------------- API key and parallel layout
+
+
+def test_an_api_key_launches_sim_and_sglang_engines_with_it_but_not_hf(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    (sim,) = plan_engines("sim", api_key="k-1")
+    (sglang,) = plan_engines("sglang", model_path="/m", api_key="k-1")
+    (hf,) = plan_engines("hf", model_path="/m", api_key="k-1")
+    for spec in (sim, sglang):
+        i = spec.argv.index("--api-key")
+        assert spec.argv[i + 1] == "k-1", spec.argv
+    assert "--api-key" not in hf.argv  # the hf engine takes no key
+    assert "--api-key" not in plan_engines("sim")[0].argv  # no key: an open engine, as before
+
+
+def test_the_layout_comes_from_server_info_and_the_plan_fills_what_it_lacks(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    (sglang,) = plan_engines("sglang", model_path="/m", tp_size=4)
+    (url,) = plan_engines("url", urls=["http://h:1"])
+    assert planned_layout(sglang) == EngineLayout(tp_size=4, device="cuda")
+    assert planned_layout(url) == EngineLayout()  # tp 1, dp 1: what the agent assumed before
+    info = {"tp_size": 2, "dp_size": 2, "quantization": "fp8", "device": "cuda", "enable_dp_attention": True}
+    assert layout_from_server_info(info, planned_layout(url)) == EngineLayout(2, 2, "fp8", "cuda", True, True)
+    # SGLang says null for no quantization; a missing or nonsense size keeps the planned one.
+    bare = layout_from_server_info({"quantization": None, "tp_size": "2", "dp_size": 0}, planned_layout(sglang))
+    assert (bare.tp_size, bare.dp_size, bare.quantization, bare.device, bare.from_server) == (4, 1, None, "cuda", True)
