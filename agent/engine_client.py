@@ -116,7 +116,7 @@ class EngineClient:
                 if resp.status >= 500:
                     raise EngineUnavailable(f"{url}{path}: HTTP {resp.status}: {raw[:200]!r}")
                 if resp.status >= 400:
-                    text = raw[:500].decode(errors="replace")
+                    text = raw[:500].decode(errors="replace") + _key_hint(resp.status, self._headers)
                     raise EngineRejected(f"{url}{path}: HTTP {resp.status}: {text}", status=resp.status)
                 if not raw:
                     return None
@@ -341,6 +341,11 @@ class EngineClient:
                 if resp.status == 404:
                     async with self._session.get(url + "/get_model_info") as old:
                         return orjson.loads(await old.read())
+                if resp.status in (401, 403):
+                    raise EngineRejected(
+                        f"{url}/model_info: HTTP {resp.status}{_key_hint(resp.status, self._headers)}",
+                        status=resp.status,
+                    )
                 if resp.status != 200:
                     raise EngineUnavailable(f"{url}/model_info: HTTP {resp.status}")
                 return orjson.loads(await resp.read())
@@ -350,6 +355,15 @@ class EngineClient:
 
 _STALE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 """What sending on a pooled connection the server has just closed raises: worth one more try."""
+
+
+def _key_hint(status: int, headers: dict) -> str:
+    """What to do about a refused key: SGLang answers 401 to a call without the server's ``--api-key``."""
+    if status not in (401, 403):
+        return ""
+    if headers:
+        return " (the engine refused the API key given with --engine-api-key)"
+    return " (the engine wants an API key: give it with --engine-api-key or ROLLFLEET_ENGINE_API_KEY)"
 
 
 def parse_version(label) -> int | None:
