@@ -111,9 +111,8 @@ class WeightsExecutor:
         self.sessions: dict[str, str] = {}  # engines with a weight-update session we opened: name -> url
         self._sessionless: set[str] = set()  # engines without session endpoints (SGLang before 0.5.23)
         self._read_mode: dict[str, str] = {}  # how an engine's weights are read back: "values" or "checksum"
-        self._server_info: dict[str, dict] = {}  # an engine's /server_info, read at its first checksum
         self._disk_format: dict[str, str | None] = {}  # the load_format its disk loads need (None: its own)
-        self._limited: set[str] = set()  # engines whose verification was said to be limited (said once)
+        self._warned: set[str] = set()  # engines whose limits were said (once): verification, data parallelism
         self.paused_engines = PausedEngines()  # urls this executor paused: per-request aborts wait for them
         self._background: set[asyncio.Task] = set()  # continues sent after a pause that outlived its deadline
         self._queue: asyncio.Queue[RunWeightsStep | WeightsRecord] = asyncio.Queue()
@@ -199,9 +198,9 @@ class WeightsExecutor:
         self.side.pop(name, None)
         self.held.pop(name, None)  # a new process holds no group
         self.sessions.pop(name, None)  # nor a weight-update session
-        for known in (self._sessionless, self._limited):
+        for known in (self._sessionless, self._warned):
             known.discard(name)
-        for cached in (self._read_mode, self._server_info, self._disk_format):
+        for cached in (self._read_mode, self._disk_format):
             cached.pop(name, None)
         self.stale.discard(name)
         try:
@@ -258,6 +257,8 @@ class WeightsExecutor:
             }
             if not engines:
                 return {}, None  # all current: the serving engines were never paused
+        for name in [n for n in engines if not self._joinable(n)]:
+            del engines[name]  # never paused nor confirmed: it serves until the update's end finds it behind
         self.supervisor.pause_health_checks()
         pause_sent: set[str] = set()
 
@@ -290,6 +291,21 @@ class WeightsExecutor:
         if msg.catch_up and not confirmed:
             self.supervisor.resume_health_checks(force=True)
         return {}, None
+
+    def _joinable(self, name: str) -> bool:
+        """Whether the engine can join a weight-update group: SGLang refuses one (an assert, HTTP 500) on a
+        server with data parallelism unless it runs DP attention. Said once per engine."""
+        if self.supervisor.dp(name) <= 1 or self.supervisor.server_info(name).get("enable_dp_attention"):
+            return True
+        if name not in self._warned:
+            self._warned.add(name)
+            log.warning(
+                "engine %s has dp_size %d without DP attention: SGLang cannot take broadcasts there; it is left out "
+                "of distributed updates and out of the pool after one (update it from disk, or run it with tp only)",
+                name,
+                self.supervisor.dp(name),
+            )
+        return False
 
     async def _disk(self, msg: p.WeightsFromDisk) -> tuple[dict, WeightsRecord | None]:
         self.supervisor.pause_health_checks()
@@ -575,21 +591,15 @@ class WeightsExecutor:
                 f"{url} cannot verify weights: its model has no /get_weights_by_name and the server no "
                 "/weights_checker; push with verify=False"
             ) from None
-        if name not in self._server_info:
-            try:
-                self._server_info[name] = await self.client.server_info(url)
-            except EngineError as exc:
-                log.warning("engine %s: cannot read /server_info: %s", name, exc)
-                self._server_info[name] = {}
-        return reading(url, out, self._server_info[name])
+        return reading(url, out, self.supervisor.server_info(name))
 
     def _compare(self, readings: dict[str, Reading], verify: dict) -> dict[str, str]:
         """Checksums against the trainer's where they can be compared, and engines of one layout against each
         other; an engine checked neither way is said once (its verification is limited)."""
         errors, unchecked = compare_checksums(readings, dict(verify.get("checksums") or {}))
         for name, why in unchecked.items():
-            if name not in self._limited:
-                self._limited.add(name)
+            if name not in self._warned:
+                self._warned.add(name)
                 log.warning("engine %s: weight verification limited: %s", name, why)
         return errors
 
