@@ -7,9 +7,12 @@ the engine's logprobs) and which it did not (0, logprob 0.0), and the usual guar
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from common.errors import Starved
+from common.generation import RolloutTask, Trajectory
 from common.tokenizer import ByteTokenizer
 from harness.generate_fns import TOOL_TEXT
 from harness.polling import wait_for
@@ -152,3 +155,27 @@ def test_a_turn_cut_by_a_weight_update_continues_or_restarts_the_sample(make_clu
                     assert all(len(t) <= 1 for t in turns), sample.weight_versions
     if partial:
         assert mixed > 0, "no sample saw a weight update mid-rollout: the test did not test it"
+
+
+async def two_at_once(task: RolloutTask, engine) -> Trajectory:
+    """Two calls of one sample at once (``asyncio.gather``): a best-of-two, the longer answer kept."""
+    answers = await asyncio.gather(engine.generate(task.prompt_tokens), engine.generate(task.prompt_tokens))
+    best = max(answers, key=lambda g: len(g.tokens))
+    return Trajectory(metadata={"calls": len(answers)}).add(best)
+
+
+def test_a_function_may_run_calls_of_one_sample_concurrently(make_cluster):
+    """Red if: the sample's concurrent calls share one rid, which SGLang refuses as a duplicate (400),
+    so every group starts over until its prompt fails and the rollout starves."""
+    cluster = make_cluster(generate="tests.cluster.test_generate_fns:two_at_once", dynamic_filter="none")
+    cluster.start_coordinator("--starve-after", "8")
+    cluster.start_agent("a0", concurrency=16, sim_args="--token-latency-ms 2")
+    with cluster.client(timeout=60) as client:
+        for step in range(2):
+            batch = client.generate(step)
+            assert len(batch.groups) == 8
+            for group in batch.groups:
+                for sample in group.samples:
+                    assert sample.metadata["calls"] == 2
+                    assert len(sample.response_tokens) > 0 and set(sample.loss_mask.tolist()) == {1}
+    assert "Duplicate request ID" not in cluster.agents["a0"].text()
