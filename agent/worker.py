@@ -37,7 +37,7 @@ import zmq.asyncio
 
 from agent import tool_parsers
 from agent.chat_render import ChatRenderer, RenderError
-from agent.custom_rollout import load_generate
+from agent.custom_rollout import LiveRids, load_generate
 from agent.engine_client import EngineClient
 from agent.engine_tokenizer import EngineTokenizer
 from agent.engine_tokenizer import probe as probe_engine_tokenizer
@@ -124,7 +124,7 @@ class Agent:
         self._fatal: StorageFull | None = None
         options = {"log_dir": Path(data_dir) / "logs", **(supervisor_options or {})}
         # One HTTP client to the engines: generation, aborts and the supervisor's health probes.
-        self.client = EngineClient()
+        self.client = EngineClient(api_key=options.get("api_key", ""))
         self.supervisor = EngineSupervisor(
             engine_specs, on_change=self._on_engine_change, client=self.client, **options
         )
@@ -132,6 +132,8 @@ class Agent:
         # Weight updates (agent/weights.py); it also brings every (re)started engine to the fleet's weights.
         self.weights = WeightsExecutor(self.supervisor, self.client, self.handle, agent_id=self.agent_id)
         self.supervisor.prepare = self.weights.prepare
+        # The request ids in flight of generate functions' calls: what a sample's abort must name.
+        self.live_rids = LiveRids()
         self.ctx = zmq.asyncio.Context()
         self.payloads = PayloadServer(self.ctx, self.store, payload_bind, curve=curve.pair if curve else None)
         port = self.payloads.endpoint.rsplit(":", 1)[1]
@@ -344,6 +346,7 @@ class Agent:
             openai=self.openai if config.generate else None,
             chat_renderer=self._chat_renderer(),
             tool_parser=tool_parsers.load(config.tool_parser),
+            live_rids=self.live_rids,
         )
 
     def _chat_renderer(self):
@@ -374,7 +377,7 @@ class Agent:
             runner.task.cancel()
 
     def _abort_requests(self, ins: AbortRequests) -> None:
-        for request_id in ins.request_ids:
+        for request_id in self.live_rids.expand_all(ins.request_ids):
             self._tg.create_task(self._abort_quietly(ins.url, request_id), name=f"abort-{request_id}")
 
     async def _abort_quietly(self, url: str, request_id: str) -> None:
