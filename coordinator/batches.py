@@ -441,9 +441,7 @@ class Batches:
             n = sum(counts)
             if n < size and not (n and deadline_due(self.pending[0], self.core.now)):
                 break
-            leased = (lease.start for lease in self.core.admission.bounded_leases())
-            ready = (st.start for st in self.ready_info.values())
-            if self.core.staleness.holds_batch(self.pending[0].rollout_id, leased, ready):
+            if self.core.staleness.bounded and self._held(self.pending[0].rollout_id):
                 break  # leases in flight need this batch's places (staleness rule 2)
             out.append(self.assemble(self.pending.pop(0), counts))
             assembled = True
@@ -460,6 +458,28 @@ class Batches:
                 out += self._fail_waiting(*hopeless)
         self.core.counters.note_waiting(bool(self.pending or self.repairs), self.core.now)
         return out
+
+    def _held(self, rollout_id: int) -> bool:
+        """Staleness rule 2 (coordinator/staleness.py) holds batch ``rollout_id``: of a mixture, for some dataset,
+        on its own leases and ready groups against its share (the batch takes each dataset's oldest)."""
+        staleness = self.core.staleness
+        if len(self.ready_count) == 1:
+            leased = (lease.start for lease in self.core.admission.bounded_leases())
+            ready = (st.start for st in self.ready_info.values())
+            return staleness.holds_batch(rollout_id, leased, ready)
+        leased_by: dict[int, list[int]] = {}
+        for lease in self.core.admission.bounded_leases():
+            leased_by.setdefault(lease.data_epoch >> EPOCH_BITS, []).append(lease.start)
+        if not leased_by:
+            return False
+        ready_by: dict[int, list[int]] = {}
+        for (epoch, _), st in self.ready_info.items():
+            ready_by.setdefault(epoch >> EPOCH_BITS, []).append(st.start)
+        shares = self.composition(rollout_id)
+        return any(
+            staleness.holds_batch(rollout_id, starts, ready_by.get(source, ()), shares[source])
+            for source, starts in leased_by.items()
+        )
 
     def no_capacity(self) -> str | None:
         """Why no engine can generate anything until something changes (coordinator/capacity.py); None while one

@@ -274,13 +274,18 @@ class CoordinatorCore:
         out += self._pump_evaluations(now)
         if self.admission.starvation.starved:
             return out  # every recent group failed: leasing more prompts would only burn them
+        training, t_next, updates = self.admission.training, self.batches.current_rollout_id, self.weights.log.updates
         outstanding = self.admission.training_leases + len(self.batches.ready_info)
-        wanted = self.batches.wanted(self.trainer.prefetch)
-        budget = self.admission.training.plan(wanted, self.batches.ready_count)
-        allowed = self.staleness.budget(outstanding, self.batches.current_rollout_id, self.weights.log.updates)
-        self.staleness.note_admission(budget, allowed, now)
+        wanted = training.plan(self.batches.wanted(self.trainer.prefetch), self.batches.ready_count)
+        allowed = self.staleness.budget(outstanding, t_next, updates)
+        budget = wanted
         if allowed is not None:
             budget = min(budget, allowed)
+            # Rule 1 by shares (staleness.py): each dataset may have in flight or ready what the batches the bound
+            # admits hold of it, so the budget is never spent on a mix those batches cannot be made of.
+            allowance = training.allowance(t_next, self.staleness.last_admitted(updates))
+            budget = min(budget, training.limit(allowance, self.batches.ready_count))
+            self.staleness.note_admission(wanted, budget, now)
         if budget <= 0:
             return out
         granted = self.admission.grant(self.admission.training, budget, self.batches.current_rollout_id, now)
@@ -288,6 +293,19 @@ class CoordinatorCore:
             # Write-ahead: the cursor covering these leases is durable before they leave.
             out.append(self.persist([], granted))
         return out
+
+    def update_wait(self) -> str | None:
+        """Why the first waiting batch cannot be completed before a weight update is pushed (``--max-staleness``:
+        ``Staleness.update_wait``), or None. ``statistics()["waiting_for_update"]``, ``coordinator status``."""
+        batches, training = self.batches, self.admission.training
+        if not self.staleness.bounded or not batches.pending or batches.repairs:
+            return None
+        t, updates = batches.pending[0].rollout_id, self.weights.log.updates
+        have = zip(batches.composition(t), batches.ready_count, training.in_flight, strict=True)
+        lacking = [training.names[s] if training.mixed else "" for s, (n, r, f) in enumerate(have) if r + f < n]
+        outstanding = self.admission.training_leases + len(batches.ready_info)
+        budget = self.staleness.budget(outstanding, t, updates)
+        return self.staleness.update_wait(t, updates, lacking, budget, self.admission.training_leases)
 
     def _pump_evaluations(self, now: float) -> list:
         """Evaluation prompts go first to free capacity (a trainer waits on them); a pass nobody can
@@ -347,6 +365,7 @@ class CoordinatorCore:
             held=len(self.admission.held),
             receipts={"accepted": self.counters.receipts_accepted, "refused": self.counters.receipts_refused},
             gateways=self.gateway_stats(at) if self.gateway_stats is not None else [],
+            waiting_for_update=self.update_wait(),
         )
 
     def source_statistics(self) -> dict:

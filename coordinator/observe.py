@@ -253,5 +253,6 @@ def status_snapshot(server: CoordinatorServer) -> dict:
         "weights": core.weights.statistics(now),
         "paused": core.trainer.paused,
         "starved": core.admission.starvation.reason,
+        "waiting_for_update": core.update_wait(),
         "gateways": server.io.statistics(now),
     }

@@ -450,6 +450,10 @@ class CoordinatorStats:
     """Each gateway of ``coordinator serve --gateways`` (empty without): ``{"gateway", "pid", "up",
     "incarnation", "restarts", "peers", "messages_in", "messages_out", "batches_in", "batches_out", "bytes_in",
     "bytes_out", "send_failures"}``; ``peers``: those heard from in the last 5 s (coordinator/gateways.py)."""
+    waiting_for_update: str | None = None
+    """Why the next batch cannot be completed before a weight update is pushed (``--max-staleness``: its rollout
+    id is past the last the bound admits groups for), e.g. ``rollout 2 waits for 1 more weight update(s): ...``;
+    None if it can. Its ``generate`` waits meanwhile (coordinator/staleness.py)."""
 
     def to_dict(self) -> dict:
         """``dataclasses.asdict(self)`` with the agents built directly: asdict copies every value it walks,

@@ -139,10 +139,32 @@ class TrainingSource:
             return [size]
         return shares(self.weights_at(rollout_id), size)
 
+    def allowance(self, first: int, last: int) -> list[int]:
+        """Groups of each source that full batches ``first..last`` hold together (zeros when ``last < first``).
+
+        Under ``--max-staleness`` it is what each source may have leased or ready (coordinator/staleness.py,
+        rule 1 by shares): batches up to ``last`` are all the bound admits groups for. O(mixture changes)."""
+        out = [0] * len(self.specs)
+        size = self.admission.core.config.rollout_batch_size
+        for i, (start, weights) in enumerate(self.schedule):
+            lo = first if i == 0 else max(first, start)  # the first weights also hold before their rollout id
+            hi = last if i + 1 == len(self.schedule) else min(last, self.schedule[i + 1][0] - 1)
+            if lo <= hi:
+                for s, n in enumerate(shares(weights, size) if self.mixed else [size]):
+                    out[s] += n * (hi - lo + 1)
+        return out
+
     def plan(self, wanted: list[int], ready: list[int]) -> int:
         """Set what each source may lease now: ``wanted`` groups in flight or ready, less what it has. Returns
         the total. A source with more ready than wanted does not hold another's leases back."""
         self._wanted = [max(0, w - self.in_flight[s] - ready[s]) for s, w in enumerate(wanted)]
+        return sum(self._wanted)
+
+    def limit(self, allowance: list[int], ready: list[int]) -> int:
+        """Lower the plan so that no source has more than ``allowance`` in flight or ready (bounded staleness: rule
+        1 by shares). Returns the new total."""
+        have = [n + r for n, r in zip(self.in_flight, ready, strict=True)]
+        self._wanted = [min(n, max(0, a - h)) for n, a, h in zip(self._wanted, allowance, have, strict=True)]
         return sum(self._wanted)
 
     def note_lease(self, lease: Lease, delta: int) -> None:

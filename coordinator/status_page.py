@@ -100,7 +100,8 @@ function render(s) {
     el("span", {}, `weights v${s.weights.version} (${s.weights.updates} updates)`),
     el("span", {}, `receipts ${s.receipts.accepted}`),
     el("span", {}, s.paused ? "PAUSED" : "running"),
-    el("span", {}, s.starved ? `STARVED: ${s.starved}` : ""));
+    el("span", {}, s.starved ? `STARVED: ${s.starved}` : ""),
+    el("span", {}, s.waiting_for_update ? `WAITING: ${s.waiting_for_update}` : ""));
   const rows = s.fleet.map(a => {
     const tr = el("tr", {class: "agent", "data-agent": a.agent});
     tr.append(el("td", {}, a.agent), el("td", {class: a.status}, a.status),

@@ -88,4 +88,6 @@ def render(stats: dict) -> str:
         out.append(f"eval:     {name}: {line}")
     if stats.get("starved"):
         out.append(f"starved:  {stats['starved']}")
+    if stats.get("waiting_for_update"):
+        out.append(f"waiting:  {stats['waiting_for_update']}")
     return "\n".join(out)
