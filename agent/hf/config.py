@@ -3,6 +3,10 @@
 Importing this module imports neither torch nor transformers, so ``agent --help`` and the
 ``--hf-args`` check stay fast. :func:`engine_config` gives the same settings to an engine built
 in-process (tests), keyed by flag ``dest``; an unknown key is a TypeError.
+
+The SGLang flags the sim honours (``--sglang-version``, ``--api-key``, ``--admin-api-key``,
+``--load-format``, ``--chat-template``: :func:`agent.sim.config.add_sglang_arguments`) are the hf
+engine's too; its ``architectures`` are its model's.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from agent.sim.config import CRASH_EXIT_CODE
+from agent.sim.config import CRASH_EXIT_CODE, add_sglang_arguments
 from common.config import number
 
 VERSION = "rollfleet-hf"
@@ -27,6 +31,7 @@ def device_flag(text: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the hf engine's flags to ``parser``."""
     g = parser.add_argument_group("rollfleet-hf engine")
+    add_sglang_arguments(g)
     g.add_argument(
         "--model-path", "--model", dest="model_path", required=True, help="Hugging Face model directory to serve"
     )

@@ -14,7 +14,10 @@ between two steps), and the start-up load. The model is loaded before the port o
 engine is ready as soon as it listens (SGLang does the same).
 
 ``/model_info`` reports ``tokenizer_path`` = the model directory the engine started from (clients
-load it with ``AutoTokenizer``) and ``weight_digest`` = :attr:`agent.hf.weights.ModelWeights.digest`.
+load it with ``AutoTokenizer``), ``weight_digest`` = :attr:`agent.hf.weights.ModelWeights.digest` and
+``architectures`` = the model config's (so ``/get_weights_by_name`` answers for a Llama, as SGLang's
+does, and not for a Qwen2). ``--sglang-version`` and the other SGLang flags act as on the sim
+(:func:`agent.sim.versions.configure`); ``/server_info`` reports ``device`` ``cpu`` or ``cuda``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from agent.sim.config import CRASH_EXIT_CODE
 from agent.sim.info import ThroughputMeter
 from agent.sim.params import parse_generate
 from agent.sim.sample import Sample
+from agent.sim.versions import configure
 from agent.sim.weight_groups import WeightGroups
 from agent.sim.weights import WeightError
 
@@ -92,7 +96,7 @@ class HFEngine:
             "dp_size": 1,
             "base_gpu_id": 0,
             "mem_fraction_static": None,
-            "load_format": "auto",
+            "load_format": cfg["load_format"],
             "skip_server_warmup": True,
             "enable_metrics": False,
         }
@@ -109,6 +113,7 @@ class HFEngine:
         if cfg["threads"]:
             torch.set_num_threads(int(cfg["threads"]))
         self.device = resolve_device(cfg["device"])
+        self.device_type = "cuda" if self.device.startswith("cuda") else "cpu"  # /server_info's device
         self.dtype: str = cfg["dtype"]
         # One thread for every use of the model: loads, steps and weight copies never overlap.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-model")
@@ -135,6 +140,7 @@ class HFEngine:
             executor=self.executor,
             device=torch.device(self.device),
         )
+        configure(self, cfg)
         if self.device.startswith("cuda"):
             # NCCL groups: a wait past --weight-sync-timeout raises in the waiting thread and aborts the
             # communicator, instead of NCCL's watchdog ending this process (agent.sim.weight_groups).

@@ -44,6 +44,11 @@ class ModelWeights:
         """The model's parameter or buffer ``name`` (``/get_weights_by_name``); None if it has none."""
         return self.state.get(name)
 
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """``named_parameters()`` then ``named_buffers()`` (tied weights once), as SGLang's weight checker
+        walks a model (``/weights_checker``)."""
+        return [(n, p.detach()) for n, p in self.model.named_parameters()] + list(self.model.named_buffers())
+
     def check(self, named: dict[str, Any]) -> list[tuple[torch.Tensor, Any]]:
         """``(target, source)`` pairs for ``named``; WeightError naming the first bad name or shape."""
         unknown = [name for name in named if name not in self.state]

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from agent.sim.config import add_arguments
 from agent.sim.engine import SimEngine
-from agent.sim.http import make_app
+from agent.sim.http import RUNNER_OPTIONS, make_app
 from common.config import ArgumentParser
 from common.errors import ConfigError
 
@@ -29,9 +29,10 @@ async def serve(engine: SimEngine, host: str, port: int, name: str = "rollfleet-
     """Serve ``engine`` on ``host:port`` until SIGTERM/SIGINT; sets ``engine.port`` to the bound port.
 
     Prints ``{name} listening on http://HOST:PORT`` once bound (the supervisor reads that line).
-    Any engine with SimEngine's surface can be served (the hf engine is).
+    Any engine with SimEngine's surface can be served (the hf engine is). Served with
+    :data:`~agent.sim.http.RUNNER_OPTIONS`: idle keep-alive connections close after 5 s, as SGLang's.
     """
-    runner = web.AppRunner(make_app(engine), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    runner = web.AppRunner(make_app(engine), shutdown_timeout=2.0, **RUNNER_OPTIONS)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:

@@ -5,6 +5,10 @@ The flags of :func:`add_arguments` configure the engine (each checked against it
 flags are accepted too (``--max-running-requests``, ``--model``, ``--random-seed`` are aliases;
 ``--tp-size``/``--dp-size`` are only reported, the rest have no effect), so the sim runs from an
 SGLang command line. :func:`engine_config` gives the same settings to an engine built in-process.
+
+:func:`add_sglang_arguments` adds the SGLang flags whose behaviour the sim and the hf engine both
+imitate (``--sglang-version``, ``--api-key``, ``--admin-api-key``, ``--load-format``,
+``--chat-template``; :mod:`agent.sim.versions` says what the release changes).
 """
 
 from __future__ import annotations
@@ -12,15 +16,67 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from agent.sim.versions import DEFAULT_SGLANG_VERSION, SGLANG_VERSIONS
 from common.config import number
 
 VERSION = "rollfleet-sim"
 CRASH_EXIT_CODE = 17
 
 
+def tensor_names(text: str) -> list[str]:
+    """``NAME[,NAME...]``: non-empty tensor names, comma-separated."""
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected NAME[,NAME...] without empty names, got {text!r}")
+    return names
+
+
+def add_sglang_arguments(g: argparse._ArgumentGroup) -> None:
+    """The SGLang flags both the sim and the hf engine honour (see :mod:`agent.sim.versions`)."""
+    g.add_argument(
+        "--sglang-version",
+        choices=SGLANG_VERSIONS,
+        default=DEFAULT_SGLANG_VERSION,
+        help=f"the SGLang release whose HTTP behaviour to imitate (default {DEFAULT_SGLANG_VERSION}): 0.5.23 has "
+        "weight-update sessions (/begin_weight_update, /end_weight_update; broadcasts refused outside one), "
+        "/ready, abort_sent and the 0.5.23 /model_info fields; 0.5.15 has none of these",
+    )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="SGLang's --api-key: every route but /health*, /ready (0.5.23) and /metrics needs "
+        '\'Authorization: Bearer KEY\', else 401 {"error": "Unauthorized"}',
+    )
+    g.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="SGLang's --admin-api-key: the control routes (weights, pause, abort, flush) need this key instead",
+    )
+    g.add_argument(
+        "--load-format",
+        default="auto",
+        help="SGLang's --load-format (default auto): the format of a disk update that names none; 'dummy' refuses "
+        "every such update, as SGLang's dummy loader does; reported in /model_info (0.5.23) and /server_info",
+    )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        help="SGLang's --chat-template: a Jinja file (*.jinja), or a built-in template name, with which 0.5.23 "
+        "refuses /tokenize of messages with add_generation_prompt",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the sim engine's flags to ``parser``."""
     g = parser.add_argument_group("rollfleet-sim engine")
+    add_sglang_arguments(g)
+    g.add_argument(
+        "--architecture",
+        default="Qwen2ForCausalLM",
+        help="the model class reported in /model_info 'architectures' (default Qwen2ForCausalLM); "
+        "/get_weights_by_name answers only for the classes SGLang implements it for (LlamaForCausalLM, "
+        "MistralForCausalLM, OPTForCausalLM, ...), else 400 'Get parameter by name failed'",
+    )
     g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     g.add_argument("--port", type=number(int, min=0, max=65535), required=True, help="HTTP port; 0 picks a free one")
     g.add_argument(
@@ -105,6 +161,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "first element changed (a receive that goes wrong silently), which a verified update must catch",
     )
     g.add_argument(
+        "--corrupt-tensors",
+        type=tensor_names,
+        default=None,
+        metavar="NAME[,NAME...]",
+        help="a testing aid: like --corrupt-broadcasts, but only the named tensors of a broadcast are changed "
+        "(a verification that reads back only some tensors misses them)",
+    )
+    g.add_argument(
         "--preload-torch",
         action="store_true",
         help="import torch before listening, as an SGLang server has it loaded, so the first weight-update group "
@@ -126,7 +190,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--base-gpu-id", type=int, default=0)
     c.add_argument("--gpu-id-step", type=int, default=1)
     c.add_argument("--mem-fraction-static", type=float, default=None)
-    c.add_argument("--load-format", default="auto")
     c.add_argument("--dtype", default="auto")
     c.add_argument("--tokenizer-path", default=None)
     c.add_argument("--log-level", default=None)

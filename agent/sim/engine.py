@@ -6,6 +6,10 @@ holds, of which ``sim.accuracy`` sets the output model's accuracy; :mod:`agent.s
 its weight-update groups). HTTP lives in :mod:`agent.sim.http`, the info endpoints' payloads in
 :mod:`agent.sim.info`. ``/generate`` answers 503 while the engine is starting
 (``--startup-delay``) or ``--unhealthy``: SGLang opens its port only once ready.
+
+The SGLang release it imitates (``--sglang-version``) and the SGLang settings the HTTP layer
+honours (keys, load format, chat template) are set by :func:`agent.sim.versions.configure`;
+``architectures`` is ``[--architecture]``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from agent.sim.output import OutputModel
 from agent.sim.params import parse_generate
 from agent.sim.sample import Sample
 from agent.sim.scheduler import Scheduler
+from agent.sim.versions import configure
 from agent.sim.weight_groups import WeightGroups
 from agent.sim.weights import WeightStore
 
@@ -49,6 +54,8 @@ class SimEngine:
         self.health_timeout: float = float(cfg["health_timeout"])
         self.crash_after: int = int(cfg["crash_after_requests"] or 0)
         self.corrupt_broadcasts: bool = bool(cfg.get("corrupt_broadcasts", False))
+        self.corrupt_tensors: frozenset[str] = frozenset(cfg.get("corrupt_tensors") or ())
+        self.architectures: list[str] = [str(cfg["architecture"])]
         self.init_delay: float = float(cfg.get("init_delay", 0.0))
         self.max_queued: int | None = cfg["max_queued_requests"]  # SGLang's --max-queued-requests
         if cfg["tokenizer_path"]:  # reported in /model_info, as SGLang does; the sim still tokenizes bytes
@@ -72,6 +79,7 @@ class SimEngine:
             weight_version=str(cfg["weight_version"]),
             output_model=self.output_model,
         )
+        configure(self, cfg)
         self.base_accuracy = float(cfg["accuracy"])
         self.weights = WeightStore()
         self.weight_groups = WeightGroups(timeout_s=float(cfg["weight_sync_timeout"]), tp_size=int(cfg["tp_size"]))

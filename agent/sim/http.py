@@ -7,7 +7,27 @@ Endpoints: ``/generate`` (POST, PUT), ``/abort_request``, ``/health``, ``/health
 endpoints of :mod:`agent.sim.weight_routes`
 (``/update_weights_from_disk``, ``/init_weights_update_group``,
 ``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
-``/update_weight_version``). Bodies and error shapes: :mod:`agent.sim.replies`.
+``/update_weight_version``, ``/begin_weight_update``, ``/end_weight_update``,
+``/get_weights_by_name``, ``/weights_checker``). Bodies and error shapes: :mod:`agent.sim.replies`.
+
+The SGLang release imitated is the engine's ``--sglang-version`` (:mod:`agent.sim.versions`):
+0.5.15 has no ``/ready``, ``/begin_weight_update`` or ``/end_weight_update`` (404
+``{"detail": "Not Found"}``, as for any unknown route). ``--api-key``/``--admin-api-key`` are
+enforced by :mod:`agent.sim.auth` (401 ``{"error": "Unauthorized"}``).
+
+Pause and continue (SGLang's ``tokenizer_manager``): an ``abort``-mode ``/pause_generation``
+aborts everything the scheduler holds and re-checks every 1.0 s until no request holds the
+reader lock; ``/continue_generation`` waits for a pause in progress, then unpauses. Both run to the
+end even when their client goes away (SGLang's handlers are not cancelled by a disconnect), so a
+client that gives up on a pause and then sends continue leaves the engine unpaused once both are
+done. Serve the app with :data:`RUNNER_OPTIONS` (as :func:`agent.sim.cli.serve` does): a client
+disconnect cancels its ``/generate`` at once, and an idle keep-alive connection is closed after 5 s
+(uvicorn's ``timeout_keep_alive`` in SGLang).
+
+``/tokenize`` (SGLang 0.5.23): ``messages`` with ``add_generation_prompt`` (true or false) on an
+engine started with a built-in ``--chat-template`` name is refused with 400 ``{"object": "error",
+"message": "add_generation_prompt is supported only with a Jinja chat template.", "type":
+"BadRequestError", "param": null, "code": 400}``.
 
 Streams (``"stream": true``) send cumulative SSE chunks every ``stream_interval`` tokens and end
 with ``data: [DONE]``; a request error inside a stream is an error chunk, HTTP 200. Stop strings
@@ -37,19 +57,34 @@ import orjson
 from aiohttp import web
 
 from agent.sim import info
+from agent.sim.auth import auth_middleware
 from agent.sim.config import CRASH_EXIT_CODE
 from agent.sim.engine import SimEngine
 from agent.sim.output import response_object
 from agent.sim.params import RequestError, SchemaError
 from agent.sim.replies import http_error, json_response, read_json_body, request_error, schema_error
 from agent.sim.sample import Sample
+from agent.sim.versions import KEEPALIVE_TIMEOUT_S
 from agent.sim.weight_routes import add_weight_routes
 from common.tokenizer import ByteTokenizer
 
-__all__ = ["ENGINE_KEY", "make_app"]
+__all__ = ["ENGINE_KEY", "RUNNER_OPTIONS", "make_app"]
 
 ENGINE_KEY = web.AppKey("rollfleet_sim_engine", SimEngine)
 _BYTES = ByteTokenizer()  # the sim's vocabulary (agent/sim/output.py decodes with it too)
+RUNNER_OPTIONS = {"handler_cancellation": True, "access_log": None, "keepalive_timeout": KEEPALIVE_TIMEOUT_S}
+"""``web.AppRunner`` options an engine is served with: disconnects cancel handlers (a ``/generate`` is
+aborted at once), idle keep-alive connections close after 5 s, as SGLang's uvicorn closes them."""
+JINJA_ONLY = "add_generation_prompt is supported only with a Jinja chat template."
+
+
+@web.middleware
+async def _not_found_as_fastapi(request: web.Request, handler) -> web.StreamResponse:
+    """A route that does not exist answers FastAPI's 404 ``{"detail": "Not Found"}``."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return json_response({"detail": "Not Found"}, 404)
 
 
 def _client_gone(request: web.Request) -> Callable[[], bool]:
@@ -72,6 +107,14 @@ class _Handlers:
     def __init__(self, engine: SimEngine):
         self.engine = engine
         self.scheduler = engine.scheduler
+        self._to_the_end: set[asyncio.Task] = set()
+
+    async def _run_to_the_end(self, coro) -> None:
+        """Await ``coro`` in its own task, which a client that goes away does not cancel."""
+        task = asyncio.ensure_future(coro)
+        self._to_the_end.add(task)
+        task.add_done_callback(self._to_the_end.discard)
+        await asyncio.shield(task)
 
     async def _drive_all(self, samples: list[Sample]) -> None:
         try:
@@ -206,6 +249,8 @@ class _Handlers:
         return web.Response(status=200)
 
     async def ready(self, request: web.Request) -> web.Response:
+        if not self.engine.sglang.ready_route:
+            raise web.HTTPNotFound()  # 0.5.23's
         return web.Response(status=200 if self.engine.is_ready() and not self.scheduler.paused else 503)
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -241,12 +286,12 @@ class _Handlers:
         mode = data.get("mode") or "abort"
         if mode not in ("abort", "retract", "in_place"):
             return http_error(400, f"mode must be one of 'abort', 'retract', 'in_place', got {mode!r}")
-        await self.scheduler.pause(mode)
+        await self._run_to_the_end(self.scheduler.pause(mode))
         return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         await read_json_body(request)
-        self.scheduler.resume()
+        await self._run_to_the_end(self.scheduler.continue_generation())
         return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -254,6 +299,15 @@ class _Handlers:
         data = await read_json_body(request)
         if self.engine.config.get("skip_tokenizer_init"):  # SGLang has no tokenizer to use then
             return http_error(400, "This server was started with --skip-tokenizer-init: it has no tokenizer.")
+        if (
+            self.engine.sglang.tokenize_needs_jinja
+            and data.get("messages") is not None
+            and data.get("add_generation_prompt") is not None
+            and self.engine.chat_template_name is not None
+        ):
+            return json_response(
+                {"object": "error", "message": JINJA_ONLY, "type": "BadRequestError", "param": None, "code": 400}, 400
+            )
         prompt = data.get("messages") if data.get("messages") is not None else data.get("prompt")
         if prompt is None:
             return http_error(400, "Either 'prompt' or 'messages' must be given.")
@@ -285,12 +339,15 @@ class _Handlers:
 def make_app(engine: SimEngine) -> web.Application:
     """The aiohttp application serving ``engine``.
 
-    Run it with ``web.AppRunner(app, handler_cancellation=True)`` (as :func:`agent.sim.cli.run`
-    does) so a client disconnect cancels its request at once; without it the engine notices
-    disconnects at its next chunk boundary. Set ``engine.port`` to the bound port if
-    ``/server_info`` should report it.
+    Run it with ``web.AppRunner(app, **RUNNER_OPTIONS)`` (as :func:`agent.sim.cli.serve` does) so a
+    client disconnect cancels its request at once (without it the engine notices disconnects at its
+    next chunk boundary) and idle keep-alive connections close after 5 s. Set ``engine.port`` to
+    the bound port if ``/server_info`` should report it.
     """
-    app = web.Application(client_max_size=256 * 1024 * 1024)
+    middlewares = [_not_found_as_fastapi]
+    if engine.api_key or engine.admin_api_key:  # as SGLang, only then
+        middlewares.insert(0, auth_middleware(engine.api_key, engine.admin_api_key, engine.sglang.open_prefixes))
+    app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=middlewares)
     app[ENGINE_KEY] = engine
     h = _Handlers(engine)
     r = app.router

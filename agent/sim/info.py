@@ -5,7 +5,11 @@ Field names and shapes are SGLang's; the values describe one DP rank with a nomi
 answers JSON with the core fields. ``/server_info`` adds a ``sim`` section with the sim's own
 output-model settings and weights. Both ``/model_info`` and ``/server_info`` report
 ``weight_digest``, the :func:`common.weights_digest.weights_digest` of the tensors the engine
-holds (not an SGLang field).
+holds (not an SGLang field). With ``--sglang-version 0.5.23`` ``/model_info`` also has 0.5.23's
+``served_model_name``, ``load_format``, ``reasoning_parser``, ``tool_call_parser`` and
+``disaggregation_mode``. ``/server_info`` reports ``device`` and ``quantization`` (ServerArgs
+fields), and two fields of its own: ``rollfleet_sglang_version`` (the release imitated) and
+``rollfleet_weight_update_session`` (whether a weight-update session is open).
 
 Another engine with the same surface (the hf engine) may name itself: ``engine.version``,
 ``engine.tokenizer_path``, ``engine.model_type``, ``engine.architectures``, and
@@ -83,10 +87,18 @@ def model_info(engine: SimEngine, *, digest: bool = True) -> dict:
         "has_image_understanding": False,
         "has_audio_understanding": False,
         "model_type": getattr(engine, "model_type", "rollfleet-sim"),
-        "architectures": getattr(engine, "architectures", ["RollfleetSim"]),
+        "architectures": list(engine.architectures),
     }
     if not digest:
         del out["weight_digest"]
+    if engine.sglang.model_info_0523:
+        out.update(
+            served_model_name=engine.model_path,  # follows a disk update, as model_path does
+            load_format=engine.load_format,
+            reasoning_parser=None,
+            tool_call_parser=None,
+            disaggregation_mode="null",
+        )
     return out
 
 
@@ -102,7 +114,9 @@ def server_info(engine: SimEngine) -> dict:
         "dp_size": config["dp_size"],
         "base_gpu_id": config["base_gpu_id"],
         "mem_fraction_static": config["mem_fraction_static"],
-        "load_format": config["load_format"],
+        "load_format": engine.load_format,
+        "device": getattr(engine, "device_type", "cpu"),
+        "quantization": None,
         "pp_size": 1,
         "ep_size": 1,
         "port": engine.port,
@@ -121,6 +135,8 @@ def server_info(engine: SimEngine) -> dict:
         "status": engine.status,
         "version": getattr(engine, "version", VERSION),
         "kv_events": None,
+        "rollfleet_sglang_version": engine.sglang.version,
+        "rollfleet_weight_update_session": scheduler.weight_session is not None,
         "internal_states": [
             {
                 "dp_rank": 0,

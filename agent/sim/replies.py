@@ -7,6 +7,8 @@
 - A ``/generate`` request error (SGLang's ValueError) is 400 ``{"error": {"message": ...}}``.
 - A raised HTTPException is ``{"object": "error", "message", "type", "param": null, "code"}``.
 - Weight endpoints answer ``{"success": bool, "message": str}``, 400 when ``success`` is false.
+- A route the release does not have is 404 ``{"detail": "Not Found"}`` (FastAPI's).
+- Without the API key (``--api-key``/``--admin-api-key``): 401 ``{"error": "Unauthorized"}``.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ def weights_reply(success: bool, message: str, **extra: Any) -> web.Response:
     return json_response({"success": success, "message": message, **extra}, 200 if success else 400)
 
 
+def validation_error(message: str) -> web.Response:
+    """FastAPI's 400 for a body field of the wrong type or value (SGLang's validation handler)."""
+    body = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+    return json_response(body, 400)
+
+
 def _bad_request(message: str) -> web.HTTPBadRequest:
     return web.HTTPBadRequest(
         text=orjson.dumps(
@@ -71,6 +79,22 @@ async def read_json_body(request: web.Request) -> dict:
         raise _bad_request(f"Invalid JSON body: {exc}") from exc
     if data is None:
         raise _bad_request("Field required: the request body must be a JSON object ({} takes the defaults).")
+    if not isinstance(data, dict):
+        raise _bad_request("The request body must be a JSON object.")
+    return data
+
+
+async def read_optional_json_body(request: web.Request) -> dict:
+    """The JSON object body of a route whose body is optional (``/weights_checker``): empty or ``null`` is ``{}``."""
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _bad_request(f"Invalid JSON body: {exc}") from exc
+    if data is None:
+        return {}
     if not isinstance(data, dict):
         raise _bad_request("The request body must be a JSON object.")
     return data

@@ -15,7 +15,8 @@ class ReaderWriterLock:
 
     def __init__(self) -> None:
         self.readers = 0
-        self.writer = False
+        self.writer = False  # a writer holds the lock or waits for readers to drain
+        self.active = False  # a writer holds the lock
         self._no_writer = asyncio.Event()
         self._no_writer.set()
         self.drained = asyncio.Event()
@@ -49,7 +50,14 @@ class ReaderWriterLock:
         except BaseException:
             self.release_write()
             raise
+        self.active = True
 
     def release_write(self) -> None:
         self.writer = False
+        self.active = False
         self._no_writer.set()
+
+    @property
+    def locked(self) -> bool:
+        """SGLang's ``model_update_lock.is_locked()``: a reader holds it, or a writer does (not one that waits)."""
+        return self.readers > 0 or self.active

@@ -20,14 +20,21 @@ A sample passes four stages, the same ones SGLang has:
    credits the tokens produced so far.
 
 Abort semantics, as in SGLang: an empty rid without ``abort_all`` is ignored; a rid that is not
-exactly a live request id is ignored (tokenizer-manager check); otherwise every scheduler-held
-sample whose rid *starts with* it is aborted (scheduler prefix match), so aborting ``req-1`` also
-aborts ``req-10``. ``abort_all`` reaches the waiting queue and the running slots, not the pause
-gate. A client disconnect aborts its samples.
+exactly a live request id (at the gate, queued or running) is ignored (tokenizer-manager check,
+one tokenizer worker); otherwise every scheduler-held sample whose rid *starts with* it is aborted
+(scheduler prefix match), so aborting ``req-1`` also aborts ``req-10``. A sample held at the pause
+gate is not in the scheduler yet, so an abort of its rid is lost. With ``abort_sent_enabled``
+(SGLang 0.5.23) the first per-rid abort of a live rid marks it ``abort_sent`` and every later one
+is dropped: a sample whose abort was lost at the gate then runs to its natural end after
+``continue``. ``abort_all`` reaches the waiting queue and the running slots, not the pause gate.
+A client disconnect aborts its samples, the gate included.
 
-Pause: ``abort`` mode aborts everything in the scheduler (repeating until no sample holds the
-reader lock) and holds new samples at the gate; ``retract`` and ``in_place`` freeze running
-samples where they are (they stop producing tokens) and hold new ones, until :meth:`resume`.
+Pause, under ``pause_lock`` (SGLang's ``is_pause_cond``): ``abort`` mode holds new samples at the
+gate and loops {abort everything in the scheduler; stop if no sample holds the reader lock and no
+weight update holds the writer lock; sleep ``pause_recheck_s`` (1.0 s, SGLang's)}; ``retract`` and
+``in_place`` freeze running samples where they are (they stop producing tokens) and hold new ones.
+:meth:`continue_generation` takes ``pause_lock`` too, so it waits for a pause in progress (and for
+a weight call that holds the lock while paused), then unpauses (:meth:`resume`).
 
 Weight versions: every produced token is credited to the weight version current when it was
 produced; a sample's ``weight_spans`` are half-open ``[start, end)`` output-token ranges.
@@ -52,6 +59,7 @@ from typing import TypeVar
 from agent.sim.output import OutputModel
 from agent.sim.rwlock import ReaderWriterLock
 from agent.sim.sample import Sample, SampleState
+from agent.sim.versions import PAUSE_RECHECK_S
 
 T = TypeVar("T")
 
@@ -109,6 +117,11 @@ class Scheduler:
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._lock = ReaderWriterLock()
+        self.pause_lock = asyncio.Lock()  # SGLang's is_pause_cond
+        self.pause_recheck_s = PAUSE_RECHECK_S
+        self.abort_sent_enabled = True  # SGLang 0.5.23's abort_sent (agent.sim.versions.configure sets it)
+        self._abort_sent: set[str] = set()  # live rids whose per-rid abort was sent
+        self.weight_session: str | None = None  # the selector of the open weight-update session (0.5.23)
         self._prefix_cache: set[int] = set()
         self.generated_tokens = 0
         self.prompt_tokens = 0
@@ -169,10 +182,15 @@ class Scheduler:
             self._abort_one(sample)
 
     def abort(self, rid: str = "", abort_all: bool = False) -> int:
-        """SGLang's abort: exact-rid check, then prefix match in the scheduler."""
+        """SGLang's abort: the tokenizer's exact-rid check (and ``abort_sent``), then the scheduler's prefix
+        match; the number of samples aborted."""
         if not abort_all:
-            if not rid or rid not in self._scheduled:
+            if not rid or rid not in self.live_rids:
                 return 0
+            if self.abort_sent_enabled:
+                if rid in self._abort_sent:
+                    return 0
+                self._abort_sent.add(rid)
         n = 0
         for sample in list(self._scheduled.values()):
             if abort_all or sample.rid.startswith(rid):
@@ -218,6 +236,7 @@ class Scheduler:
         if self._scheduled.get(sample.rid) is sample:
             del self._scheduled[sample.rid]
         self.live_rids.discard(sample.rid)
+        self._abort_sent.discard(sample.rid)
         if sample.holds_read_lock:
             sample.holds_read_lock = False
             self._lock.release_read()
@@ -358,27 +377,32 @@ class Scheduler:
     # ------------------------------------------------------------ control
 
     async def pause(self, mode: str) -> None:
-        self.pauses += 1
-        self._paused = True
-        self._pause_mode = mode
-        self._unpaused.clear()
-        if mode == "abort":
-            self._frozen = False
-            while True:
-                self.abort(abort_all=True)
-                if self._lock.readers == 0:
-                    break
-                try:
-                    await asyncio.wait_for(self._lock.drained.wait(), 0.05)
-                except TimeoutError:
-                    pass
-        else:
-            self._frozen = True
-            for sample in list(self._scheduled.values()):
-                if sample.state == SampleState.RUNNING:
-                    _interrupt(sample)
+        """SGLang's ``pause_generation``, ``pause_lock`` held throughout (see the module docstring)."""
+        async with self.pause_lock:
+            self.pauses += 1
+            self._paused = True
+            self._pause_mode = mode
+            self._unpaused.clear()
+            if mode == "abort":
+                self._frozen = False
+                while True:
+                    self.abort(abort_all=True)
+                    if not self._lock.locked:
+                        break
+                    await asyncio.sleep(self.pause_recheck_s)
+            else:
+                self._frozen = True
+                for sample in list(self._scheduled.values()):
+                    if sample.state == SampleState.RUNNING:
+                        _interrupt(sample)
+
+    async def continue_generation(self) -> None:
+        """SGLang's ``continue_generation``: unpause once ``pause_lock`` is free (no pause in progress)."""
+        async with self.pause_lock:
+            self.resume()
 
     def resume(self) -> None:
+        """Unpause now (``continue_generation`` without the lock; shutdown)."""
         self._paused = False
         self._pause_mode = ""
         self._frozen = False
@@ -405,9 +429,19 @@ class Scheduler:
         self._prefix_cache.clear()
         return True
 
-    async def update_weights(self, change: Callable[[], Awaitable[T]]) -> T:
-        """Await ``change`` with the writer lock held (in-flight samples drained), or at once while paused."""
-        if self._paused:
+    async def update_weights(self, change: Callable[[], Awaitable[T]], *, hold_pause: bool = True) -> T:
+        """Await ``change`` with the writer lock held (in-flight samples drained), or at once while paused.
+
+        As SGLang's tokenizer manager, whether the engine is paused is read under ``pause_lock`` (so the
+        call waits for a pause in progress); a paused call with ``hold_pause`` (distributed updates and
+        session calls) keeps the lock until it is done, so ``continue_generation`` waits for it; a
+        disk update (``hold_pause=False``) releases it at once.
+        """
+        async with self.pause_lock:
+            paused = self._paused
+            if paused and hold_pause:
+                return await change()
+        if paused:
             return await change()
         await self._lock.acquire_write()
         try:

@@ -9,7 +9,10 @@ whole dict with the checkpoint's tensors; each broadcast bucket adds or overwrit
 Checkpoints (:func:`load_checkpoint`): a directory holding ``model.safetensors`` (read with the
 ``safetensors`` package) or else ``weights.pt`` (a ``torch.save`` of a dict name -> tensor, read
 with ``weights_only=True``). A directory with neither holds no weights: a disk update then only
-changes the label and ``model_path``, as before.
+changes the label and ``model_path``, as before. A load format of ``safetensors`` or ``pt`` reads
+only its own file (a directory holding only the other one is an error); ``auto`` (and SGLang's
+other default-loader formats) read either. :func:`loader_refusal` is SGLang's answer to a format
+its default loader cannot update from (``dummy`` above all).
 
 torch is imported only when a weights file or a group is used; without it those calls fail with a
 :class:`WeightError` saying so.
@@ -25,6 +28,31 @@ from common.weights_digest import weights_digest
 
 ACCURACY_KEY = "sim.accuracy"
 CHECKPOINT_FILES = ("model.safetensors", "weights.pt")
+DISK_LOAD_FORMATS = ("auto", "safetensors", "pt", "npcache")
+"""Formats SGLang's ``DefaultModelLoader`` reads, the only loader a disk update accepts."""
+_OTHER_LOADERS = {
+    "dummy": "DummyModelLoader",
+    "sharded_state": "ShardedStateLoader",
+    "gguf": "GGUFModelLoader",
+    "bitsandbytes": "BitsAndBytesModelLoader",
+    "layered": "LayeredModelLoader",
+    "remote": "RemoteModelLoader",
+}
+
+
+def loader_refusal(load_format: str) -> str | None:
+    """SGLang's failure message for a disk update in ``load_format``; None if its default loader reads it.
+
+    SGLang builds the model loader of the format and refuses any but ``DefaultModelLoader``
+    (``model_runner_components/weight_updater.py``): ``"Failed to get model loader: <...Loader object at
+    0x...>."``, with no weight read.
+    """
+    if load_format in DISK_LOAD_FORMATS:
+        return None
+    loader = _OTHER_LOADERS.get(load_format)
+    if loader is None:
+        return f"Failed to get model loader: unknown load_format {load_format!r}."
+    return f"Failed to get model loader: <sglang.srt.model_loader.loader.{loader} object at 0x{id(load_format):x}>."
 
 
 class WeightError(Exception):
@@ -71,6 +99,10 @@ class WeightStore:
         """The tensor held under ``name`` (``/get_weights_by_name``); None if none."""
         return self.tensors.get(name)
 
+    def named_tensors(self) -> list[tuple[str, Any]]:
+        """Every tensor held, by name (``/weights_checker``)."""
+        return list(self.tensors.items())
+
     def apply(self, named: dict[str, Any], *, replace: bool) -> None:
         """Add (or with ``replace``, substitute) tensors; nothing changes if ``sim.accuracy`` is invalid."""
         accuracy = accuracy_of(named[ACCURACY_KEY]) if ACCURACY_KEY in named else None
@@ -81,11 +113,21 @@ class WeightStore:
             self.accuracy = accuracy
 
 
-def load_checkpoint(path: str) -> dict[str, Any] | None:
-    """The tensors of the checkpoint directory ``path``; None if it has no weights file. Blocking."""
+def load_checkpoint(path: str, load_format: str = "auto") -> dict[str, Any] | None:
+    """The tensors of the checkpoint directory ``path``; None if it has no weights file. Blocking.
+
+    ``load_format`` ``safetensors`` or ``pt`` reads only that file; WeightError if only the other is there.
+    """
     safetensors_file = os.path.join(path, CHECKPOINT_FILES[0])
     torch_file = os.path.join(path, CHECKPOINT_FILES[1])
-    if os.path.isfile(safetensors_file):
+    wanted = {"safetensors": safetensors_file, "pt": torch_file}.get(load_format)
+    if wanted is not None and not os.path.isfile(wanted):
+        other = torch_file if wanted == safetensors_file else safetensors_file
+        if os.path.isfile(other):
+            raise WeightError(f"load_format {load_format!r}: no {os.path.basename(wanted)} in {path}")
+    if wanted == torch_file:
+        safetensors_file = ""  # read weights.pt even if model.safetensors is there
+    if safetensors_file and os.path.isfile(safetensors_file):
         import_torch()
         try:
             from safetensors import safe_open

@@ -611,7 +611,13 @@ async def test_info_endpoints():
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": "rollfleet-sim",
-            "architectures": ["RollfleetSim"],
+            "architectures": ["Qwen2ForCausalLM"],  # --architecture's default
+            # SGLang 0.5.23's additions (the default --sglang-version)
+            "served_model_name": "/models/x",
+            "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
         }
         for path in ("/server_info", "/get_server_info"):
             async with s.get(path) as r:
@@ -619,6 +625,7 @@ async def test_info_endpoints():
             assert si["max_running_requests"] == 7 and si["port"] == engine.port
             assert si["tp_size"] == si["dp_size"] == 1 and si["version"] == "rollfleet-sim"
             assert si["status"] == "Up" and isinstance(si["internal_states"], list)
+            assert (si["device"], si["quantization"], si["rollfleet_sglang_version"]) == ("cpu", None, "0.5.23")
         async with s.get("/v1/loads") as r:
             body = await r.json()
         assert set(body) == {"timestamp", "version", "loads"}

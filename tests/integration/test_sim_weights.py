@@ -95,9 +95,29 @@ def bucket_body(named: dict, **extra) -> dict:
     }
 
 
+async def session_call(sessions, path: str) -> None:
+    """``/begin_weight_update`` or ``/end_weight_update`` on every engine (a 404: an engine imitating SGLang
+    0.5.15, which has no sessions)."""
+    body = {"selector": "all"} if path == "/begin_weight_update" else {}
+    for s in sessions:
+        async with s.post(path, json=body) as r:
+            assert r.status in (200, 404), (path, r.status, await r.text())
+
+
+@contextlib.asynccontextmanager
+async def weight_session(sessions):
+    """A weight-update session open on every engine (SGLang 0.5.23 broadcasts only inside one)."""
+    await session_call(sessions, "/begin_weight_update")
+    try:
+        yield
+    finally:
+        await session_call(sessions, "/end_weight_update")
+
+
 @contextlib.asynccontextmanager
 async def formed_group(sessions, tp_sizes=None, timeout_s: float = 30.0):
-    """The trainer (rank 0) and every rank of the engines, joined concurrently; destroyed after.
+    """The trainer (rank 0) and every rank of the engines, joined concurrently, with a weight-update session
+    open on every engine; the session closed and the trainer's group destroyed after.
 
     Ranks as slime lays them out: engine i gets ``rank_offset = 1 + tp sizes of engines before it``.
     """
@@ -122,7 +142,8 @@ async def formed_group(sessions, tp_sizes=None, timeout_s: float = 30.0):
                 200,
                 {"success": True, "message": "Succeeded to initialize custom process group."},
             )
-        yield pg
+        async with weight_session(sessions):
+            yield pg
     finally:
         dist.destroy_process_group(pg)
 
@@ -156,7 +177,8 @@ async def test_broadcast_in_buckets_reaches_two_engines_and_sets_accuracy():
                 extra = {"weight_version": "7"} if i == len(buckets) - 1 else {}
                 for status, body in await send_bucket(pg, [s1, s2], bucket, **extra):
                     assert (status, body["success"]) == (200, True), body
-                    assert body["message"] == "Succeeded to update parameter online."
+                    said = " Weight version updated to 7." if extra else ""  # SGLang's suffix
+                    assert body["message"] == "Succeeded to update parameter online." + said
             for s, engine in ((s1, e1), (s2, e2)):
                 info = await model_info(s)
                 assert info["weight_version"] == "7"
@@ -254,7 +276,8 @@ async def test_bad_group_and_bucket_requests_are_400_before_any_collective():
         ):
             status, out = await post(s, "/init_weights_update_group", body)
             assert status == 400 and out["success"] is False and words in out["message"], (body, out)
-        status, out = await post(s, "/update_weights_from_distributed", bucket_body({"w": torch.zeros(2)}))
+        async with weight_session([s]):
+            status, out = await post(s, "/update_weights_from_distributed", bucket_body({"w": torch.zeros(2)}))
         assert status == 400 and "init_weights_update_group" in out["message"]  # no such group
         async with formed_group([s]) as pg:
             ok = bucket_body({"w": torch.zeros(2)})
