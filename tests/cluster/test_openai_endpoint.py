@@ -248,6 +248,115 @@ def test_the_chaos_runs_function_makes_half_the_samples_through_the_openai_clien
                     assert runs in ([1, 0, 1], [1, 0])  # a second turn cut at 0 tokens left is empty
 
 
+# ---------------------------------------------------------------------- usage
+#
+# Generate functions of the usage test below, here rather than in harness/generate_fns.py: only this test reads
+# what they keep (the agent imports them by path, ``tests.cluster.test_openai_endpoint:openai_usage_chat``).
+
+
+ACCENTED = "Réponds » "  # a prompt whose characters are fewer than its bytes (the sim's tokens)
+
+
+async def openai_usage_chat(task, engine):
+    """The tool loop, streamed with ``stream_options.include_usage`` on even samples and not streamed on odd ones,
+    keeping each call's ``usage`` as the client got it and where in the conversation the call was made."""
+    from harness.generate_fns import _first_messages, _reply, _stream_to_message, _tool_loop_step
+
+    stream = task.sample % 2 == 0
+    messages, calls, seen = _first_messages(task), [], []
+    messages[0]["content"] = ACCENTED + messages[0]["content"]
+    async with openai.AsyncOpenAI(base_url=engine.openai_base_url, api_key=engine.openai_api_key) as client:
+        for _ in range(4):
+            extra = {"stream_options": {"include_usage": True}} if stream else {}
+            response = await client.chat.completions.create(
+                model="policy", messages=messages, tools=CALC_TOOLS, logprobs=True, stream=stream, **extra
+            )
+            if stream:
+                chunks = [c async for c in response]
+                usages = [c.usage.model_dump() for c in chunks if c.usage is not None]
+                assert len(usages) == 1 and chunks[-1].usage is not None and not chunks[-1].choices, usages
+                message, logprobs, reason = _stream_to_message(chunks)
+            else:
+                usages = [response.usage.model_dump()]
+                message, logprobs, reason = _reply(response)
+            calls.append({"at": len(messages), "usage": usages[0]})
+            seen.append(logprobs)
+            if not _tool_loop_step(messages, message, reason):
+                break
+    return {"metadata": {"messages": messages, "calls": calls, "client_logprobs": seen, "stream": stream}}
+
+
+async def openai_usage_completions(task, engine):
+    """Two ``/completions`` calls cut at ``max_tokens`` (8, then 16), the second's prompt the first's with its text
+    and a follow-up, streamed with ``include_usage`` on even samples; keeps the prompts and each call's ``usage``."""
+    stream = task.sample % 2 == 0
+    prompts, usages = [ACCENTED + str(task.prompt)], []
+    async with openai.AsyncOpenAI(base_url=engine.openai_base_url, api_key=engine.openai_api_key) as client:
+        for max_tokens in (8, 16):
+            if stream:
+                extra = {"stream": True, "stream_options": {"include_usage": True}}
+                chunks = [c async for c in await client.completions.create(
+                    model="policy", prompt=prompts[-1], max_tokens=max_tokens, **extra)]  # fmt: skip
+                text = "".join(c.choices[0].text for c in chunks if c.choices)
+                usages += [c.usage.model_dump(exclude_none=True) for c in chunks if c.usage is not None]
+            else:
+                reply = await client.completions.create(model="policy", prompt=prompts[-1], max_tokens=max_tokens)
+                text = reply.choices[0].text
+                usages.append(reply.usage.model_dump(exclude_none=True))
+            prompts.append(prompts[-1] + text + FOLLOW_UP)
+    return {"metadata": {"prompts": prompts[:2], "usages": usages, "stream": stream}}
+
+
+def test_usage_of_every_call_is_that_calls_own_tokens_streamed_or_not(make_cluster):
+    """``usage`` of each call of a conversation (chat, then /completions), compared with that call's tokens
+    computed apart from the endpoint: ``prompt_tokens`` the conversation up to the call rendered in the sim's byte
+    chat format (or the prompt's bytes: the sim's tokenizer is one token a byte; the prompts start with accented
+    characters, so characters are not tokens), ``completion_tokens`` the model's
+    tokens of that turn in the recorded sample (loss mask 1 between this call's prompt and the next), and
+    ``total_tokens`` their sum. A usage of the first call's prompt, the whole recording or the sample's tokens so
+    far, rather than the call's own, fails it."""
+    where = "tests.cluster.test_openai_endpoint"
+    cluster = make_cluster(generate=f"{where}:openai_usage_chat", dynamic_filter="none", max_new_tokens=BUDGET,
+                           rollout_batch_size=2)  # fmt: skip
+    cluster.start_coordinator()
+    cluster.start_agent("a0", concurrency=16, sim_args=SHORT)
+    with cluster.client() as client:
+        batch = client.generate(0)
+    calls_checked, streamed, later_calls = 0, 0, 0
+    for sample in batch.samples:
+        check_recorded(sample)
+        messages, calls = normalize(sample.metadata["messages"]), sample.metadata["calls"]
+        tokens = sample.prompt_tokens.tolist() + sample.response_tokens.tolist()
+        mask = [0] * len(sample.prompt_tokens) + sample.loss_mask.tolist()
+        starts = [len(render_bytes(messages[: c["at"]], CALC_TOOLS, True)) for c in calls] + [len(tokens)]
+        for k, call in enumerate(calls):
+            prompt, use = starts[k], call["usage"]
+            assert tokens[:prompt] == render_bytes(messages[: call["at"]], CALC_TOOLS, True)[:prompt]
+            completion = sum(mask[prompt : starts[k + 1]])
+            assert completion == len(sample.metadata["client_logprobs"][k])  # the turn the client was given
+            expected = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+            assert {key: use[key] for key in expected} == expected, (k, sample.metadata["stream"], use)
+            calls_checked += 1
+            streamed += sample.metadata["stream"]
+            later_calls += k > 0
+    assert streamed and calls_checked - streamed, "both streamed and unstreamed calls"
+    assert later_calls >= len(batch.samples), "every conversation made more than one call (a tool call)"
+
+    cluster = make_cluster(generate=f"{where}:openai_usage_completions", dynamic_filter="none", max_new_tokens=BUDGET,
+                           rollout_batch_size=2)  # fmt: skip
+    cluster.start_coordinator()
+    cluster.start_agent("a0", concurrency=16, sim_args=SHORT)
+    with cluster.client() as client:
+        batch = client.generate(0)
+    for sample in batch.samples:
+        first, second = (len(text.encode()) for text in sample.metadata["prompts"])
+        assert second == first + 8 + len(FOLLOW_UP.encode())
+        assert sample.metadata["usages"] == [
+            {"prompt_tokens": first, "completion_tokens": 8, "total_tokens": first + 8},
+            {"prompt_tokens": second, "completion_tokens": 16, "total_tokens": second + 16},
+        ], sample.metadata["stream"]
+
+
 def test_completions_extend_the_recorded_text(make_cluster):
     cluster = openai_cluster(make_cluster, "openai_completions")
     with cluster.client() as client:
