@@ -83,9 +83,9 @@ def _join_args(sp: argparse.ArgumentParser) -> None:
         "--engine-api-key",
         default=None,
         metavar="KEY",
-        help=f"the engines' API key (SGLang --api-key): sent to every engine as 'Authorization: Bearer KEY', and "
-        f"sim and sglang engines launched here are started with it; default: ${ENGINE_API_KEY_ENV}, which keeps it "
-        "off the command line",
+        help="the engines' API key (SGLang --api-key): sent to every engine as 'Authorization: Bearer KEY', and the "
+        f"sim, hf and sglang engines launched here are started with it; default: ${ENGINE_API_KEY_ENV}, which keeps "
+        "it off the command line",
     )
     g.add_argument(
         "--concurrency", type=number(int, min=1), default=64, help="concurrent requests (samples) per engine"
@@ -324,7 +324,11 @@ def join(args) -> int:
         specs += plan_engines("sim", count=args.engines, sim_args=_sim_argv(args.sim_args), api_key=api_key)
     elif kind == "hf":
         specs += plan_engines(
-            "hf", count=args.engines, model_path=args.model_path, hf_args=_hf_argv(args.hf_args, args.engines)
+            "hf",
+            count=args.engines,
+            model_path=args.model_path,
+            hf_args=_hf_argv(args.hf_args, args.engines),
+            api_key=api_key,
         )
     elif kind == "sglang":
         specs += plan_engines(

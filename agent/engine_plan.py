@@ -317,8 +317,8 @@ def plan_engines(
 ) -> list[EngineSpec]:
     """The engines of one node.  Names are ``<kind>-<i>``; ``weight_version`` labels their launch weights.
 
-    ``api_key`` (``--engine-api-key``) protects the ``sim`` and ``sglang`` engines launched here
-    (``--api-key``); ``hf`` engines take no key, and ``url`` engines have their own.
+    ``api_key`` (``--engine-api-key``) protects the ``sim``, ``hf`` and ``sglang`` engines launched
+    here (``--api-key``); ``url`` engines have their own.
 
     * ``sim``: ``count`` sim engines on ``host``, port chosen by the engine.
     * ``hf``: ``count`` hf engines serving ``model_path`` on ``host``, port chosen by the engine.
@@ -361,6 +361,7 @@ def plan_engines(
             "--host", host,
             "--port", "0",
             *version_args(weight_version),
+            *key_args(api_key),
             *[str(a) for a in hf_args],
         ]  # fmt: skip
         return [

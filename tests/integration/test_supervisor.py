@@ -464,3 +464,79 @@ async def _answers(client: EngineClient, url: str) -> bool:
     except EngineUnavailable as e:
         return "HTTP" in str(e)
     return True
+
+
+# ---------------------------------------------------------------- parallel layout and API keys
+
+
+def _url_sim(*args: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", SIM_MODULE, "--host", "127.0.0.1", "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    _SEEN_PIDS.add(proc.pid)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.timeout(40)
+async def test_url_and_sim_engines_take_their_tp_and_dp_from_server_info(tmp_path):
+    """Red if: an engine given by URL counts as tp 1 whatever it runs (its weight-group ranks would collide)."""
+    proc, url = _url_sim("--tp-size", "2", "--dp-size", "3")
+    specs = plan_engines("url", urls=[url]) + [_sim("sim-4", "--tp-size", "4")]
+    sup = _sup(specs, tmp_path, start_timeout=20.0)
+    assert sup.tp("url-0") == 1 and sup.layout("url-0").from_server is False  # before it answered: as planned
+    try:
+        await sup.start()
+        _track(sup)
+        assert (sup.tp("url-0"), sup.dp("url-0")) == (2, 3)
+        assert (sup.tp("sim-4"), sup.dp("sim-4")) == (4, 1)
+        layout = sup.layout("url-0")
+        assert layout.from_server and layout.quantization is None and not layout.enable_dp_attention
+        assert sup.server_info("url-0")["tp_size"] == 2
+    finally:
+        await sup.stop()
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.timeout(40)
+async def test_a_key_protected_url_engine_without_the_key_fails_start_naming_401_and_the_flag(tmp_path):
+    """Red if: the agent takes a server it may not use for healthy (/health is open) and fails later, vaguely."""
+    proc, url = _url_sim("--api-key", "k-123")
+    try:
+        sup = _sup(plan_engines("url", urls=[url]), tmp_path / "none")
+        with pytest.raises(EngineStartError) as err:
+            await sup.start()
+        for part in ("url-0", "HTTP 401", "wants an API key", "--engine-api-key", "ROLLFLEET_ENGINE_API_KEY"):
+            assert part in str(err.value), (part, str(err.value))
+        assert sup.state("url-0") == "retired"
+        sup = _sup(plan_engines("url", urls=[url]), tmp_path / "wrong", api_key="k-999")
+        with pytest.raises(EngineStartError, match=r"HTTP 401.*refuses the key given.*--engine-api-key"):
+            await sup.start()
+        # With the key (the supervisor's own client sends it), the engine is healthy and its layout read.
+        sup = _sup(plan_engines("url", urls=[url]), tmp_path / "key", api_key="k-123")
+        try:
+            await sup.start()
+            assert sup.state("url-0") == "healthy" and sup.layout("url-0").from_server
+        finally:
+            await sup.stop()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.timeout(40)
+async def test_engines_launched_with_the_agents_key_refuse_callers_without_it(tmp_path):
+    """Red if: --engine-api-key leaves the engines the agent launches open to anyone on the network."""
+    sup = _sup(plan_engines("sim", api_key="k-launch"), tmp_path, api_key="k-launch")
+    try:
+        await sup.start()
+        _track(sup)
+        (url,) = [e.url for e in sup.healthy()]
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/model_info") as r:
+                assert r.status == 401
+            async with s.get(url + "/model_info", headers={"Authorization": "Bearer k-launch"}) as r:
+                assert r.status == 200
+        assert sup.layout("sim-0").from_server  # the supervisor's client sent the key
+    finally:
+        await sup.stop()

@@ -214,15 +214,14 @@ def test_reprobe_delay():
 # ---------------------------------------------------------------- API key and parallel layout
 
 
-def test_an_api_key_launches_sim_and_sglang_engines_with_it_but_not_hf(monkeypatch):
+def test_an_api_key_launches_every_engine_kind_with_it(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     (sim,) = plan_engines("sim", api_key="k-1")
     (sglang,) = plan_engines("sglang", model_path="/m", api_key="k-1")
     (hf,) = plan_engines("hf", model_path="/m", api_key="k-1")
-    for spec in (sim, sglang):
+    for spec in (sim, sglang, hf):
         i = spec.argv.index("--api-key")
         assert spec.argv[i + 1] == "k-1", spec.argv
-    assert "--api-key" not in hf.argv  # the hf engine takes no key
     assert "--api-key" not in plan_engines("sim")[0].argv  # no key: an open engine, as before
 
 
