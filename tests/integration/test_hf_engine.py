@@ -151,7 +151,16 @@ async def test_weight_updates_by_broadcast_and_from_disk_change_the_model_and_ke
         async with s.post("/get_weights_by_name", json={"name": names[-1], "truncate_size": 2}) as r:
             assert await r.json() == named[names[-1]][:2].float().tolist()
         async with s.post("/get_weights_by_name", json={"name": "no.such.weight"}) as r:
-            assert r.status == 400
+            assert (r.status, await r.json()) == (400, {"error": {"message": "Get parameter by name failed"}})
+        # SGLang's /weights_checker: every parameter's CPU checksum, in the engine's dtype (fp32 here).
+        from common.weight_rows import tensor_checksum
+
+        async with s.post("/weights_checker", json={"action": "checksum"}) as r:
+            [rank] = (await r.json())["ranks"]
+        assert {n: rank["checksums"][n] for n in names} == {n: tensor_checksum(t) for n, t in named.items()}
+        assert not any("inv_freq" in n for n in rank["checksums"])  # non-persistent buffers are skipped
+        si = await server_info(s)
+        assert (si["device"], si["quantization"], info["architectures"]) == ("cpu", None, ["LlamaForCausalLM"])
         pairs = await sample_concurrently(s, engine, seed=1)
         assert max_logprob_diff(reference, pairs) < 1e-3
 
