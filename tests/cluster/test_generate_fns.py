@@ -179,3 +179,31 @@ def test_a_function_may_run_calls_of_one_sample_concurrently(make_cluster):
                     assert sample.metadata["calls"] == 2
                     assert len(sample.response_tokens) > 0 and set(sample.loss_mask.tolist()) == {1}
     assert "Duplicate request ID" not in cluster.agents["a0"].text()
+
+
+def _engine_running(cluster, agent: str) -> int:
+    """Requests running on the agent's (one) engine, from the engine's own ``/v1/loads``."""
+    import json
+    import urllib.request
+
+    url = cluster.status()["agents"][agent]["engines"][0]["url"]
+    with urllib.request.urlopen(url + "/v1/loads", timeout=5) as resp:
+        return json.loads(resp.read())["loads"][0]["num_running_reqs"]
+
+
+def test_a_pause_with_abort_reaches_every_concurrent_call_of_a_function(make_cluster):
+    """Red if: the agent aborts a sample by its base rid only, which SGLang drops (it holds only the
+    calls' ``<base>-c<k>`` rids): the calls run to their end, the groups are committed (ready 8, not 0)
+    and the engine is still busy when pause() returns."""
+    cluster = make_cluster(
+        generate="tests.cluster.test_generate_fns:two_at_once", dynamic_filter="none", max_new_tokens=400
+    )
+    cluster.start_coordinator()
+    # 400 tokens at 50 ms: 20 s a call unless aborted; 8 groups of 4 samples, 2 calls each.
+    cluster.start_agent("a1", sim_args="--token-latency-ms 50 --output-len-dist fixed --output-len-median 400")
+    with cluster.client(timeout=60) as client:
+        wait_for(lambda: _engine_running(cluster, "a1") == 64, 30, "every call of the prefetched groups running")
+        client.pause(drain=True, abort=True)
+        s = cluster.status()
+        assert s["paused"] and s["leased"] == 0 and s["ready"] == 0, s
+        assert _engine_running(cluster, "a1") == 0, "aborted calls still run on the engine"
