@@ -81,15 +81,17 @@ def test_disk_updates_while_generation_runs_reach_every_engine(make_cluster, tmp
             client.update_weights_from_disk(str(tmp_path / "ckpt1"), 2)
 
 
-def test_gloo_broadcasts_reach_every_engine_with_the_same_digest(make_cluster):
+@pytest.mark.parametrize("sglang", ["0.5.23", "0.5.15"])
+def test_gloo_broadcasts_reach_every_engine_with_the_same_digest(make_cluster, sglang):
     """Three ~10 MB broadcasts of five tensors to 2 agents x 2 engines while generation runs: after each,
     every engine serves the version and holds exactly the tensors sent (same digest), and every sample's
     spans cover its response in order. Whether a sample is caught mid-generation here depends on timing;
-    tests/integration/test_agent_weights.py shows a caught sample continued with two spans."""
+    tests/integration/test_agent_weights.py shows a caught sample continued with two spans. Run with engines
+    imitating SGLang 0.5.23 (weight-update sessions) and 0.5.15 (none)."""
     torch = pytest.importorskip("torch")
     cluster = make_cluster()
     cluster.start_coordinator()
-    slow = "--token-latency-ms 15 --output-len-dist fixed --output-len-median 60"  # ~1 s a sample
+    slow = f"--token-latency-ms 15 --output-len-dist fixed --output-len-median 60 --sglang-version {sglang}"
     cluster.start_agent("a1", engines=2, sim_args=slow)
     cluster.start_agent("a2", engines=2, sim_args=slow)
     with cluster.client() as client:
