@@ -155,7 +155,7 @@ class EngineProcess:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             f.write(
                 f"=== rollfleet supervisor {stamp}: launching {spec.name}: "
-                f"{subprocess.list2cmdline(spec.argv)}\n".encode()
+                f"{subprocess.list2cmdline(redacted(spec.argv))}\n".encode()
             )
             f.flush()
             offset = f.tell()
@@ -284,3 +284,18 @@ async def wait_ready(
         else:
             await asyncio.sleep(min(delay, remaining))
         delay = min(_READY_DELAY_MAX, delay * _READY_DELAY_GROWTH)
+
+
+SECRET_ARGS = ("--api-key", "--admin-api-key")
+"""Launch flags whose value never goes into a log."""
+
+
+def redacted(argv: list[str]) -> list[str]:
+    """``argv`` with the values of :data:`SECRET_ARGS` (``--api-key K`` or ``--api-key=K``) shown as ``***``."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg in SECRET_ARGS and i + 1 < len(out):
+            out[i + 1] = "***"
+        elif arg.split("=", 1)[0] in SECRET_ARGS and "=" in arg:
+            out[i] = arg.split("=", 1)[0] + "=***"
+    return out

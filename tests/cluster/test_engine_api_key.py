@@ -55,6 +55,8 @@ def test_engines_the_agent_launches_take_its_key(make_cluster):
         assert len(client.generate(0).groups) == 8
     (url,) = set(re.findall(r"engine sim-0 healthy at (http://\S+)", agent.text()))
     assert _status(url) == 401 and _status(url, KEY) == 200
+    engine_logs = "".join(p.read_text() for p in (cluster.tmp / "a1" / "logs").glob("*.log"))
+    assert "--api-key ***" in engine_logs and KEY not in engine_logs, "the engine's log shows the key"
 
 
 def test_an_agent_without_the_key_stops_with_one_error_naming_401_and_the_flag(make_cluster):
