@@ -1,8 +1,9 @@
 """rollfleet-sim: a CPU engine that speaks SGLang's native HTTP API.
 
 It is a real aiohttp server, not a mock: the agent, coordinator and benchmarks drive it exactly
-as they drive ``sglang.launch_server`` (the contract is SGLang 0.5.15.post1's native HTTP API,
-plus the 0.5.23 details named below). It uses the byte vocabulary of
+as they drive ``sglang.launch_server`` (the contract is SGLang 0.5.23's native HTTP API by default,
+or 0.5.15.post1's with ``--sglang-version 0.5.15``: :mod:`~agent.sim.versions` lists what differs).
+It uses the byte vocabulary of
 :class:`common.tokenizer.ByteTokenizer` and reports ``tokenizer_path == BYTE_TOKENIZER_NAME``
 so clients pick the same tokenizer. Run it with ``python -m agent.sim --port 0`` or
 ``agent sim-engine --port 0``.
@@ -22,9 +23,12 @@ Modules, one role each:
   accuracy; ``weight_digest`` fingerprints them, :mod:`common.weights_digest`) and checkpoints
   on disk; :mod:`~agent.sim.weight_groups`: SGLang's distributed weight-update groups (real gloo,
   and NCCL on a CUDA engine; torch optional); :mod:`~agent.sim.weight_routes`: the weight endpoints.
+- :mod:`~agent.sim.weight_checker`: ``/weights_checker`` (SGLang's per-tensor checksums,
+  snapshot, compare, reset).
 - :mod:`~agent.sim.http`: the aiohttp app and SSE streaming; :mod:`~agent.sim.replies`:
-  request bodies and error shapes; :mod:`~agent.sim.cli` and :mod:`~agent.sim.config`: flags,
-  ``run`` and ``main``.
+  request bodies and error shapes; :mod:`~agent.sim.auth`: ``--api-key``/``--admin-api-key``;
+  :mod:`~agent.sim.versions`: the SGLang release imitated (``--sglang-version``);
+  :mod:`~agent.sim.cli` and :mod:`~agent.sim.config`: flags, ``run`` and ``main``.
 
 Faithful to SGLang: request/response fields and ``finish_reason`` shapes, batch and ``n > 1``
 expansion (``"{rid}_{i}"`` rids for batches, fresh uuids for ``n > 1``), cumulative SSE chunks
@@ -36,9 +40,13 @@ empty or ``null`` body ("Field required"), stop strings and ``stop_token_ids`` (
 ``no_stop_trim``), ``min_new_tokens``, ``ignore_eos``, ``logprob_start_len``,
 ``return_text_in_logprobs``, ``return_prompt_token_ids``, ``weight_versions`` spans (0.5.23;
 half-open ``[start, end)`` output-token ranges; ``[{version, 0, 0}]`` for a zero-token finish),
-pause modes, reader/writer lock of weight updates, weight updates from disk and by broadcast
-(``init_weights_update_group``, ``update_weights_from_distributed``,
-``destroy_weights_update_group``) with SGLang's messages, ``/flush_cache`` only when idle (while
+pause modes (an ``abort`` pause re-checking every 1.0 s, running to the end when its client
+leaves, ``continue`` waiting for it), ``abort_sent`` (0.5.23), reader/writer lock of weight
+updates, weight updates from disk and by broadcast (``init_weights_update_group``,
+``update_weights_from_distributed``, ``destroy_weights_update_group``) with SGLang's messages,
+weight-update sessions (0.5.23), ``/weights_checker``, ``/get_weights_by_name`` only for the
+model classes that implement it (``--architecture``), ``--load-format dummy`` refusing disk loads,
+API keys, the 5 s keep-alive, ``/flush_cache`` only when idle (while
 paused, waiting requests do not count; a disk update during an ``in_place`` pause with running
 requests changes the weights but answers 400 "…the cache was not flushed…"), ``/health`` while
 paused, endpoint aliases.
