@@ -125,6 +125,7 @@ async def test_weight_update_sessions_0515_do_not_exist():
     async with serve(sglang_version="0.5.15") as (engine, s):
         for path in ("/begin_weight_update", "/end_weight_update"):
             assert await post(s, path, {}) == (404, NOT_FOUND)
+        assert await get(s, "/ready") == (404, NOT_FOUND)  # 0.5.23's route
         assert (await server_info(s))["rollfleet_weight_update_session"] is False
         async with formed_group([s]) as pg:  # its begin got 404: no session, and none is needed
             [(status, out)] = await send_bucket(pg, [s], {"w": torch.ones(3)})
