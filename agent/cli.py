@@ -93,6 +93,14 @@ def _join_args(sp: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-start-timeout", type=seconds, default=600.0, help="seconds an engine has to get healthy")
     g.add_argument("--health-interval", type=seconds, default=5.0, help="seconds between engine health checks")
     g.add_argument(
+        "--health-timeout",
+        type=seconds,
+        default=20.0,
+        help="seconds an engine's health probe (/health_generate) may take before the engine counts as hung and "
+        "leaves the pool: a hung engine is out within this plus --health-interval (default 20, SGLang's own "
+        "SGLANG_HEALTH_CHECK_TIMEOUT; a busy engine's probe waits behind its queue, so keep it above a few seconds)",
+    )
+    g.add_argument(
         "--max-restarts", type=number(int, min=0), default=3, help="engine restarts per 10 minutes before retiring it"
     )
     sp.add_argument(
@@ -379,6 +387,7 @@ def join(args) -> int:
         supervisor_options={
             "start_timeout": args.engine_start_timeout,
             "health_interval": args.health_interval,
+            "health_timeout": args.health_timeout,
             "max_restarts": args.max_restarts,
             "api_key": api_key,  # the supervisor's; the agent's EngineClient sends it too (agent/worker.py)
         },

@@ -92,6 +92,7 @@ class _Engine:
     report: str | None = None
     error: str | None = None
     forced: bool = False  # check at once, whatever the interval
+    hung: str | None = None  # found hung by a caller (fail()): down at once, health checks paused or not
     layout: EngineLayout | None = None  # from its /server_info once it answered healthy (None: planned)
     info: dict = dataclasses.field(default_factory=dict)  # that /server_info answer ({}: none)
 
@@ -248,6 +249,15 @@ class EngineSupervisor:
             if self._own_client and self._client is not None:
                 await self._client.close()
         log.info("engine supervisor stopped")
+
+    def fail(self, name: str, reason: str) -> None:
+        """``name`` was found hung (no answer to a call within its deadline): it goes down now, whatever its state
+        and paused health checks, and is restarted (``url``: probed until it answers) as a dead one is."""
+        eng = self._engines[name]
+        if eng.state not in ("healthy", "stale") or self._stopping:
+            return
+        eng.hung = reason
+        eng.wake.set()
 
     def report_failure(self, name: str, reason: str) -> None:
         """The request path saw a connection error on ``name``: check it now."""
@@ -546,6 +556,9 @@ class EngineSupervisor:
         while True:
             if eng.exited:
                 return f"process exited with {eng.proc.describe_exit()}"
+            if eng.hung is not None:
+                why, eng.hung = eng.hung, None
+                return why
             now = time.monotonic()
             if not self._paused and (eng.report is not None or eng.forced or now >= next_check):
                 reported, eng.report, eng.forced = eng.report, None, False

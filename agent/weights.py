@@ -45,6 +45,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from typing import TypeVar
 
 from agent.engine_client import EngineClient, parse_version
 from agent.events import EngineVersion, RunWeightsStep, WeightsRecord, WeightsStepDone
@@ -55,6 +56,8 @@ from common.errors import EngineError, EngineRejected
 
 log = logging.getLogger("rollfleet.agent.weights")
 
+T = TypeVar("T")
+
 STEP_DEADLINE = 600.0
 """Seconds one engine may take for one step (an init waits for the trainer to join)."""
 
@@ -63,9 +66,20 @@ CONFIRM_DEADLINE = 3.0
 (mode ``abort``) aborts, then re-checks once a second until no request holds its lock: with requests in
 flight it answers after one second, sometimes two."""
 
-CONTINUE_DEADLINE = 120.0
-"""Seconds the continue of an engine whose pause outlived ``CONFIRM_DEADLINE`` may wait: SGLang's continue
-queues behind the pause still running there, so the engine is never left paused."""
+CALL_DEADLINE = 5.0
+"""Seconds a short control call to one engine may take (pause, continue, label, version check): past it the
+engine is hung (alive but not answering, e.g. SIGSTOPped), left out of the step and restarted as a dead one."""
+
+LIVENESS_INTERVAL = 2.0
+LIVENESS_TIMEOUT = 5.0
+"""A long call (a disk load, a flush waiting for requests, a session end re-packing weights, a checksum pass)
+may take as long as it needs while the engine answers ``/model_info`` (its HTTP front, not its scheduler)
+within ``LIVENESS_TIMEOUT`` every ``LIVENESS_INTERVAL`` seconds; one that does not is hung."""
+
+CONTINUE_DEADLINE = 3600.0
+"""Seconds the continue of an engine whose pause outlived its deadline, or that hung, is tried for (once a
+second): SGLang's continue queues behind the pause still running there, and a frozen engine is continued
+once it thaws, so no engine is ever left paused by us."""
 
 STEPS = {
     p.WeightsBegin: "begin",
@@ -75,6 +89,10 @@ STEPS = {
     p.WeightsFinish: "finish",
     p.WeightsAbort: "abort",
 }
+
+
+class Hung(EngineError):
+    """An engine did not answer a call within its deadline: it is out of the step and goes down."""
 
 
 class WeightsExecutor:
@@ -115,6 +133,9 @@ class WeightsExecutor:
         self._warned: set[str] = set()  # engines whose limits were said (once): verification, data parallelism
         self.paused_engines = PausedEngines()  # urls this executor paused: per-request aborts wait for them
         self._background: set[asyncio.Task] = set()  # continues sent after a pause that outlived its deadline
+        self._hung: dict[str, str] = {}  # engines found hung in the running step: name -> why
+        self._lost: set[str] = set()  # engines sent down as hung, until they are prepared again
+        self._resuming: dict[str, asyncio.Task] = {}  # the pending continue of an engine (_continue_later)
         self._queue: asyncio.Queue[RunWeightsStep | WeightsRecord] = asyncio.Queue()
         self._step: tuple[RunWeightsStep, asyncio.Task] | None = None
         self._silenced: set[int] = set()  # updates whose running step our own abort cancelled: not reported
@@ -198,6 +219,10 @@ class WeightsExecutor:
         self.side.pop(name, None)
         self.held.pop(name, None)  # a new process holds no group
         self.sessions.pop(name, None)  # nor a weight-update session
+        self._lost.discard(name)
+        resuming = self._resuming.pop(name, None)
+        if resuming is not None and self.supervisor.urls().get(name) != url:
+            resuming.cancel()  # a new process at another address: the old one's continue means nothing
         for known in (self._sessionless, self._warned):
             known.discard(name)
         for cached in (self._read_mode, self._disk_format):
@@ -224,6 +249,7 @@ class WeightsExecutor:
 
     async def _run_step(self, ins: RunWeightsStep) -> None:
         step = STEPS[type(ins.msg)]
+        self._hung.clear()
         errors, record = await self._steps[step](ins.msg)
         error = "; ".join(
             f"agent {self.agent_id}: {why}" if name == "*" else f"engine {name} of agent {self.agent_id}: {why}"
@@ -316,9 +342,10 @@ class WeightsExecutor:
             await self._pause(url)
             self._touched.add(name)  # loading: it may hold part of the checkpoint until the load ends
             try:
-                await self.client.update_weights_from_disk(
+                load = self.client.update_weights_from_disk(
                     url, msg.path, str(msg.version), flush_cache=True, load_format=self._disk_format.get(name)
                 )
+                await self._watched(url, "/update_weights_from_disk", load)
             finally:
                 await self._continue(url)
             await self._verify(name, url, msg.version)
@@ -327,7 +354,7 @@ class WeightsExecutor:
         errors = await self._each(engines, load)
         # One that died during its load is left out, not a failure of the update: it restarts and
         # loads the recorded checkpoint on the way up (``prepare``), like any restarted engine.
-        dead = await self._drop_dead(errors, msg.update_id, "loading from disk")
+        dead = await self._drop_lost(errors, msg.update_id, "loading from disk")
         for name in engines:
             self._paused.pop(name, None)
             self._set_serving(name, name not in errors and name not in dead)
@@ -391,11 +418,12 @@ class WeightsExecutor:
         readings: dict[str, Reading] = {}
 
         async def end(name: str, url: str) -> None:
-            await self.client.update_weight_version(url, str(msg.version))
-            await self._close_session(name, url)  # re-packs the weights: read-backs come after it
-            await self.client.flush_cache(url, deadline=self.flush_deadline)
+            await self._bounded(url, "/update_weight_version", self.client.update_weight_version(url, str(msg.version)))
+            # Closing the session re-packs the weights: read-backs come after it.
+            await self._watched(url, "/end_weight_update", self._close_session(name, url))
+            await self._watched(url, "/flush_cache", self.client.flush_cache(url, deadline=self.flush_deadline))
             if msg.verify:
-                got = await self._read_back(name, url, msg.verify)
+                got = await self._watched(url, "the read-back", self._read_back(name, url, msg.verify))
                 if got is not None:
                     readings[name] = got
 
@@ -406,14 +434,14 @@ class WeightsExecutor:
         errors = await self._each(updated, end)
         errors.update(self._compare(readings, msg.verify))
         errors.update(await self._each({n: u for n, u in updated.items() if n not in errors}, serve))
-        dead = await self._drop_dead(errors, msg.update_id, "finishing")
+        dead = await self._drop_lost(errors, msg.update_id, "finishing")
         for name in updated:
             self._paused.pop(name, None)
             self._set_serving(name, name not in errors and name not in dead)
         if catch_up:
             return await self._end_catch_up(errors), None
         continued = await self._continue_paused()
-        await self._drop_dead(continued, msg.update_id, "continuing")
+        await self._drop_lost(continued, msg.update_id, "continuing")
         errors.update(continued)
         record = None
         if not errors:
@@ -493,8 +521,11 @@ class WeightsExecutor:
                     await fn(name, url)
             except TimeoutError:
                 return name, f"no answer from {url} within {deadline:g}s"
-            except EngineError as exc:
+            except Hung as exc:
+                self._hung[name] = str(exc)
                 return name, str(exc)
+            except EngineError as exc:
+                return name, str(exc) or type(exc).__name__
             return name, None
 
         results = await asyncio.gather(*(one(name, url) for name, url in engines.items()))
@@ -507,27 +538,65 @@ class WeightsExecutor:
     async def _pause(self, url: str) -> None:
         """Pause in mode ``abort`` (in-flight samples come back partial); per-request aborts wait from now."""
         self.paused_engines.hold(url)
-        await self.client.pause_generation(url, "abort")
+        await self._bounded(url, "/pause_generation", self.client.pause_generation(url, "abort"))
 
     async def _continue(self, url: str) -> None:
-        await self.client.continue_generation(url)
+        await self._bounded(url, "/continue_generation", self.client.continue_generation(url))
         self.paused_engines.release(url)
 
+    async def _bounded(self, url: str, what: str, call: Awaitable[T]) -> T:
+        """A short control call: Hung past ``CALL_DEADLINE``."""
+        try:
+            async with asyncio.timeout(CALL_DEADLINE):
+                return await call
+        except TimeoutError:
+            raise Hung(f"{url}: no answer to {what} within {CALL_DEADLINE:g}s") from None
+
+    async def _watched(self, url: str, what: str, call: Awaitable[T]) -> T:
+        """A long call: as long as it takes while the engine's front answers (``LIVENESS_*``); Hung otherwise."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait([task], timeout=LIVENESS_INTERVAL)
+                if done:
+                    return task.result()
+                try:
+                    async with asyncio.timeout(LIVENESS_TIMEOUT):
+                        await self.client.model_info(url)
+                except (TimeoutError, EngineError) as exc:
+                    why = str(exc) or f"no answer within {LIVENESS_TIMEOUT:g}s"
+                    raise Hung(f"{url}: {what} unanswered and /model_info too: {why}") from None
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
     def _continue_later(self, name: str, url: str) -> None:
-        """Continue an engine whose pause outlived its deadline: the pause goes on on the server (a client that
-        gives up does not end it) and the continue queues behind it there, so the engine serves again."""
+        """Continue an engine whose pause outlived its deadline, or that hung: the pause goes on on the server (a
+        client that gives up does not end it) and a continue queues behind it there; a frozen engine answers
+        once it thaws. Tried once a second until it answers, the engine is prepared again (a new process), or
+        ``CONTINUE_DEADLINE`` passes."""
 
         async def resume() -> None:
-            try:
-                async with asyncio.timeout(CONTINUE_DEADLINE):
+            end = asyncio.get_running_loop().time() + CONTINUE_DEADLINE
+            while True:
+                try:
                     await self._continue(url)
-            except (EngineError, TimeoutError) as exc:
-                log.warning("engine %s: continuing it after its late pause failed: %s", name, exc)
-            else:
-                log.info("engine %s continued after a pause that outlived the weight update's deadline", name)
+                except EngineError as exc:
+                    if asyncio.get_running_loop().time() > end:
+                        log.warning("engine %s: gave up continuing it after its late pause: %s", name, exc)
+                        return
+                    await asyncio.sleep(1.0)
+                else:
+                    log.info("engine %s continued after a pause that outlived its deadline", name)
+                    return
 
+        old = self._resuming.pop(name, None)
+        if old is not None:
+            old.cancel()
         task = asyncio.ensure_future(resume())
         task.set_name(f"continue-{name}")
+        self._resuming[name] = task
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -624,7 +693,7 @@ class WeightsExecutor:
 
     async def _verify(self, name: str, url: str, version: int) -> None:
         """``/model_info`` must say ``str(version)``; EngineError naming the engine otherwise."""
-        label = (await self.client.model_info(url)).get("weight_version")
+        label = (await self._bounded(url, "/model_info", self.client.model_info(url))).get("weight_version")
         self._set_version(name, parse_version(label))
         if label != str(version):
             raise EngineError(f"{url} reports weight version {label!r} after the update, expected {str(version)!r}")
@@ -634,20 +703,35 @@ class WeightsExecutor:
             self.versions[name] = version
             self._dispatch(EngineVersion(name, version, self.supervisor.tp(name)))
 
-    async def _drop_dead(self, errors: dict[str, str], update_id: int, doing: str) -> set[str]:
-        """Take the engines whose process exited out of ``errors``: a death leaves an engine out of an
-        update, it does not fail it (the restart brings it to the recorded version)."""
+    async def _drop_lost(self, errors: dict[str, str], update_id: int, doing: str) -> set[str]:
+        """Take the engines whose process exited, or that were found hung, out of ``errors``: losing an engine
+        leaves it out of an update, it does not fail it (the restart brings it to the recorded version). A hung
+        one is sent down now (restarted, or for a ``url`` engine probed until it answers, then continued)."""
         names = list(errors)
         dead = await asyncio.gather(*(self.supervisor.died(n) for n in names))
         gone = {n for n, d in zip(names, dead, strict=True) if d}
+        hung, self._hung = self._hung, {}
+        for name in names:
+            if name in hung and name not in gone:
+                gone.add(name)
+                self._lose(name, hung[name])
         for name in gone:
             why = errors.pop(name)
-            log.warning("engine %s died %s for weight update %#x: left out: %s", name, doing, update_id, why)
+            log.warning("engine %s lost %s for weight update %#x: left out: %s", name, doing, update_id, why)
             self._touched.discard(name)
             self.group.pop(name, None)
             self.sessions.pop(name, None)  # a dead process holds none
             self.stale.add(name)
         return gone
+
+    def _lose(self, name: str, why: str) -> None:
+        """A hung engine goes down (the supervisor restarts it, or probes a ``url`` one) and, once it answers
+        again, is continued: it never stays paused by us."""
+        url = self.supervisor.urls().get(name)
+        self._lost.add(name)
+        self.supervisor.fail(name, f"hung in a weight update: {why}")
+        if url is not None:
+            self._continue_later(name, url)
 
     def _set_serving(self, name: str, serving: bool) -> None:
         (self.stale.discard if serving else self.stale.add)(name)
@@ -658,7 +742,9 @@ class WeightsExecutor:
         behind = [
             (name, url)
             for name, url in self.supervisor.urls().items()
-            if (name in self.stale or self.versions.get(name) != self.current.version) and name not in self.held
+            if (name in self.stale or self.versions.get(name) != self.current.version)
+            and name not in self.held
+            and name not in self._lost  # going down: its restart brings it up to date
         ]
         for name in self.held:
             if name in self.supervisor.urls():
@@ -684,19 +770,21 @@ class WeightsExecutor:
             )
             return False
         try:
-            async with asyncio.timeout(self.step_deadline):
-                await self._pause(url)
-                try:
-                    await self.client.update_weights_from_disk(
-                        url, record.path, str(record.version), load_format=self._disk_format.get(name)
-                    )
-                finally:
-                    await self._continue(url)
-                await self._verify(name, url, record.version)
-        except (EngineError, TimeoutError) as exc:
+            await self._pause(url)
+            try:
+                load = self.client.update_weights_from_disk(
+                    url, record.path, str(record.version), load_format=self._disk_format.get(name)
+                )
+                await self._watched(url, "/update_weights_from_disk", load)
+            finally:
+                await self._continue(url)
+            await self._verify(name, url, record.version)
+        except EngineError as exc:
             log.error(
                 "engine %s: re-loading weight version %d from %s failed: %s", name, record.version, record.path, exc
             )
+            if isinstance(exc, Hung):
+                self._lose(name, str(exc))
             return False
         log.info("engine %s re-loaded weight version %d from %s", name, record.version, record.path)
         if self.current.version != record.version:
