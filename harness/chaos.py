@@ -48,6 +48,7 @@ store. A run that missed a failure kind, or broke an invariant, lists it in
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -100,7 +101,7 @@ far more often than any fleet sees, and an engine retired for it would end a lon
 engine retired). Retirement has its own tests (``test_faults_agent.py``)."""
 GATEWAY_RESTART_S = 10.0
 """A SIGKILLed gateway's successor reports within this long (its first restart is immediate)."""
-RANDOM_KINDS = ("agent", "agent", "engine", "engine", "coordinator", "partition", "trainer")
+RANDOM_KINDS = ("agent", "agent", "engine", "engine", "hang", "coordinator", "partition", "trainer")
 RANDOM_WEIGHT_FAULTS = ("engine_in_update", "engine_in_update", "trainer_in_update")
 """Added to ``RANDOM_KINDS`` when the run pushes weights."""
 STALL = 300.0
@@ -282,7 +283,7 @@ class ChaosRun:
         n = self.n_consumed()
         if kind == "agent":
             return bool(self.live_agents())
-        if kind == "engine":
+        if kind in ("engine", "hang"):
             return any(self.live_engines(name) for name in self.live_agents())
         if kind == "coordinator":
             return self.cluster.coordinator.alive()
@@ -344,6 +345,28 @@ class ChaosRun:
             return None
         self.hit_at = time.monotonic()
         return f"{name} engine pid {pid}"
+
+    def _hang(self) -> str | None:
+        """A gray failure: an engine frozen (SIGSTOP: alive, never answering) for a while, then thawed or killed."""
+        started = [n for n in self.live_agents() if "engines up:" in self.cluster.agents[n].text()]
+        targets = [(name, pid) for name in started for pid in self.live_engines(name)]
+        if not targets:
+            return None
+        name, pid = self.rng.choice(targets)
+        frozen_for, kill = self.rng.uniform(0.5, 4.0), self.rng.random() < 0.5
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            return None
+        self.hit_at = time.monotonic()
+        try:
+            time.sleep(frozen_for)  # the fault's duration, not a wait for a condition
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # never left stopped
+                if kill:
+                    os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGCONT)
+        return f"{name} engine pid {pid} frozen {frozen_for:.1f}s, then {'killed' if kill else 'thawed'}"
 
     def _coordinator(self) -> str | None:
         proc = self.cluster.coordinator

@@ -60,7 +60,7 @@ from common.mixture import EPOCH_BITS, epoch_key
 from coordinator.records import LedgerSnapshot
 from harness.chaos_eval import check_evaluations
 
-KINDS = ("agent", "engine", "coordinator", "trainer", "partition", "node_lost", "node_join")
+KINDS = ("agent", "engine", "hang", "coordinator", "trainer", "partition", "node_lost", "node_join")
 """Failure kinds the chaos schedule causes; a run that misses one fails."""
 WEIGHT_FAULTS = ("engine_in_update", "trainer_in_update")
 """Faults timed to a weight update in flight, caused too when the run pushes weights (the trainer's
