@@ -23,7 +23,11 @@ Invariants:
 - A full map (``--map-size``) or disk fails the transaction that hit it whole, as
   ``StorageFull`` naming the store and the flag, and calls ``on_full`` once (the
   agent stops): no commit in it returned, so no receipt was sent for it, and
-  every earlier commit stands for a restart with a larger ``--map-size``.
+  every earlier commit stands for a restart with a larger ``--map-size`` (or
+  once space is freed). A full disk is ENOSPC, EIO with the disk (almost) full
+  (LMDB's code for a commit that ran out of space part-way), or a transaction
+  refused before its commit because the disk cannot hold it
+  (common/lmdb_env.py ``check_space``): never an error of the group in it.
 - The flush loop is a task of its own: cancelling a caller abandons only its
   wait, never the writes queued with or behind it; ``drain()`` waits for them.
 """
@@ -45,7 +49,7 @@ import lmdb
 import msgpack
 
 from common.errors import StorageFull
-from common.lmdb_env import MAP_SIZE, lock_dir, open_env, storage_full
+from common.lmdb_env import MAP_SIZE, check_space, lock_dir, open_env, storage_full
 
 log = logging.getLogger("rollfleet.agent.store")
 
@@ -137,6 +141,9 @@ class GroupStore:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         keep_freed_memory()
         self.path = Path(data_dir) / "store"
+        # Before anything is written: LMDB sets up its lock file through a shared mapping, and a page of it
+        # that a full disk cannot back is a SIGBUS, not an error.
+        check_space(self.path, 0, "agent store")
         self.sync = sync
         self.max_batch = max_batch
         self._lock = lock_dir(Path(data_dir), "agent data dir")
@@ -153,6 +160,14 @@ class GroupStore:
         self._queue: list[tuple[list, asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
         self._transactions = self._groups = self._group_bytes = 0  # written by the writer thread only
+        try:
+            self._start(str(data_dir), agent_id, sync)
+        except BaseException:  # a full disk or another agent's data dir: nothing stays open behind the error
+            self.close()
+            raise
+
+    def _start(self, data_dir: str, agent_id: str | None, sync: bool) -> None:
+        """Read (or make) this data dir's agent id and bump its incarnation, durably."""
         with self._writing(), self.env.begin(write=True) as txn:
             stored = txn.get(b"agent_id", db=self.meta)
             if stored is None:
@@ -165,7 +180,8 @@ class GroupStore:
             self.incarnation = (int(raw) if raw else 0) + 1
             txn.put(b"incarnation", str(self.incarnation).encode(), db=self.meta)
         if sync:
-            self.env.sync(True)  # the bump is durable before anyone sees this incarnation
+            with self._writing():
+                self.env.sync(True)  # the bump is durable before anyone sees this incarnation
 
     # ---------------------------------------------------------------- writes
 
@@ -205,6 +221,8 @@ class GroupStore:
                     try:
                         await loop.run_in_executor(self._writer, self._sync)
                     except Exception as exc:
+                        if isinstance(exc, StorageFull):
+                            self._report_full(exc)
                         _fail(batch, exc)
                     else:
                         _resolve(batch)
@@ -247,7 +265,8 @@ class GroupStore:
 
     def _sync(self) -> None:
         """Flush the file: every commit so far, meta page included, is durable once this returns."""
-        self.env.sync(True)
+        with self._writing():
+            self.env.sync(True)
 
     async def drain(self) -> None:
         """Wait until every write submitted so far is committed (or failed)."""
@@ -258,6 +277,7 @@ class GroupStore:
         """One write transaction; True if it changed anything (LMDB skips the commit's fsync otherwise)."""
         groups = group_bytes = 0
         changed = False
+        check_space(self.path, sum(len(key) + len(value or b"") for _, key, value in ops), "agent store")
         with self._writing(), self.env.begin(write=True) as txn:
             for kind, key, value in ops:
                 if kind == "group":
@@ -311,6 +331,7 @@ class GroupStore:
 
     def meta_put(self, name: str, value: str) -> None:
         """A small synchronous write, for start-up only (never from the event loop)."""
+        check_space(self.path, len(name) + len(value), "agent store")
         with self._writing(), self.env.begin(write=True) as txn:
             txn.put(name.encode(), value.encode(), db=self.meta)
         if self.sync:

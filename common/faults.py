@@ -24,6 +24,11 @@ Points (``key=value``, ``;``-separated; unknown keys are refused):
     drop_grants=N        coordinator: the next N outgoing Grants are lost
                          (coordinator/server.py)
     drop_pauses=N        coordinator: the next N outgoing pause Controls are lost
+    no_space_check=1     agent and coordinator: LMDB writes skip the free-space
+                         check (common/lmdb_env.py ``check_space``), so a disk
+                         filled by a test reaches LMDB's own commit errors
+                         (ENOSPC, or EIO after a short write), as a disk filled
+                         by someone else between the check and the commit does
     seed=S               the random source of the probabilistic points
 
 Every injected fault is logged at WARNING as ``fault injected: ...`` so a
@@ -56,6 +61,7 @@ class Faults:
         self.kill_after_commit = 0.0
         self.kill_before_commit = 0.0
         self.hold_file: Path | None = None
+        self.no_space_check = False
         self.left = dict.fromkeys(_COUNTS, 0)
         seed = None
         for item in filter(None, (part.strip() for part in spec.split(";"))):
@@ -69,10 +75,12 @@ class Faults:
                 self.hold_file = Path(value)
             elif key == "seed":
                 seed = int(value)
+            elif key == "no_space_check":
+                self.no_space_check = bool(int(value))
             elif key in self.left:
                 self.left[key] = int(value)
             else:
-                known = ("kill_after_commit", "kill_before_commit", "hold_file", "seed", *_COUNTS)
+                known = ("kill_after_commit", "kill_before_commit", "hold_file", "seed", "no_space_check", *_COUNTS)
                 raise ValueError(f"{ENV}: unknown fault {key!r}; known: {', '.join(known)}")
         self.random = random.Random(seed)
         self._held: list = []

@@ -38,7 +38,7 @@ import lmdb
 import msgpack
 
 from common.errors import ConfigError
-from common.lmdb_env import MAP_SIZE, lock_dir, open_env, storage_full
+from common.lmdb_env import MAP_SIZE, check_space, lock_dir, open_env, storage_full
 from coordinator.records import (
     MARKS,
     CloseEpoch,
@@ -212,8 +212,11 @@ def read_config_changes(data_dir: str | os.PathLike) -> list[dict]:
 def _full_is_storage_full(method):
     """A full map or disk under a ledger write is a StorageFull naming the ledger and --map-size.
 
-    LMDB aborts the transaction that hit it whole: the effects waiting on it are never sent, so
-    nothing that write would have acknowledged was acknowledged."""
+    A full disk is ENOSPC, or EIO with the disk (almost) full (a commit that ran out of space
+    part-way), or a transaction whose writes the disk cannot hold, refused before its commit
+    (``check_space``). LMDB aborts the transaction that hit it whole (and a refused one is aborted
+    by the ``with``): the effects waiting on it are never sent, so nothing that write would have
+    acknowledged was acknowledged."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -232,6 +235,9 @@ class Ledger:
     def __init__(self, data_dir: str | os.PathLike, *, sync: bool = True, map_size: int = MAP_SIZE):
         self.path = Path(data_dir) / "ledger"
         self.map_size = map_size
+        # Before anything is written: LMDB sets up its lock file through a shared mapping, and a page of it
+        # that a full disk cannot back is a SIGBUS, not an error.
+        check_space(self.path, 0, "coordinator ledger")
         self._lock = lock_dir(Path(data_dir), "coordinator data dir")
         self.env = open_env(self.path, sync=sync, max_readers=256, map_size=map_size, max_dbs=MAX_DBS)
         self.meta = self.env.open_db(b"meta")
@@ -283,6 +289,7 @@ class Ledger:
             changed: dict = {}
             if config is not None:
                 changed = self._check_config(txn, _unpack(_pack(config)), allow_change, generation)
+            check_space(self.path, 0, "coordinator ledger")  # a small write: the reserve is the margin
         snap = self.snapshot()
         snap.changed = changed
         return snap
@@ -325,32 +332,39 @@ class Ledger:
         Every ``Persist`` carries the cursors; in one transaction only the last ``SetCursors``
         is written (each one overwrites the same key, so the result is the same)."""
         last_cursors = next((i for i in range(len(ops) - 1, -1, -1) if type(ops[i]) is SetCursors), -1)
+        need = 0  # bytes of keys and values written: the disk must hold them (check_space) before the commit
+
+        def put(key: bytes, value: bytes, db) -> None:
+            nonlocal need
+            need += len(key) + len(value)
+            txn.put(key, value, db=db)
+
         with self.env.begin(write=True) as txn:
             evals = None  # the eval records, read once if this transaction changes them
             for i, op in enumerate(ops):
                 if isinstance(op, PutPrompt):
-                    txn.put(_PROMPT.pack(op.data_epoch, op.index), _encode_prompt(op.state), db=self.prompts)
+                    put(_PROMPT.pack(op.data_epoch, op.index), _encode_prompt(op.state), db=self.prompts)
                 elif isinstance(op, DropPrompt):
                     txn.delete(_PROMPT.pack(op.data_epoch, op.index), db=self.prompts)
                 elif isinstance(op, PutBatch):
-                    txn.put(_BATCH.pack(op.rollout_id), _encode_batch(op.batch), db=self.batches)
+                    put(_BATCH.pack(op.rollout_id), _encode_batch(op.batch), db=self.batches)
                 elif isinstance(op, DropBatch):
                     txn.delete(_BATCH.pack(op.rollout_id), db=self.batches)
                 elif isinstance(op, SetCursors):
                     if i == last_cursors:
-                        txn.put(b"cursors", _pack(dict(op.cursors)), db=self.meta)
+                        put(b"cursors", _pack(dict(op.cursors)), db=self.meta)
                 elif isinstance(op, SetPaused):
-                    txn.put(b"paused", _pack(op.paused), db=self.meta)
+                    put(b"paused", _pack(op.paused), db=self.meta)
                 elif isinstance(op, SetMark):
-                    txn.put(op.name.encode(), _pack(op.rollout_id), db=self.meta)
+                    put(op.name.encode(), _pack(op.rollout_id), db=self.meta)
                 elif isinstance(op, SetWeights):
-                    txn.put(b"weights", _encode_weights(op.log), db=self.meta)
+                    put(b"weights", _encode_weights(op.log), db=self.meta)
                 elif isinstance(op, SetMixture):
-                    txn.put(b"mixture", _pack([[start, list(w)] for start, w in op.schedule]), db=self.meta)
+                    put(b"mixture", _pack([[start, list(w)] for start, w in op.schedule]), db=self.meta)
                 elif isinstance(op, CloseEpoch):
                     _delete_prefix(txn.cursor(db=self.prompts), _EPOCH.pack(op.data_epoch))
                 elif isinstance(op, PutEvalResult):
-                    txn.put(_eval_key(op.name, op.index), _pack(op.result), db=self.evals)
+                    put(_eval_key(op.name, op.index), _pack(op.result), db=self.evals)
                 elif isinstance(op, DropEvalResults):
                     _delete_prefix(txn.cursor(db=self.evals), op.name.encode() + b"\0")
                 elif isinstance(op, SetEvalPass):
@@ -358,9 +372,10 @@ class Ledger:
                         raw = txn.get(b"evals", db=self.meta)
                         evals = _decode_evals(raw) if raw is not None else {}
                     evals[op.record.name] = op.record
-                    txn.put(b"evals", _encode_evals(evals), db=self.meta)
+                    put(b"evals", _encode_evals(evals), db=self.meta)
                 else:
                     raise TypeError(f"not a ledger operation: {op!r}")
+            check_space(self.path, need, "coordinator ledger")  # raised inside the with: the transaction is aborted
 
 
 def _delete_prefix(cur, prefix: bytes) -> None:

@@ -26,6 +26,8 @@ class Mutation:
 G = "tests/cluster/test_guarantees.py::"
 M = "tests/cluster/test_batch_metrics.py::"
 X = "tests/cluster/test_mixtures.py::"
+D = "tests/integration/test_full_disk.py::"
+S = "tests/cluster/test_storage_full.py::"
 
 MUTATIONS = [
     Mutation(
@@ -222,6 +224,33 @@ MUTATIONS = [
         "            budget = min(budget, training.limit(allowance, self.batches.ready_count))\n",
         "",
         "tests/cluster/test_mixture_staleness.py",
+    ),
+    Mutation(
+        "9",
+        "full-disk-eio-not-recognised",
+        "LMDB's EIO from a commit that ran out of space part-way is not a full disk (a raw lmdb.Error)",
+        "common/lmdb_env.py",
+        "        if free is not None and free < MIN_FREE:\n",
+        "        if free is not None and free < 0:\n",
+        D + "test_a_store_commit_meeting_a_full_disk_in_lmdb_is_storage_full_and_loses_nothing[one-page-left]",
+    ),
+    Mutation(
+        "9",
+        "full-disk-not-checked-before-commit",
+        "a commit goes to LMDB however little space the disk has left",
+        "common/lmdb_env.py",
+        "    if free is not None and free < need + MIN_FREE:\n",
+        "    if free is not None and free < 0:\n",
+        D + "test_a_store_commit_the_disk_cannot_hold_is_refused_before_lmdb_sees_it",
+    ),
+    Mutation(
+        "3",
+        "full-store-charged-to-prompt",
+        "a group whose commit found the disk full counts as a failure of its prompt (filtered after a few)",
+        "agent/lease_runner.py",
+        "            self._dispatch(LeaseFailed(self.lease, str(exc), counted=False))\n",
+        "            self._dispatch(LeaseFailed(self.lease, str(exc), counted=True))\n",
+        S + "test_a_full_disk_under_the_agent_store_is_charged_to_no_prompt_and_loses_nothing[checked]",
     ),
     Mutation(
         "9",

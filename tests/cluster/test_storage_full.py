@@ -11,9 +11,15 @@ import threading
 from pathlib import Path
 
 import lmdb
+import pytest
 
+from common import faults
 from common.types import Group
+from coordinator.frontier import FILTERED
+from coordinator.ledger import read_ledger
+from harness.observe import metrics_url, scrape
 from harness.polling import wait_for
+from harness.small_disk import PAGE, DiskUnavailable, fill, small_disk, unfill
 
 FIXED = "--output-len-dist fixed --output-len-median 16"
 
@@ -99,3 +105,180 @@ def test_full_coordinator_ledger_stops_it_and_a_restart_with_a_larger_map_carrie
     seen = [i for indices in batches.values() for i in indices]
     assert len(seen) == len(set(seen)) == 48, batches
     wait_for(lambda: cluster.status()["agents"]["a1"]["status"] == "alive", 30, "the agent to be back")
+
+
+# ---------------------------------------------------------------------------- a disk that fills up
+
+BIG = "--output-len-dist fixed --output-len-median 256"
+"""Groups of 4 x 256 tokens: a commit writes several LMDB pages, so a page or two left is a short write."""
+
+CHECKED, ENOSPC, EIO = "left, a write of", "(ENOSPC)", "(EIO: a write ran out of space part-way"
+FILLS = {
+    # how the disk is filled: (bytes left free, the check before each commit off (LMDB meets the full disk))
+    "checked": (256 << 10, False),  # less than the reserve: the check refuses the next commit
+    "no-page-left": (0, True),  # the next commit's first page write into new space fails outright
+    "one-page-left": (PAGE, True),  # a commit of several new pages writes one, then runs out: a short write
+}
+
+
+@pytest.fixture
+def disk(tmp_path):
+    """A 4 MiB tmpfs, unmounted after the test's processes are gone (ask for it before ``make_cluster``)."""
+    try:
+        with small_disk(tmp_path / "disk") as path:
+            yield path
+    except DiskUnavailable as exc:
+        pytest.skip(f"no small filesystem to fill: {exc}")
+
+
+def with_faults(monkeypatch, spec: str | None, start):
+    """``start()`` with ``ROLLFLEET_FAULTS=spec`` in the environment of the process it spawns (None: as it is)."""
+    if spec is None:
+        return start()
+    monkeypatch.setenv(faults.ENV, spec)
+    try:
+        return start()
+    finally:
+        monkeypatch.delenv(faults.ENV)
+
+
+def assert_disk_line(text: str, what: str, path: Path, named: tuple[str, ...]) -> str:
+    """The one line, naming the disk under ``what`` full and one of ``named`` (how it was found); returns which."""
+    lines = [line for line in text.splitlines() if line.startswith(("agent: error:", "coordinator: error:"))]
+    assert len(lines) == 1, text[-3000:]
+    assert f"the disk under {what} {path} is full" in lines[0], lines[0]
+    assert "Traceback" not in text, text[-3000:]
+    found = [n for n in named if n in lines[0]]
+    assert found, f"{lines[0]!r} names none of {named}"
+    return found[0]
+
+
+def failed_leases(base: str) -> float:
+    return sum(
+        s.value for s in scrape(base) if s.name == "rollfleet_lease_ends_total" and s.labels.get("reason") == "failed"
+    )
+
+
+def tokens(groups) -> dict[int, list]:
+    return {g.index: [list(s.response_tokens) for s in g.samples] for g in groups}
+
+
+class Trainer(threading.Thread):
+    """Pulls batches 0, 1, ... until told to stop, across restarts of either side (the client retries).
+
+    A daemon: a test that fails with a call in flight leaves it to the cluster's teardown, which
+    closes the client."""
+
+    def __init__(self, cluster):
+        super().__init__(name="trainer", daemon=True)
+        self.client = cluster.client(timeout=60)
+        self.batches: dict[int, dict[int, list]] = {}  # rollout id -> index -> samples' tokens
+        self.errors: list[BaseException] = []
+        self.stop = threading.Event()
+
+    def run(self):
+        try:
+            step = 0
+            while not self.stop.is_set():
+                self.batches[step] = tokens(self.client.generate(step).groups)
+                step += 1
+        except BaseException as exc:  # reported by the main thread
+            self.errors.append(exc)
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.join(90)
+        assert not self.is_alive() and not self.errors, self.errors
+
+    def delivered(self) -> list[int]:
+        return [i for batch in list(self.batches.values()) for i in batch]
+
+
+STORE_LINES = {"checked": (CHECKED,), "no-page-left": (ENOSPC,), "one-page-left": (EIO,)}
+"""What the agent's line names. A group is several overflow pages written at the end of the file, so with no
+page left its first write fails outright (ENOSPC) and with one its write is short (EIO)."""
+
+
+@pytest.mark.parametrize("case", FILLS)
+def test_a_full_disk_under_the_agent_store_is_charged_to_no_prompt_and_loses_nothing(
+    disk, make_cluster, monkeypatch, case
+):
+    """Red if: a commit that found the disk full (refused by the check, ENOSPC, or EIO from a write
+    that ran out part-way) is charged to its prompt (a failed lease, a prompt filtered); the agent
+    keeps running, dies with a traceback, or says anything but the one line naming the store's disk;
+    or after space is freed a group committed before the stop is lost, delivered twice or changed,
+    or a batch given before is given again with other groups."""
+    leave, unchecked = FILLS[case]
+    cluster = make_cluster(rows=400, dynamic_filter="none", max_new_tokens=256, prefetch=16)
+    cluster.start_coordinator("--metrics-port", "0")
+    base = metrics_url(cluster.coordinator)
+    data_dir = disk / "a1"
+    start = lambda: cluster.start_agent("a1", "--data-dir", str(data_dir), sim_args=BIG)  # noqa: E731
+    agent = with_faults(monkeypatch, "no_space_check=1" if unchecked else None, start)
+    trainer = Trainer(cluster)
+    trainer.start()
+    wait_for(lambda: len(trainer.batches) >= 2 or trainer.errors, 60, "batches to flow")
+    fill(disk, leave)
+    assert agent.wait(60) == 1
+    assert_disk_line(agent.text(), "agent store", data_dir / "store", STORE_LINES[case])
+    before = committed_groups(data_dir)
+    assert failed_leases(base) == 0, "a commit on a full disk was charged to its prompt"
+    status = cluster.status()
+    assert status["filtered_total"] == 0 and status["prompts"]["filtered"] == 0, status
+    assert status["starved"] is None, status
+    given_before = dict(trainer.batches)
+    unfill(disk)
+    cluster.start_agent("a1", "--data-dir", str(data_dir), sim_args=BIG)
+    wait_for(lambda: set(before) <= set(trainer.delivered()) or trainer.errors, 120, "the stored groups")
+    trainer.finish()
+    delivered = trainer.delivered()
+    assert len(delivered) == len(set(delivered)), "a group was delivered twice"
+    got = {i: t for batch in trainer.batches.values() for i, t in batch.items()}
+    for index, group in before.items():  # the very groups committed before the stop, not regenerated ones
+        assert got[index] == [list(s.response_tokens) for s in group.samples]
+    with cluster.client() as client:  # batches given before the stop are recorded: asked again, the same
+        for step, batch in given_before.items():
+            assert tokens(client.generate(step).groups) == batch
+    assert failed_leases(base) == 0
+
+
+LEDGER_LINES = {"checked": (CHECKED,), "no-page-left": (ENOSPC, EIO), "one-page-left": (EIO,)}
+"""What the coordinator's line names. Ledger commits are a few small pages, often a page freed at the end
+of the file and rewritten in the same write as new ones: with no page left that write is short too (EIO),
+so ENOSPC cannot be provoked reliably here; tests/integration/test_full_disk.py provokes it on a ledger."""
+
+
+@pytest.mark.parametrize("case", FILLS)
+def test_a_full_disk_under_the_coordinator_ledger_stops_it_in_one_line_and_loses_nothing(
+    disk, make_cluster, monkeypatch, case
+):
+    """Red if: a ledger write that found the disk full (refused by the check, ENOSPC, or EIO from a
+    write that ran out part-way) ends the coordinator with a traceback or without its one line naming
+    the ledger's disk, or it keeps serving; or after space is freed a batch the trainer was given is
+    given again with other groups, a group is delivered twice, or a prompt was filtered."""
+    leave, unchecked = FILLS[case]
+    cluster = make_cluster(rows=400, dynamic_filter="none")
+    data_dir = disk / "coordinator"
+    start = lambda: cluster.start_coordinator("--data-dir", str(data_dir))  # noqa: E731
+    coordinator = with_faults(monkeypatch, "no_space_check=1" if unchecked else None, start)
+    cluster.start_agent("a1", sim_args=FIXED)
+    trainer = Trainer(cluster)
+    trainer.start()
+    wait_for(lambda: len(trainer.batches) >= 2 or trainer.errors, 60, "batches to flow")
+    fill(disk, leave)
+    assert coordinator.wait(60) == 1
+    assert_disk_line(coordinator.text(), "coordinator ledger", data_dir / "ledger", LEDGER_LINES[case])
+    given_before = dict(trainer.batches)
+    assert not [k for k, s in read_ledger(data_dir).prompts.items() if s.status == FILTERED]
+    unfill(disk)
+    cluster.start_coordinator("--data-dir", str(data_dir))
+    wait_for(lambda: len(trainer.batches) >= len(given_before) + 3 or trainer.errors, 120, "batches again")
+    trainer.finish()
+    delivered = trainer.delivered()
+    assert len(delivered) == len(set(delivered)), "a group was delivered twice"
+    with cluster.client() as client:  # batches given before the stop are recorded: asked again, the same
+        for step, batch in given_before.items():
+            assert tokens(client.generate(step).groups) == batch
+    status = cluster.status()
+    assert status["filtered_total"] == 0 and status["prompts"]["filtered"] == 0, status
+    assert status["agents"]["a1"]["status"] == "alive", status
