@@ -108,9 +108,11 @@ def check_space(path: Path, need: int, what: str) -> None:
         return
     free = free_bytes(path)
     if free is not None and free < need + MIN_FREE:
-        raise _disk_full(
-            what, path, f"{_size(free)} left, a write of {_size(need)} needs {_size(need + MIN_FREE)} with the reserve"
-        )
+        if need:
+            how = f"{_size(free)} left, a write of {_size(need)} needs {_size(need + MIN_FREE)} with the reserve"
+        else:
+            how = f"{_size(free)} left, less than the {_size(MIN_FREE)} reserve"
+        raise _disk_full(what, path, how)
 
 
 def _errno(exc: BaseException) -> int | None:

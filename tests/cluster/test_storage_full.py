@@ -113,6 +113,7 @@ BIG = "--output-len-dist fixed --output-len-median 256"
 """Groups of 4 x 256 tokens: a commit writes several LMDB pages, so a page or two left is a short write."""
 
 CHECKED, ENOSPC, EIO = "left, a write of", "(ENOSPC)", "(EIO: a write ran out of space part-way"
+"""How the line says the disk was found full: refused by the check before a commit, or LMDB's own error."""
 FILLS = {
     # how the disk is filled: (bytes left free, the check before each commit off (LMDB meets the full disk))
     "checked": (256 << 10, False),  # less than the reserve: the check refuses the next commit

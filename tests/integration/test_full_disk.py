@@ -131,9 +131,9 @@ def test_a_store_commit_the_disk_cannot_hold_is_refused_before_lmdb_sees_it(disk
     reported = asyncio.run(run())
     assert len(reported) == 1 and str(data_dir / "store") in str(reported[0]), reported
     # Started on that disk, the store refuses at once: no SIGBUS from LMDB's lock file, nothing left open.
-    with pytest.raises(StorageFull, match="left, a write of 0 B"):
+    with pytest.raises(StorageFull, match="left, less than the 1.0 MiB reserve"):
         GroupStore(data_dir, agent_id="a1")
-    with pytest.raises(StorageFull, match="left, a write of 0 B"):
+    with pytest.raises(StorageFull, match="left, less than the 1.0 MiB reserve"):
         GroupStore(disk / "a2", agent_id="a2")
     unfill(disk)
     groups, unacked = stored(data_dir)
