@@ -254,6 +254,15 @@ MUTATIONS = [
     ),
     Mutation(
         "9",
+        "hung-engine-waited-on",
+        "a weight step waits on an engine that never answers its pause (a hung engine stops the fleet)",
+        "agent/weights.py",
+        "            async with asyncio.timeout(CALL_DEADLINE):\n                return await call\n",
+        "            async with asyncio.timeout(None):\n                return await call\n",
+        "tests/cluster/test_hung_engine.py",
+    ),
+    Mutation(
+        "9",
         "unknown-fields-accepted",
         "a message with unknown fields is decoded",
         "common/wire.py",
