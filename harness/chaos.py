@@ -21,6 +21,13 @@ and early (a shuffled plan), then at random:
                  coordinator has ``gateways`` of them, 2 by default): its peers
                  redial and land on another or on its successor, which the
                  coordinator must have started within ``GATEWAY_RESTART_S``
+    disk_full    fill the disk under one agent's data dir (a tmpfs of its own,
+                 where the run may mount one: root) while it generates, leaving
+                 no page or one page, so that its next commit meets LMDB's ENOSPC
+                 or EIO (that agent runs without the free-space check, as if the
+                 disk filled between the check and the commit); it must stop with
+                 its one line, exit 1 and charge nothing to a prompt; then the
+                 filler goes and it restarts on the same data dir
 
 and, with weight updates, faults timed to one in flight (the coordinator's weight
 lock held, read from its status every 10 ms):
@@ -63,6 +70,7 @@ from pathlib import Path
 
 import lmdb
 
+from common import faults
 from common.demo_data import write_arithmetic_dataset
 from common.errors import NoCapacity
 from coordinator.ledger import read_ledger
@@ -80,6 +88,7 @@ from harness.chaos_trainer import rescue_from_disk
 from harness.cluster import ROOT, Cluster, running_child
 from harness.polling import wait_for
 from harness.proxy import TcpProxy
+from harness.small_disk import PAGE, DiskUnavailable, fill, small_disk, unfill
 
 SIM_ARGS = "--token-latency-ms 2 --output-len-median 24 --output-len-max 64 --weight-sync-timeout 5 --preload-torch"
 """``--preload-torch``: engines come up with torch loaded, as SGLang's do; otherwise a fresh engine's first disk load
@@ -108,6 +117,12 @@ STALL = 300.0
 """Seconds without a consumed batch after which the run counts as hung."""
 LOCK_WAIT = 20.0
 """How long a fault timed to an update waits for one to be in flight before it gives up (not counted)."""
+DISK_SIZE = "64m"
+"""The tmpfs under the full-disk agent's data dir (its store and its engines' logs)."""
+DISK_FULL_WAIT = 30.0
+"""How long the full-disk agent has to meet its full disk (its next commit) and stop; if it committed nothing
+meanwhile, the filler goes and the fault did not happen (not counted)."""
+DISK_FULL_LINE = "agent: error: the disk under agent store "
 
 
 @dataclass
@@ -158,6 +173,13 @@ class ChaosRun:
         )
         self.names = [f"agent-{i}" for i in range(agents)]
         self.proxied = self.names[0]
+        self.disk_agent = self.names[-1]  # on a small disk of its own, which disk_full fills
+        self._mounts = contextlib.ExitStack()
+        try:
+            self.disk: Path | None = self._mounts.enter_context(small_disk(workdir / self.disk_agent, DISK_SIZE))
+        except DiskUnavailable as exc:
+            log(f"chaos: no disk_full fault in this run: {exc}")
+            self.disk = None
         self.proxy: TcpProxy | None = None
         self.lost: set[str] = set()
         self.consumed = workdir / "consumed.jsonl"
@@ -171,8 +193,9 @@ class ChaosRun:
         self.weight_kinds = () if not weights_every else ("disk", "distributed") if torch else ("disk",)
         weight_faults = () if not weights_every else WEIGHT_FAULTS if torch else WEIGHT_FAULTS[:1]
         gateway = ("gateway",) if gateways else ()
-        self.kinds = KINDS + gateway + weight_faults
-        self.random_kinds = RANDOM_KINDS + gateway + tuple(k for k in RANDOM_WEIGHT_FAULTS if k in weight_faults)
+        disk = ("disk_full",) if self.disk is not None else ()
+        self.kinds = KINDS + gateway + disk + weight_faults
+        self.random_kinds = RANDOM_KINDS + gateway + disk + tuple(k for k in RANDOM_WEIGHT_FAULTS if k in weight_faults)
         self.joined: list[str] = []
         self.engine_versions: dict[str, str | None] = {}
         self.trainer: subprocess.Popen | None = None
@@ -195,16 +218,18 @@ class ChaosRun:
 
     def start_agent(self, name: str, wait: bool = True) -> None:
         via = self.proxy.address if name == self.proxied else None
-        self.cluster.start_agent(
-            name,
-            "--max-restarts",
-            str(MAX_RESTARTS),
-            engines=ENGINES,
-            concurrency=CONCURRENCY,
-            sim_args=SIM_ARGS,
-            wait=wait,
-            coordinator=via,
-        )
+        unchecked = name == self.disk_agent and self.disk is not None  # its commits meet the full disk in LMDB
+        with _environ({faults.ENV: "no_space_check=1"} if unchecked else {}):
+            self.cluster.start_agent(
+                name,
+                "--max-restarts",
+                str(MAX_RESTARTS),
+                engines=ENGINES,
+                concurrency=CONCURRENCY,
+                sim_args=SIM_ARGS,
+                wait=wait,
+                coordinator=via,
+            )
 
     def start_trainer(self) -> None:
         resume = self.trainer_runs > 0
@@ -294,11 +319,15 @@ class ChaosRun:
             return self.proxied in self.live_agents() and self.agent_status(self.proxied) == "alive"
         if kind == "node_lost":  # a node holding groups no trainer fetched yet: they must be made again
             held = self.unfetched()
-            return not self.lost and any(held[n] for n in self.live_agents() if n != self.proxied)
+            return not self.lost and any(held[n] for n in self.losable())
         if kind == "node_join":
             return not self.joined and n >= 2
         if kind == "gateway":
             return bool(self.live_gateways())
+        if kind == "disk_full":  # past its start, and serving: a full disk at start is a start failure
+            name = self.disk_agent
+            started = name in self.live_agents() and "engines up:" in self.cluster.agents[name].text()
+            return started and self.agent_status(name) == "alive"
         if kind == "engine_in_update":
             return self.trainer.poll() is None and self.feasible("engine", planned)
         if kind == "trainer_in_update":
@@ -420,9 +449,42 @@ class ChaosRun:
         self.proxy.heal()
         return f"{self.proxied} for {time.monotonic() - cut:.1f}s" if seen else None
 
+    def losable(self) -> list[str]:
+        """Agents node_lost may take: not the proxied one (partitions), not the one on a small disk (disk_full)."""
+        return [n for n in self.live_agents() if n not in (self.proxied, self.disk_agent)]
+
+    def _disk_full(self) -> str | None:
+        """The disk under an agent's store fills while it generates: it stops in one line, charging no prompt."""
+        name, leave = self.disk_agent, self.rng.choice((0, PAGE))
+        proc = self.cluster.agents[name]
+        seen = len(proc.text())
+        self.hit_at = time.monotonic()
+        fill(self.disk, leave)
+        try:
+            code = proc.popen.wait(DISK_FULL_WAIT)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            unfill(self.disk)
+        if code is None:
+            return None  # nothing committed meanwhile: no full disk was met
+        text = proc.text()
+        lines = [line for line in text.splitlines() if line.startswith("agent: error:")]
+        after = text[seen:]
+        charged = [line for line in after.splitlines() if "failed unexpectedly" in line or ") failed: " in line]
+        if code != 1 or len(lines) != 1 or DISK_FULL_LINE not in lines[0] or "Traceback" in after or charged:
+            self.stuck.append(
+                f"{name} met a full disk and exited with {code}, not with its one line and 1, or charged a prompt: "
+                f"{(charged or lines or [after[-2000:]])[0]}"
+            )
+        how = next((h for h in ("ENOSPC", "EIO", "left, ") if lines and h in lines[0]), "?")
+        time.sleep(self.rng.uniform(0.2, 1.0))  # the disk freed a moment later, then the agent back on it
+        self.start_agent(name, wait=False)
+        return f"{name} ({'no page' if leave == 0 else 'one page'} left: {how})"
+
     def _node_lost(self) -> str | None:
         held = self.unfetched()
-        live = [n for n in self.live_agents() if n != self.proxied]
+        live = self.losable()
         if not live:
             return None
         name = max(live, key=lambda n: (held[n], self.rng.random()))
@@ -472,6 +534,10 @@ class ChaosRun:
     # ------------------------------------------------------------ the run
 
     def run(self) -> ChaosReport:
+        with self._mounts:  # the small disk stays until its store is read
+            return self._run()
+
+    def _run(self) -> ChaosReport:
         try:
             self.start_coordinator()
             self.proxy = TcpProxy("127.0.0.1", self.cluster.port)
@@ -636,6 +702,21 @@ def run_chaos(workdir: Path, **options) -> ChaosReport:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    """``os.environ`` with ``values`` set while a process is spawned (the run's one thread spawns them)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _at_rest(stats: dict) -> tuple:

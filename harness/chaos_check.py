@@ -69,7 +69,7 @@ EXPLAINED_BY = ("coordinator", "trainer", "trainer_in_update")
 """Faults that may fail a weight update inside which they fall: the coordinator holds the update's state, and
 a trainer killed meanwhile leaves its own update unrecorded in the log while a disk update of it goes on
 without it, so the resumed trainer's next version can meet "not greater than the fleet's current version"."""
-MEMBER_FAULTS = ("engine", "engine_in_update", "agent", "partition", "node_lost")
+MEMBER_FAULTS = ("engine", "engine_in_update", "agent", "partition", "node_lost", "disk_full")
 """Faults that lose a member of an update: one is left out, or costs the broadcast its one retry; a failure
 needs two of them inside it (one per attempt). Any other failure of a version update is a problem."""
 NO_ENGINE_UP = "no engine is up to receive it"
