@@ -71,6 +71,8 @@ class EngineClient:
         self._request_timeout = request_timeout
         self._http: aiohttp.ClientSession | None = None
         self._closed = False
+        self._calls: dict[str, set[asyncio.Task]] = {}  # /generate calls in flight, by engine URL
+        self._dropped: dict[asyncio.Task, str] = {}  # calls ended by drop(): why
 
     @property
     def _session(self) -> aiohttp.ClientSession:
@@ -130,11 +132,35 @@ class EngineClient:
             raise EngineUnavailable(f"{url}{path}: {type(exc).__name__}: {exc}") from None
 
     async def generate(self, url: str, input_ids: list[int], sampling_params: dict, rid: str) -> dict:
+        """One sample's ``/generate``. EngineUnavailable if :meth:`drop` ends it (its engine went down)."""
         body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True, "rid": rid}
-        out = await self._post(url, "/generate", body)
+        task = asyncio.current_task()
+        calls = self._calls.setdefault(url, set())
+        calls.add(task)
+        try:
+            out = await self._post(url, "/generate", body)
+        except asyncio.CancelledError:
+            why = self._dropped.pop(task, None)
+            if why is None or task.uncancel() > 0:
+                raise  # cancelled by its owner (too): that wins
+            raise EngineUnavailable(f"{url}/generate: {why}") from None
+        finally:
+            calls.discard(task)
+            if not calls:
+                self._calls.pop(url, None)
         if not isinstance(out, dict) or "meta_info" not in out:
             raise EngineError(f"{url}/generate: unexpected response shape: {str(out)[:200]}")
         return out
+
+    def drop(self, url: str, why: str) -> int:
+        """End every ``/generate`` in flight to ``url`` with EngineUnavailable(``why``): its engine is down or hung,
+        and a call to a hung engine would wait forever (no answer, no reset). The number of calls ended."""
+        calls = self._calls.get(url, ())
+        for task in calls:
+            if task not in self._dropped:
+                self._dropped[task] = why
+                task.cancel()
+        return len(calls)
 
     async def tokenize(self, url: str, prompt) -> list[int]:
         """SGLang's ``POST /tokenize``: a string as ``prompt``, chat messages as ``messages`` (with the

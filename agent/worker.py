@@ -134,6 +134,7 @@ class Agent:
         self.supervisor.prepare = self.weights.prepare
         # The request ids in flight of generate functions' calls: what a sample's abort must name.
         self.live_rids = LiveRids()
+        self._engine_urls: dict[str, str] = {}  # each engine's last URL (a down engine has none in the supervisor)
         self.ctx = zmq.asyncio.Context()
         self.payloads = PayloadServer(self.ctx, self.store, payload_bind, curve=curve.pair if curve else None)
         port = self.payloads.endpoint.rsplit(":", 1)[1]
@@ -325,6 +326,14 @@ class Agent:
     def _on_engine_change(self, name: str, state: str) -> None:
         # A restarted engine may come back stale (behind the fleet's weights): it has a new URL all the same.
         url = self.supervisor.urls().get(name)
+        if url is not None:
+            self._engine_urls[name] = url
+        elif state in ("down", "retired") and name in self._engine_urls:
+            # Its samples in flight go elsewhere now: a hung engine would hold them (and its leases) forever.
+            dropped = self.client.drop(self._engine_urls[name], f"engine {name} is {state}")
+            if dropped:
+                log.info("agent %s: %d request(s) in flight on engine %s ended: it is %s",
+                         self.agent_id, dropped, name, state)  # fmt: skip
         self.handle(EngineChanged(name, state, url, self.supervisor.all_retired()))
 
     # ------------------------------------------------------------------ instructions

@@ -8,6 +8,7 @@ without a coordinator (the ``node`` of test_agent_weights.py).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -19,6 +20,7 @@ from agent.engine_plan import plan_engines
 from agent.events import MessageReceived
 from agent.supervisor import EngineSupervisor
 from common import protocol as p
+from common.errors import EngineUnavailable
 from harness.polling import wait_for_async
 from tests.integration.test_agent_weights import node, versions
 
@@ -90,3 +92,27 @@ async def test_the_health_probe_finds_a_frozen_engine_within_its_timeout(tmp_pat
     finally:
         await sup.stop()
         await client.close()
+
+
+async def test_calls_in_flight_to_an_engine_that_went_down_end_with_engine_unavailable(tmp_path):
+    """A /generate to a hung engine never answers (no reply, no reset), and a long one keeps going: once the engine
+    is down, ``drop`` ends the calls in flight to it, so their groups go to another engine; a call cancelled by its
+    owner stays cancelled."""
+    from tests.integration.test_agent_sglang import url_engine
+
+    async with url_engine("--token-latency-ms", "50") as url:
+        client = EngineClient()
+        try:
+            body = ([1, 2, 3], {"max_new_tokens": 10_000, "ignore_eos": True})
+            call = asyncio.ensure_future(client.generate(url, *body, "rf-a"))
+            owned = asyncio.ensure_future(client.generate(url, *body, "rf-b"))
+            await asyncio.sleep(0.3)
+            owned.cancel()
+            assert client.drop(url, "engine sim-0 is down") >= 1
+            with pytest.raises(EngineUnavailable, match="engine sim-0 is down"):
+                await call
+            with pytest.raises(asyncio.CancelledError):
+                await owned
+            assert client.drop(url, "again") == 0
+        finally:
+            await client.close()
