@@ -360,14 +360,19 @@ class ChaosRun:
         self.start_agent(name, wait=False)
         return name
 
-    def _engine(self) -> str | None:
-        # Only an agent past its start: an engine that dies while its agent starts is a start failure by design
-        # (the agent exits with the engine's error), not a fault the supervisor recovers from.
+    def _engine_target(self) -> tuple[str, int] | None:
+        """An engine to hit: ``(agent, pid)``. Only an agent past its start: an engine that dies while its agent
+        starts is a start failure by design (the agent exits with the engine's error), not a fault the supervisor
+        recovers from."""
         started = [n for n in self.live_agents() if "engines up:" in self.cluster.agents[n].text()]
         targets = [(name, pid) for name in started for pid in self.live_engines(name)]
-        if not targets:
+        return self.rng.choice(targets) if targets else None
+
+    def _engine(self) -> str | None:
+        target = self._engine_target()
+        if target is None:
             return None
-        name, pid = self.rng.choice(targets)
+        name, pid = target
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -377,11 +382,10 @@ class ChaosRun:
 
     def _hang(self) -> str | None:
         """A gray failure: an engine frozen (SIGSTOP: alive, never answering) for a while, then thawed or killed."""
-        started = [n for n in self.live_agents() if "engines up:" in self.cluster.agents[n].text()]
-        targets = [(name, pid) for name in started for pid in self.live_engines(name)]
-        if not targets:
+        target = self._engine_target()
+        if target is None:
             return None
-        name, pid = self.rng.choice(targets)
+        name, pid = target
         frozen_for, kill = self.rng.uniform(0.5, 4.0), self.rng.random() < 0.5
         try:
             os.kill(pid, signal.SIGSTOP)

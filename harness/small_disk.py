@@ -48,6 +48,18 @@ def small_disk(path: str | os.PathLike, size: str = "4m"):
             subprocess.run(["umount", "-l", str(path)], capture_output=True)  # a process still holds a file
 
 
+@contextlib.contextmanager
+def small_disk_or_skip(path: str | os.PathLike, size: str = "4m"):
+    """:func:`small_disk` for a test fixture: the test is skipped, saying why, where none can be mounted."""
+    import pytest
+
+    try:
+        with small_disk(path, size) as mounted:
+            yield mounted
+    except DiskUnavailable as exc:
+        pytest.skip(f"no small filesystem to fill: {exc}")
+
+
 def fill(path: str | os.PathLike, leave: int = 0) -> int:
     """Grow or shrink the filler so that ``leave`` bytes stay free under ``path``; returns what is free after."""
     filler = Path(path) / FILLER

@@ -19,7 +19,7 @@ from coordinator.frontier import FILTERED
 from coordinator.ledger import read_ledger
 from harness.observe import metrics_url, scrape
 from harness.polling import wait_for
-from harness.small_disk import PAGE, DiskUnavailable, fill, small_disk, unfill
+from harness.small_disk import PAGE, fill, small_disk_or_skip, unfill
 
 FIXED = "--output-len-dist fixed --output-len-median 16"
 
@@ -125,11 +125,8 @@ FILLS = {
 @pytest.fixture
 def disk(tmp_path):
     """A 4 MiB tmpfs, unmounted after the test's processes are gone (ask for it before ``make_cluster``)."""
-    try:
-        with small_disk(tmp_path / "disk") as path:
-            yield path
-    except DiskUnavailable as exc:
-        pytest.skip(f"no small filesystem to fill: {exc}")
+    with small_disk_or_skip(tmp_path / "disk") as path:
+        yield path
 
 
 def with_faults(monkeypatch, spec: str | None, start):

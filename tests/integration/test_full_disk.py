@@ -27,7 +27,7 @@ from common.lmdb_env import MIN_FREE, storage_full
 from coordinator.frontier import READY
 from coordinator.ledger import Ledger
 from coordinator.records import GroupRef, PromptState, PutBatch, PutPrompt, RecordedBatch, SetCursors
-from harness.small_disk import PAGE, DiskUnavailable, fill, small_disk, unfill
+from harness.small_disk import PAGE, fill, small_disk_or_skip, unfill
 
 ENOSPC, EIO = "(ENOSPC)", "(EIO: a write ran out of space part-way"
 LMDB_ERRORS = [pytest.param(0, ENOSPC, id="no-page-left"), pytest.param(PAGE, EIO, id="one-page-left")]
@@ -35,11 +35,8 @@ LMDB_ERRORS = [pytest.param(0, ENOSPC, id="no-page-left"), pytest.param(PAGE, EI
 
 @pytest.fixture
 def disk(tmp_path):
-    try:
-        with small_disk(tmp_path / "disk") as path:
-            yield path
-    except DiskUnavailable as exc:
-        pytest.skip(f"no small filesystem to fill: {exc}")
+    with small_disk_or_skip(tmp_path / "disk") as path:
+        yield path
 
 
 @pytest.fixture
