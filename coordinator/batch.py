@@ -85,6 +85,39 @@ class RolloutBatch:
             out["staleness"] = torch.where(versions >= 0, int(current_version) - versions, -1)
         return out
 
+    def micro_batches(
+        self, max_tokens: int, num_micro_batches: int | None = None, *, current_version: int | None = None
+    ) -> list[dict]:
+        """The samples packed end to end, no padding, into micro-batches of at most ``max_tokens`` tokens.
+
+        Whole samples only; a micro-batch holds more than ``max_tokens`` tokens (prompt + response) only
+        when it is one sample alone that is longer. Deterministic: the number is
+        ``coordinator.packing.count_micro_batches(lengths, max_tokens)`` (first-fit decreasing, at most
+        ``11/9 OPT + 6/9``), a function of the sample lengths only, so ranks that know each other's
+        lengths agree on it (e.g. its max) without a collective; ``num_micro_batches`` forces a count (at
+        least that one, else ``ValueError``; extra ones are empty, with 0-length tensors, for a rank to step
+        through in lockstep). Samples go to micro-batches by LPT, longest first to the lightest
+        (largest micro-batch at most ``4/3 - 1/(3k)`` of the best), falling back to FFD split up to the
+        count where LPT would overflow (``coordinator/packing.py``).
+
+        Each micro-batch is a dict of torch tensors; ``T`` its total tokens, ``S`` its samples (in batch
+        order). Names and dtypes as in :meth:`to_tensors`, one packed row instead of padded rows:
+        ``tokens`` (1, T) long, each sample's prompt then response; ``position_ids`` (1, T) long, 0 at
+        the start of every sample; ``cu_seqlens`` (S + 1,) int32, 0 then the cumulative sample lengths
+        (flash-attn's varlen boundaries); ``loss_mask`` (1, T) float32; ``rollout_logprobs`` (1, T)
+        float32, 0 on prompt tokens; ``versions`` (1, T) long, -1 on prompt tokens and uncovered ones;
+        ``rewards`` (S,) float32; ``prompt_lengths``, ``response_lengths``, ``group_index`` (S,) long;
+        ``sample_index`` (S,) long, each sample's row in ``to_tensors()`` / ``self.samples``; with
+        ``current_version``, ``staleness`` (1, T) long. No ``attention_mask``: nothing is padding, and
+        the boundaries are ``cu_seqlens`` / ``position_ids`` (an all-ones mask would let samples attend
+        to each other in a model that ignores them).
+        """
+        from coordinator.packing import pack, packed_tensors
+
+        lengths = [len(s.prompt_tokens) + len(s.response_tokens) for s in self.samples]
+        bins = pack(lengths, max_tokens, num_micro_batches)
+        return packed_tensors(self, bins, current_version=current_version)
+
 
 def version_number(label) -> int:
     """A weight-version label as an int: ``"7"`` is 7, the launch label (``default`` or empty) is 0, else -1."""
