@@ -134,6 +134,7 @@ class WeightsExecutor:
         self.paused_engines = PausedEngines()  # urls this executor paused: per-request aborts wait for them
         self._background: set[asyncio.Task] = set()  # continues sent after a pause that outlived its deadline
         self._hung: dict[str, str] = {}  # engines found hung in the running step: name -> why
+        self._step_restarts: dict[str, int] = {}  # each engine's relaunches when the running step began
         self._lost: set[str] = set()  # engines sent down as hung, until they are prepared again
         self._resuming: dict[str, asyncio.Task] = {}  # the pending continue of an engine (_continue_later)
         self._queue: asyncio.Queue[RunWeightsStep | WeightsRecord] = asyncio.Queue()
@@ -250,6 +251,7 @@ class WeightsExecutor:
     async def _run_step(self, ins: RunWeightsStep) -> None:
         step = STEPS[type(ins.msg)]
         self._hung.clear()
+        self._step_restarts = self.supervisor.restarts()
         errors, record = await self._steps[step](ins.msg)
         error = "; ".join(
             f"agent {self.agent_id}: {why}" if name == "*" else f"engine {name} of agent {self.agent_id}: {why}"
@@ -710,6 +712,10 @@ class WeightsExecutor:
         names = list(errors)
         dead = await asyncio.gather(*(self.supervisor.died(n) for n in names))
         gone = {n for n, d in zip(names, dead, strict=True) if d}
+        restarts = self.supervisor.restarts()
+        # Killed and relaunched already within the step: its process is alive again, but it is not the one the
+        # step called (its error was a reset connection, not a refusal).
+        gone |= {n for n in names if restarts.get(n, 0) != self._step_restarts.get(n, 0)}
         hung, self._hung = self._hung, {}
         for name in names:
             if name in hung and name not in gone:
