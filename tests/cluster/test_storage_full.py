@@ -192,9 +192,11 @@ class Trainer(threading.Thread):
         return [i for batch in list(self.batches.values()) for i in batch]
 
 
-STORE_LINES = {"checked": (CHECKED,), "no-page-left": (ENOSPC,), "one-page-left": (EIO,)}
+STORE_LINES = {"checked": (CHECKED,), "no-page-left": (ENOSPC, EIO), "one-page-left": (EIO, ENOSPC)}
 """What the agent's line names. A group is several overflow pages written at the end of the file, so with no
-page left its first write fails outright (ENOSPC) and with one its write is short (EIO)."""
+page left its first write usually fails outright (ENOSPC) and with one its write is short (EIO); a smaller
+commit that lands first (an outbox entry) can take the last page and turn one into the other, so either is
+a full disk here (tests/integration/test_full_disk.py provokes each deterministically)."""
 
 
 @pytest.mark.parametrize("case", FILLS)
@@ -240,10 +242,11 @@ def test_a_full_disk_under_the_agent_store_is_charged_to_no_prompt_and_loses_not
     assert failed_leases(base) == 0
 
 
-LEDGER_LINES = {"checked": (CHECKED,), "no-page-left": (ENOSPC, EIO), "one-page-left": (EIO,)}
+LEDGER_LINES = {"checked": (CHECKED,), "no-page-left": (ENOSPC, EIO), "one-page-left": (EIO, ENOSPC)}
 """What the coordinator's line names. Ledger commits are a few small pages, often a page freed at the end
 of the file and rewritten in the same write as new ones: with no page left that write is short too (EIO),
-so ENOSPC cannot be provoked reliably here; tests/integration/test_full_disk.py provokes it on a ledger."""
+and with one page left a one-page commit may fit and the next fail outright (ENOSPC, seen in a CI run), so
+either is a full disk here; tests/integration/test_full_disk.py provokes each on a ledger."""
 
 
 @pytest.mark.parametrize("case", FILLS)
