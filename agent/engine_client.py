@@ -333,14 +333,6 @@ class EngineClient:
             raise EngineError(f"{url}{path} failed: {message}")
         return out
 
-    async def weight_version(self, url: str) -> int:
-        """The engine's ``/model_info`` ``weight_version`` as an integer (``"default"`` reads as 0)."""
-        label = (await self.model_info(url)).get("weight_version", "default")
-        version = parse_version(label)
-        if version is None:
-            raise EngineError(f"{url}/model_info: weight_version {label!r} is not an integer version")
-        return version
-
     async def health(self, url: str, *, timeout: float, generate: bool = True) -> None:
         """One health probe: ``GET /health_generate`` (``generate=False``: ``/health``).
 
