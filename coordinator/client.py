@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 import uuid
@@ -71,6 +72,26 @@ MAX_REATTACH = 20
 gives up: a bound against a coordinator that forgets sessions at once, not a limit on restarts."""
 
 
+def check_rank(rank, world_size) -> tuple[int, int]:
+    """``(rank, world_size)`` validated: ints, ``world_size >= 1``, ``0 <= rank < world_size``."""
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"rank must be in [0, world_size) with world_size >= 1, got rank={rank}, world_size={world_size}"
+        )
+    return rank, world_size
+
+
+def default_run() -> str:
+    """The launch this process belongs to, from the launcher's environment ("" when none says)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id:
+        return f"{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return os.environ.get("ROLLFLEET_RUN", "")
+
+
 class AsyncRolloutClient:
     def __init__(
         self,
@@ -86,8 +107,21 @@ class AsyncRolloutClient:
         curve_secret: str | None = None,
         curve_server_key: str | None = None,
         record: str | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        run: str | None = None,
+        leader_wait: float = 60.0,
     ):
-        """``curve_secret``: this trainer's ``NAME.key_secret`` file; ``curve_server_key``: the coordinator's
+        """``rank``/``world_size``: this process's place in a trainer of several processes (torchrun,
+        accelerate: one per GPU; docs/guides/sharded-trainers.md). Rank 0 leads: it attaches (fencing any
+        other trainer), pauses, checkpoints, sets mixtures, evaluates and drives weight updates. A rank above 0
+        joins its leader's session as a member: ``generate(t)`` returns that rank's share of batch ``t``.
+        ``run`` names the launch the ranks belong to, so that a new launch's leader fences the old one's
+        members (default: torchrun's ``TORCHELASTIC_RUN_ID`` and restart count, else ``ROLLFLEET_RUN``, else
+        ""; "" joins any leader of the same ``world_size``). ``leader_wait``: seconds a member waits for a
+        leader of its run to attach before it raises ``StateError``.
+
+        ``curve_secret``: this trainer's ``NAME.key_secret`` file; ``curve_server_key``: the coordinator's
         public key file (``coordinator.key``). Both or neither; a missing or malformed file raises ConfigError.
 
         ``fetch_timeout``: seconds one payload fetch from an agent may take (resent meanwhile);
@@ -100,6 +134,11 @@ class AsyncRolloutClient:
         (coordinator/recorder.py: on a thread, atomically, once per id; needs ``rollfleet[record]``);
         ``coordinator replay --from DIR`` serves them again. None: nothing is recorded, at no cost."""
         self.address = validate_endpoint(address, "coordinator address")
+        self.rank, self.world_size = check_rank(rank, world_size)
+        self.run = default_run() if run is None else str(run)
+        if not (isinstance(leader_wait, (int, float)) and leader_wait > 0):
+            raise ValueError(f"leader_wait must be a number of seconds > 0, got {leader_wait!r}")
+        self.leader_wait = float(leader_wait)
         self.curve = client_keys(
             curve_secret, curve_server_key, secret_flag="curve_secret", server_flag="curve_server_key"
         )
