@@ -234,6 +234,8 @@ class LeaseRunner:
             "truncated": sum(s.status == "truncated" for s in samples),
             "aborted": sum(s.status == "aborted" for s in samples),
             "gen_seconds": gen_seconds,
+            # Each sample's tokens: what a sharded trainer's shares and micro-batch counts are computed from.
+            "lengths": [len(s.prompt_tokens) + len(s.response_tokens) for s in samples],
         }
         if not verdict.keep:
             self._dispatch(LeaseFiltered(lease, verdict.reason, stats))

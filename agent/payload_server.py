@@ -86,6 +86,9 @@ class PayloadServer:
                 found.append(key)
                 frames.append(value)
         self.served += len(found)
+        if log.isEnabledFor(logging.DEBUG):  # one line per fetch: --log-level DEBUG only
+            size = sum(len(f) for f in frames)
+            log.debug("served %d group(s), %d bytes, to %s", len(found), size, msg.requester or "a trainer")
         self._send(peer, [p.encode(p.Payloads(msg.req, found, missing)), *frames])
 
     def _send(self, peer: bytes, frames: list[bytes]) -> None:

@@ -321,6 +321,13 @@ class Attach(Message):
     req: int
     client_id: str
     config_check: dict = field(default_factory=dict)
+    rank: int = 0
+    """This process's rank in a trainer of ``world_size`` processes: 0 leads (opens the session, fencing any
+    other trainer); a rank above 0 joins the leader's session as a member (``no_leader`` if none of its
+    ``run`` and ``world_size`` is attached)."""
+    world_size: int = 1
+    run: str = ""
+    """The launch the ranks belong to (torchrun's run id and restart count): members join only its leader."""
 
 
 @message
@@ -335,6 +342,8 @@ class Generate(Message):
     deadline: float = 0.0
     """Seconds after the coordinator first got this ``generate`` at which it returns a partial batch
     of the groups ready (at least one); 0: none, wait for the full batch."""
+    rank: int = 0
+    """The asking rank: it gets its share of the batch (coordinator/shares.py)."""
 
 
 @message
@@ -350,6 +359,10 @@ class BatchRefs(Message):
     rollout_id: int
     groups: list[list]
     metrics: dict
+    share: dict = field(default_factory=dict)
+    """For a trainer of several processes: ``{"rank", "world_size", "lengths"}``, ``groups`` being that rank's
+    share and ``lengths`` every rank's sample lengths (None in a batch recorded without them); ``metrics``
+    are the whole batch's. Empty for a trainer of one process."""
 
 
 @message
@@ -416,6 +429,8 @@ class Consumed(Message):
     session: int
     req: int
     rollout_id: int
+    rank: int = 0
+    """The rank that holds its share now: the batch is consumed once every rank does."""
 
 
 @message
@@ -475,6 +490,8 @@ class Fetch(Message):
     TYPE = "fetch"
     req: int
     keys: list[str]
+    requester: str = ""
+    """Who asks (the trainer's client id, with its rank): the agent's debug log of what it served to whom."""
 
 
 @message

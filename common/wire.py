@@ -18,7 +18,7 @@ import msgpack
 
 from common.errors import MessageTooLarge, ProtocolError, VersionMismatch
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """2: one message type per trainer request (was ``trainer_control``); ``BatchRefs`` refs in
 ``GroupRef`` order. 3: weight updates (``UpdateWeights`` ... ``WeightsReport``). 4: over-sampling
 (``Stop``, coordinator -> agent) and ``Generate.deadline`` (partial batches). 5: ``Register.req``
@@ -26,7 +26,9 @@ PROTOCOL_VERSION = 8
 ``WeightsAlive``, trainer -> coordinator; ``WeightsReport.members``, the engines an agent confirmed
 for a broadcast group). 6: catch-up updates (``UpdateWeights.kind`` ``catch_up``,
 ``WeightsBegin.catch_up``, ``WeightsAbort.catch_up``). 7: ``Grant.leases`` are typed records
-(``LeaseGrant``: the lease's prompt source, ``source``, instead of an ``eval`` key)."""
+(``LeaseGrant``: the lease's prompt source, ``source``, instead of an ``eval`` key). 8: mixtures (``SetMixture``;
+``LeaseGrant.dataset``, reward and filter per dataset). 9: trainer ranks
+(``Attach.rank``/``world_size``/``run``, ``Generate.rank``, ``Consumed.rank``, ``BatchRefs.share``)."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """Application limit. Larger messages get a clear error reply. The ZeroMQ

@@ -10,9 +10,17 @@ from common.types import Group, as_array
 
 @dataclass
 class RolloutBatch:
+    """Batch ``rollout_id``: for a trainer of several processes, this rank's share of it (whole groups,
+    token-balanced, ``coordinator/shares.py``) with the whole batch's ``metrics``."""
+
     rollout_id: int
     groups: list[Group]
     metrics: dict = field(default_factory=dict)
+    rank: int = 0
+    world_size: int = 1
+    rank_lengths: list[list[int]] | None = None
+    """Every rank's sample lengths (prompt + response) in share order, for a trainer of several processes:
+    what each rank counts every rank's micro-batches from, without a collective. None otherwise."""
 
     def __len__(self) -> int:
         """Groups in the batch (``rollout_batch_size`` unless it is a partial one)."""
@@ -115,8 +123,30 @@ class RolloutBatch:
         from coordinator.packing import pack, packed_tensors
 
         lengths = [len(s.prompt_tokens) + len(s.response_tokens) for s in self.samples]
+        if num_micro_batches is None and self.world_size > 1:
+            num_micro_batches = self.micro_batch_count(max_tokens)
         bins = pack(lengths, max_tokens, num_micro_batches)
         return packed_tensors(self, bins, current_version=current_version)
+
+    def micro_batch_count(self, max_tokens: int) -> int:
+        """Micro-batches of ``max_tokens`` every rank steps through for this batch: the largest rank's count
+        (``coordinator.packing.count_micro_batches`` over each rank's lengths); on one process, this batch's."""
+        from coordinator.packing import count_micro_batches
+
+        own = [len(s.prompt_tokens) + len(s.response_tokens) for s in self.samples]
+        if self.world_size <= 1:
+            return count_micro_batches(own, max_tokens)
+        if self.rank_lengths is None:
+            raise RolloutError(
+                f"batch {self.rollout_id} was recorded without its samples' lengths (an older agent or ledger): "
+                "give micro_batches(max_tokens, num_micro_batches=K) with the same K on every rank"
+            )
+        if sorted(self.rank_lengths[self.rank]) != sorted(own):
+            raise RolloutError(
+                f"batch {self.rollout_id}: rank {self.rank}'s samples do not have the lengths the coordinator "
+                "recorded for them; micro-batch counts would differ between ranks"
+            )
+        return max(count_micro_batches(lengths, max_tokens) for lengths in self.rank_lengths)
 
 
 def version_number(label) -> int:

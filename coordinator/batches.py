@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from common import protocol as p
 from common.metrics import DropStats, batch_metrics
 from common.mixture import EPOCH_BITS, EPOCH_MASK
+from coordinator import shares
 from coordinator.capacity import no_capacity
 from coordinator.effects import Persist, Send
 from coordinator.frontier import DELIVERED, READY
@@ -53,10 +54,10 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class PendingGenerate:
-    """A trainer's ``generate`` waiting for enough ready groups."""
+    """A trainer's ``generate`` waiting for enough ready groups (from each rank of a sharded trainer)."""
 
-    peer: bytes
-    req: int
+    waiters: list[tuple[bytes, int, int]]
+    """``(peer, req, rank)`` of each call waiting for it: one per rank (a resend replaces its rank's)."""
     rollout_id: int
     since: float = 0.0
     """When the trainer's ``generate`` for it arrived (a resend keeps the first arrival)."""
@@ -82,7 +83,9 @@ class Batches:
         )
         self.last_checkpoint = restored.last_checkpoint
         self.pending: list[PendingGenerate] = []
-        self.repairs: dict[int, list[tuple[bytes, int]]] = {}  # batch -> trainers waiting for it
+        self.repairs: dict[int, list[tuple[bytes, int, int]]] = {}  # batch -> (peer, req, rank) waiting for it
+        self.world = 1
+        """Processes of the attached trainer (``Attach.world_size``): batches are split into that many shares."""
         self.drops = DropStats()  # filter verdicts since the last batch was assembled
         self.source_drops: list[int] = [0] * len(core.sources)  # filter drops since then, by training source
         self.epoch_last_rollout: dict[int, int] = {}  # epoch -> last batch holding its prompts
@@ -170,18 +173,53 @@ class Batches:
 
     # ------------------------------------------------------------------ recorded batches
 
-    def reply(self, req: int, rollout_id: int) -> p.BatchRefs:
+    def reply(self, req: int, rollout_id: int, rank: int = 0) -> p.BatchRefs:
+        """Batch ``rollout_id`` for rank ``rank``: its share's groups (all of them for a trainer of one process)."""
         batch = self.recorded[rollout_id]
         address = self.core.payload_address
-        groups = [dataclasses.replace(g, payload_address=address(g.agent_id)).to_wire() for g in batch.groups]
-        return p.BatchRefs(req, rollout_id, groups, dict(batch.metrics))
+        groups = [dataclasses.replace(g, payload_address=address(g.agent_id)).to_wire() for g in batch.share(rank)]
+        share = shares.share_info(batch, rank) if batch.world else {}
+        return p.BatchRefs(req, rollout_id, groups, dict(batch.metrics), share)
+
+    def shared(self, rollout_id: int, ops: list) -> RecordedBatch:
+        """Batch ``rollout_id`` with shares for the attached trainer's ranks (made and recorded if it had none)."""
+        batch = self.recorded[rollout_id]
+        made = shares.with_shares(batch, self.world)
+        if made is not batch:
+            self.recorded[rollout_id] = made
+            ops.append(PutBatch(rollout_id, made))
+        return made
+
+    def take(self, rollout_id: int, rank: int, ops: list) -> bool:
+        """Rank ``rank`` holds its share of batch ``rollout_id``; True once every rank does (the batch is consumed)."""
+        batch = self.recorded.get(rollout_id)
+        if batch is None or not batch.world:
+            return True
+        if rank not in batch.taken:
+            batch = dataclasses.replace(batch, taken=(*batch.taken, rank))
+            self.recorded[rollout_id] = batch
+            ops.append(PutBatch(rollout_id, batch))
+        return len(batch.taken) >= batch.world
+
+    def retake(self, rollout_id: int, rank: int, gone: set[str], ops: list) -> None:
+        """Rank ``rank`` asks again for a share it took (it restarted): it no longer holds it, and its groups on
+        agents in ``gone`` (retired) are lost now, to be replaced."""
+        batch = self.recorded[rollout_id]
+        if rank not in batch.taken:
+            return
+        batch = dataclasses.replace(batch, taken=tuple(r for r in batch.taken if r != rank))
+        self.recorded[rollout_id] = batch
+        ops.append(PutBatch(rollout_id, batch))
+        lost = [g for g in batch.share(rank) if g.agent_id in gone]
+        if lost:
+            self.lose_groups(rollout_id, lost, ops)
 
     def _deliver(self, prompt: Prompt, st: PromptState, rollout_id: int, ops: list) -> GroupRef:
         epoch, index = prompt
         self.core.frontier.set(epoch, index, DELIVERED)
         self._note_epoch(epoch, rollout_id)
         ops.append(PutPrompt(epoch, index, PromptState(DELIVERED, st.agent_id, st.key, rollout_id=rollout_id)))
-        return GroupRef(epoch, index, st.agent_id, st.key)
+        return GroupRef(epoch, index, st.agent_id, st.key, lengths=tuple(st.stats.get("lengths", ())))
 
     def _pop_ready(self, source: int) -> tuple[Prompt, PromptState | None]:
         """The next ready group of training source ``source`` (``ready_count[source]`` > 0)."""
@@ -240,7 +278,9 @@ class Batches:
         )
         metrics.update(self.core.staleness.metrics(g.rollout_id, [st.start for _, st in chosen], self.core.now))
         metrics.update(self.core.oversampling.batch_metrics(full, len(groups)))
-        batch = RecordedBatch(groups, metrics, size=len(groups) if len(groups) < full else 0)
+        batch = shares.with_shares(
+            RecordedBatch(groups, metrics, size=len(groups) if len(groups) < full else 0), self.world
+        )
         if batch.size:
             self.core.counters.partial_batches += 1
         self.recorded[g.rollout_id] = batch
@@ -252,7 +292,9 @@ class Batches:
         self.close_epochs(ops)
         now = self.core.now
         self.core.counters.batch(g.rollout_id, now, max(0.0, now - g.since), len(groups), metrics)
-        return self.core.persist(ops, [Send(g.peer, self.reply(g.req, g.rollout_id))])
+        return self.core.persist(
+            ops, [Send(peer, self.reply(req, g.rollout_id, rank)) for peer, req, rank in g.waiters]
+        )
 
     def _note_epoch(self, epoch: int, rollout_id: int) -> None:
         self.epoch_last_rollout[epoch] = max(self.epoch_last_rollout.get(epoch, -1), rollout_id)
@@ -265,9 +307,9 @@ class Batches:
             ops.append(CloseEpoch(closed))
 
     def consume(self, rollout_id: int, ops: list) -> None:
-        """A trainer fetched batch ``rollout_id`` completely; its prompts count as trained from now on."""
-        self.consumed_upto = rollout_id
-        ops.append(SetMark("consumed_upto", rollout_id))
+        """A trainer fetched batch ``rollout_id`` completely (every rank its share); its prompts count as trained."""
+        self.consumed_upto = max(self.consumed_upto, rollout_id)
+        ops.append(SetMark("consumed_upto", self.consumed_upto))
         self.close_epochs(ops)
 
     def checkpoint(self, consumed: int, ops: list) -> dict[str, list[str]]:
@@ -295,11 +337,15 @@ class Batches:
     def lose_groups(self, rollout_id: int, lost: list[GroupRef], ops: list) -> None:
         """Groups of a recorded batch whose payloads are gone for good (node retired, disk wiped)."""
         batch = self.recorded[rollout_id]
+        held = shares.kept_on_loss(batch, lost)  # in the share of a rank that has it: trained, not replaced
+        lost = [g for g in lost if g not in held]
+        if not lost:
+            return
         metrics = dict(batch.metrics)
         metrics["rollout/replaced_groups"] = metrics.get("rollout/replaced_groups", 0.0) + len(lost)
-        kept = tuple(g for g in batch.groups if g not in lost)
         lost_prompts = batch.lost + tuple(g.prompt for g in lost)
-        batch = dataclasses.replace(batch, groups=kept, metrics=metrics, lost=lost_prompts)  # keeps a partial size
+        batch = shares.drop_groups(batch, lost)
+        batch = dataclasses.replace(batch, metrics=metrics, lost=lost_prompts)  # keeps a partial size
         self.recorded[rollout_id] = batch
         ops.append(PutBatch(rollout_id, batch))
 
@@ -342,7 +388,7 @@ class Batches:
                         added.append(self._deliver(prompt, st, rollout_id, ops))
                         n -= 1
             if added:
-                batch = dataclasses.replace(batch, groups=batch.groups + tuple(added))
+                batch = shares.add_groups(batch, added)
                 self.recorded[rollout_id] = batch
             if len(batch.groups) < size:
                 if ops:
@@ -350,17 +396,19 @@ class Batches:
                 break
             waiters = self.repairs.pop(rollout_id)
             ops.append(PutBatch(rollout_id, batch))
-            out.append(self.core.persist(ops, [Send(peer, self.reply(req, rollout_id)) for peer, req in waiters]))
+            sends = [Send(peer, self.reply(req, rollout_id, rank)) for peer, req, rank in waiters]
+            out.append(self.core.persist(ops, sends))
         return out
 
     # ------------------------------------------------------------------ demand
 
-    def enqueue(self, peer: bytes, req: int, rollout_id: int, deadline: float = 0.0) -> p.Error | None:
+    def enqueue(self, peer: bytes, req: int, rollout_id: int, deadline: float = 0.0, rank: int = 0) -> p.Error | None:
         """Wait for batch ``rollout_id`` (or its repair); the error if it can never come.
 
         ``deadline``: seconds after the first arrival at which a partial batch will do (0: none)."""
         if rollout_id in self.repairs:
-            self.repairs[rollout_id].append((peer, req))
+            waiters = self.repairs[rollout_id]
+            waiters[:] = [w for w in waiters if w[2] != rank] + [(peer, req, rank)]
             self.core.counters.note_waiting(True, self.core.now)
             return None
         if rollout_id <= self.trimmed_upto:
@@ -376,9 +424,11 @@ class Batches:
             return p.Error("bad_rollout_id", why, req)
         for g in self.pending:
             if g.rollout_id == rollout_id:
-                g.peer, g.req, g.deadline = peer, req, deadline
+                g.waiters = [w for w in g.waiters if w[2] != rank] + [(peer, req, rank)]
+                if rank == 0 or not g.deadline:
+                    g.deadline = deadline
                 return None
-        self.pending.append(PendingGenerate(peer, req, rollout_id, self.core.now, deadline))
+        self.pending.append(PendingGenerate([(peer, req, rank)], rollout_id, self.core.now, deadline))
         self.pending.sort(key=lambda g: g.rollout_id)
         self.core.counters.note_waiting(True, self.core.now)
         return None
@@ -498,8 +548,8 @@ class Batches:
 
     def _fail_waiting(self, code: str, why: str) -> list[Send]:
         """Answer every waiting ``generate`` (and repair) with an error: never left waiting."""
-        waiting = [(g.peer, g.req) for g in self.pending]
-        waiting += [(peer, req) for waiters in self.repairs.values() for peer, req in waiters]
+        waiting = [(peer, req) for g in self.pending for peer, req, _ in g.waiters]
+        waiting += [(peer, req) for waiters in self.repairs.values() for peer, req, _ in waiters]
         self.pending.clear()
         for waiters in self.repairs.values():
             waiters.clear()

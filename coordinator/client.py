@@ -52,7 +52,7 @@ import zmq.asyncio
 
 from common import protocol as p
 from common.curve import client_keys, split_address
-from common.errors import Closed, ConfigError, RemoteError, RolloutError, StateError
+from common.errors import Closed, ConfigError, Fenced, RemoteError, RolloutError, StateError
 from common.transport import validate_endpoint
 from common.types import Group
 from coordinator.batch import RolloutBatch
@@ -145,6 +145,8 @@ class AsyncRolloutClient:
         self.expect = dict(expect or {})
         """Rollout config fields the fleet must run with (``Attach.config_check``)."""
         self.client_id = client_id or f"trainer-{uuid.uuid4().hex[:8]}"
+        self.requester = f"{self.client_id} rank {self.rank}/{self.world_size}"
+        """How this process names itself to the agents it fetches payloads from (their debug log)."""
         self.timeout = timeout
         self.retry_interval = retry_interval
         self.fetch_timeout = fetch_timeout
@@ -197,13 +199,25 @@ class AsyncRolloutClient:
                 if not self.session:
                     await self._attach()
 
-    async def _attach(self) -> None:
-        msg, _ = await self._coord.request(
-            lambda req: p.Attach(req, self.client_id, self.expect),
-            retry_interval=self.retry_interval,
-            timeout=self.timeout,
-            what="attach",
-        )
+    async def _attach(self, rejoin: bool = False) -> None:
+        """Open a session (the leader), or join the leader's (a member: waiting up to ``leader_wait`` for a leader
+        of its run to attach). ``rejoin``: a member whose session was replaced; a leader of another run having
+        attached meanwhile fences it (``Fenced``) instead of being waited for."""
+        started = time.monotonic()
+        while True:
+            msg, _ = await self._coord.request(
+                lambda req: p.Attach(req, self.client_id, self.expect, self.rank, self.world_size, self.run),
+                retry_interval=self.retry_interval,
+                timeout=self.timeout,
+                what="attach" if self.rank == 0 else f"join (rank {self.rank})",
+            )
+            if not (isinstance(msg, p.Error) and msg.code == "no_leader"):
+                break
+            if rejoin and "leads" in msg.message:
+                raise Fenced(f"rank {self.rank}: a new trainer run's leader attached ({msg.message})", code="fenced")
+            if time.monotonic() - started > self.leader_wait:
+                raise StateError(f"no leader for this rank after {self.leader_wait:.0f}s (leader_wait): {msg.message}")
+            await asyncio.sleep(min(0.5, self.retry_interval))
         if isinstance(msg, p.Error):
             _raise_remote(msg)
         self.session = msg.result["session"]
@@ -212,7 +226,10 @@ class AsyncRolloutClient:
         self._fleet = {
             k: msg.result.get(k) for k in ("config", "dataset_size", "dataset_fingerprint", "weights_version")
         }
-        log.info("attached to %s as %s (session %x)", self.address, self.client_id, self.session)
+        if self.rank:
+            log.info("joined session %x at %s as rank %d of %d", self.session, self.address, self.rank, self.world_size)
+        else:
+            log.info("attached to %s as %s (session %x)", self.address, self.client_id, self.session)
 
     async def _call(self, make, what: str):
         """A coordinator request that re-attaches once if the coordinator restarted.
@@ -239,6 +256,13 @@ class AsyncRolloutClient:
                 continue
             if isinstance(msg, p.Error) and msg.code == "fenced" and session != self.session:
                 continue  # answered to the session this client had before it attached again
+            if isinstance(msg, p.Error) and msg.code == "fenced" and self.rank:
+                # A member: its leader attached again (a coordinator restart) or a new run's leader came.
+                async with self._attaching:
+                    if self.session == session:
+                        self.session = 0
+                        await self._attach(rejoin=True)
+                continue
             if isinstance(msg, p.Error):
                 _raise_remote(msg)
             return msg
@@ -280,7 +304,7 @@ class AsyncRolloutClient:
         unreachable_since: float | None = None
         while True:
             refs = await self._call(
-                lambda s, req: p.Generate(s, req, rollout_id, wire_prefetch, wire_deadline),
+                lambda s, req: p.Generate(s, req, rollout_id, wire_prefetch, wire_deadline, self.rank),
                 f"generate({rollout_id})",
             )
             waited = time.monotonic() - started
@@ -320,7 +344,7 @@ class AsyncRolloutClient:
                     await asyncio.sleep(self.retry_interval)
         # Tell the coordinator the batch is in hand before returning it: from now on
         # its prompts are never generated again, even if their node is lost.
-        await self._request(lambda s, req: p.Consumed(s, req, rollout_id), "consumed")
+        await self._request(lambda s, req: p.Consumed(s, req, rollout_id, self.rank), "consumed")
         self.consumed = max(self.consumed, rollout_id)
         metrics = dict(refs.metrics)
         metrics["rollout/wait_seconds"] = waited
@@ -328,7 +352,15 @@ class AsyncRolloutClient:
         if self._recorder is not None and not self._recorder.batch_nowait(rollout_id, raw, metrics, self._fleet):
             # The writer is MAX_QUEUED batches behind (a slow disk): wait for room, off the loop.
             await asyncio.to_thread(self._recorder.batch, rollout_id, raw, metrics, self._fleet)
-        return RolloutBatch(rollout_id, groups, metrics)
+        share = refs.share or {}
+        return RolloutBatch(
+            rollout_id,
+            groups,
+            metrics,
+            rank=self.rank,
+            world_size=int(share.get("world_size", 1)),
+            rank_lengths=share.get("lengths"),
+        )
 
     async def _fetch(self, wire_refs: list, raw: list[bytes] | None = None) -> list[Group]:
         """The groups of ``wire_refs``, fetched from their agents; ``raw`` (a list) gets their payload bytes too."""
@@ -368,7 +400,7 @@ class AsyncRolloutClient:
             ep = self._agents[address] = self._agent_endpoint(address)
         try:
             msg, frames = await ep.request(
-                lambda req: p.Fetch(req, keys),
+                lambda req: p.Fetch(req, keys, self.requester),
                 retry_interval=max(self.retry_interval, 2.0),
                 timeout=self.fetch_timeout,
                 what=f"fetch from {address}",
@@ -402,9 +434,11 @@ class AsyncRolloutClient:
         The pause is durable: it survives a coordinator restart. It lasts until
         ``resume()`` or a ``generate()`` of a batch not generated yet.
         """
+        self._leader_only("pause")
         return await self._request(lambda s, req: p.Pause(s, req, bool(drain), bool(abort)), "pause")
 
     async def resume(self) -> dict:
+        self._leader_only("resume")
         return await self._request(lambda s, req: p.Resume(s, req), "resume")
 
     async def set_mixture(self, weights: dict) -> dict:
@@ -412,14 +446,17 @@ class AsyncRolloutClient:
         a name left out weighs 0) from the next batch not generated yet on; returns ``{"from_rollout_id",
         "weights"}``. Recorded in the ledger before the answer: a restart keeps it, and a batch generated
         again for its rollout id is the same."""
+        self._leader_only("set_mixture")
         return await self._request(lambda s, req: p.SetMixture(s, req, dict(weights)), "set_mixture")
 
     async def state_dict(self) -> dict:
         """The consumed frontier, as plain JSON data. Only while paused and drained."""
+        self._leader_only("state_dict")
         return await self._request(lambda s, req: p.StateDict(s, req, self.consumed), "state_dict")
 
     async def load_state_dict(self, state: dict) -> None:
         """Resume at a checkpoint: batches after it are delivered again, identical."""
+        self._leader_only("load_state_dict")
         if not isinstance(state, dict):
             raise StateError("not a rollfleet state_dict (format 1)")
         await self._request(lambda s, req: p.LoadStateDict(s, req, state), "load_state_dict")
@@ -436,11 +473,19 @@ class AsyncRolloutClient:
         this process dies and calls again (it joins the running pass). A later call starts the next pass.
         Raises ``RemoteError`` (code ``unknown_eval``) for a name the coordinator does not declare.
         """
+        self._leader_only("evaluate")
         token = uuid.uuid4().hex
         msg = await self._call(lambda s, req: p.Evaluate(s, req, name, token), f"evaluate({name!r})")
         if self._recorder is not None and not self._recorder.evaluation_nowait(msg.result, self.consumed):
             await asyncio.to_thread(self._recorder.evaluation, msg.result, self.consumed)
         return msg.result
+
+    def _leader_only(self, what: str) -> None:
+        if self.rank:
+            raise StateError(
+                f"{what}() is the leader's call (rank 0); this is rank {self.rank} of {self.world_size}: "
+                "call it on rank 0 only (members generate their shares and take part in weight updates)"
+            )
 
     async def stats(self) -> dict:
         await self.connect()
@@ -518,7 +563,7 @@ class AsyncRolloutClient:
         await self._weights.close()
         if self._recorder is not None:
             await asyncio.to_thread(self._recorder.close)  # what is queued is written before close returns
-        if self.session and self._coord is not None:
+        if self.session and self._coord is not None and not self.rank:  # a member leaves the session to its leader
             # Leave the fleet for the next trainer; best effort, a dead coordinator must not block close().
             try:
                 await self._coord.request(
@@ -562,6 +607,14 @@ class RolloutClient:
     @property
     def config(self) -> dict:
         return self._async.config
+
+    @property
+    def rank(self) -> int:
+        return self._async.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._async.world_size
 
     def generate(self, rollout_id: int, prefetch: int | None = None, deadline: float | None = None) -> RolloutBatch:
         return self._run(self._async.generate(rollout_id, prefetch, deadline))

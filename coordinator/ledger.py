@@ -105,17 +105,24 @@ def _decode_weights(raw: bytes) -> WeightLog:
 
 
 def _encode_batch(batch: RecordedBatch) -> bytes:
-    groups = [[g.data_epoch, g.index, g.agent_id, g.key] for g in batch.groups]
+    groups = [
+        [g.data_epoch, g.index, g.agent_id, g.key, *([list(g.lengths)] if g.lengths else [])] for g in batch.groups
+    ]
     record = {"groups": groups, "metrics": dict(batch.metrics), "lost": [list(x) for x in batch.lost]}
     if batch.size:  # a partial batch only: full batches stay as they were written before partial ones existed
         record["size"] = batch.size
+    if batch.world:  # a sharded trainer's shares (coordinator/shares.py)
+        record["shares"] = [batch.world, list(batch.ranks), list(batch.taken), list(batch.lost_ranks)]
     return _pack(record)
 
 
 def _decode_batch(raw: bytes) -> RecordedBatch:
     d = _unpack(raw)
-    groups = tuple(GroupRef(*g) for g in d["groups"])
-    return RecordedBatch(groups, d["metrics"], tuple(tuple(x) for x in d["lost"]), d.get("size", 0))
+    groups = tuple(GroupRef(g[0], g[1], g[2], g[3], lengths=tuple(g[4]) if len(g) > 4 else ()) for g in d["groups"])
+    world, ranks, taken, lost_ranks = d.get("shares") or (0, (), (), ())
+    return RecordedBatch(
+        groups, d["metrics"], tuple(tuple(x) for x in d["lost"]), d.get("size", 0), world, ranks, taken, lost_ranks
+    )
 
 
 def _eval_key(name: str, index: int) -> bytes:

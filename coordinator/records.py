@@ -51,6 +51,13 @@ class GroupRef:
     key: str
     payload_address: str = ""
     """Where a trainer fetches the payload; filled in when a batch is sent, never recorded."""
+    lengths: tuple[int, ...] = ()
+    """Each sample's tokens (prompt + response), from the agent's receipt: what ranks' shares are balanced by
+    and what every rank counts micro-batches from (``coordinator/shares.py``). Recorded; () in old ledgers."""
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
 
     @property
     def prompt(self) -> Prompt:
@@ -156,11 +163,28 @@ class RecordedBatch:
     size: int = 0
     """Groups the batch holds when complete: a partial batch (a ``generate`` deadline) its own,
     recorded with it; 0 for a full one, i.e. ``rollout_batch_size`` (a repair fills to this)."""
+    world: int = 0
+    """Ranks of the sharded trainer its shares were made for (``coordinator/shares.py``); 0: none made."""
+    ranks: tuple[int, ...] = ()
+    """The rank of each group (aligned with ``groups``) when ``world`` is set."""
+    taken: tuple[int, ...] = ()
+    """Ranks that hold their share (sent ``consumed``); the batch is consumed once all ``world`` do."""
+    lost_ranks: tuple[int, ...] = ()
+    """Ranks whose groups were lost and not replaced yet: a repair's groups go to them, in order."""
 
     def __post_init__(self):
         object.__setattr__(self, "groups", tuple(self.groups))
         object.__setattr__(self, "metrics", MappingProxyType(dict(self.metrics)))
         object.__setattr__(self, "lost", tuple(tuple(p) for p in self.lost))
+        object.__setattr__(self, "ranks", tuple(self.ranks))
+        object.__setattr__(self, "taken", tuple(sorted(set(self.taken))))
+        object.__setattr__(self, "lost_ranks", tuple(self.lost_ranks))
+
+    def share(self, rank: int) -> list[GroupRef]:
+        """The groups of rank ``rank`` (every group when no shares were made)."""
+        if not self.world:
+            return list(self.groups)
+        return [g for g, r in zip(self.groups, self.ranks, strict=True) if r == rank]
 
 
 BOUNDARIES_KEPT = 256

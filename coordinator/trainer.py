@@ -30,7 +30,7 @@ from common import protocol as p
 from common.errors import ConfigError
 from common.mixture import check_weights
 from coordinator.effects import Send
-from coordinator.membership import ALIVE
+from coordinator.membership import ALIVE, RETIRED
 from coordinator.records import LedgerSnapshot, SetMixture, SetPaused
 
 if TYPE_CHECKING:
@@ -54,6 +54,10 @@ class TrainerSessions:
         self.core = core
         self.session = 0
         self.client = ""
+        self.world = 1
+        """Processes of the attached trainer: its leader (rank 0) attached, ranks above 0 join as members."""
+        self.run = ""
+        """The launch the leader belongs to (``Attach.run``): members of another launch are not let in."""
         self._last_attach: tuple[str, int] = ("", 0)
         self.paused = restored.paused
         self.drain_waiters: list[tuple[bytes, int]] = []
@@ -75,6 +79,11 @@ class TrainerSessions:
     # ------------------------------------------------------------------ sessions
 
     def on_attach(self, peer: bytes, msg: p.Attach, now: float) -> list:
+        if msg.world_size < 1 or not 0 <= msg.rank < msg.world_size:
+            why = f"rank {msg.rank} is not in [0, world_size) for world_size {msg.world_size}"
+            return [Send(peer, p.Error("bad_request", why, msg.req))]
+        if msg.rank > 0:
+            return self._join(peer, msg)
         if (msg.client_id, msg.req) == self._last_attach and self.session:
             return [Send(peer, p.Ok(msg.req, self._attach_result()))]  # a resent Attach: same session
         why = config_differences(self.core.config.to_dict(), msg.config_check)
@@ -83,19 +92,41 @@ class TrainerSessions:
         self._last_attach = (msg.client_id, msg.req)
         previous, self.session = self.session, self.core.membership.new_session()
         self.client = msg.client_id
-        # A replaced trainer's waiting calls are answered with an error, never silently dropped.
+        self.world, self.run = msg.world_size, msg.run
+        self.core.batches.world = msg.world_size
+        # A replaced trainer's waiting calls (its members' too) are answered with an error, never silently dropped.
         pending = self.core.batches.pending
-        out = [Send(g.peer, p.Error("fenced", "a newer trainer session attached", g.req)) for g in pending]
+        fenced = "a newer trainer session attached"
+        out = [Send(peer, p.Error("fenced", fenced, req)) for g in pending for peer, req, _ in g.waiters]
         pending.clear()
         out += self.core.evaluations.answer_waiters("fenced", "a newer trainer session attached")
         self.core.counters.note_waiting(bool(self.core.batches.repairs), now)
         out += self.core.weights.trainer_gone(previous, f"its trainer was replaced by {msg.client_id}", now)
         return out + [Send(peer, p.Ok(msg.req, self._attach_result()))]
 
+    def _join(self, peer: bytes, msg: p.Attach) -> list:
+        """A rank above 0 joins the leader's session as a member (members never fence anyone)."""
+        where = f"rank {msg.rank} of {msg.world_size} (run {msg.run!r})"
+        if not self.session:
+            why = f"{where}: no leader (rank 0) is attached; start rank 0, or wait for it"
+            return [Send(peer, p.Error("no_leader", why, msg.req))]
+        if (self.world, self.run) != (msg.world_size, msg.run):
+            why = (
+                f"{where}: the attached leader {self.client} leads {self.world} rank(s) of run {self.run!r}, "
+                "not this rank's"
+            )
+            return [Send(peer, p.Error("no_leader", why, msg.req))]
+        why = config_differences(self.core.config.to_dict(), msg.config_check)
+        if why:
+            return [Send(peer, p.Error("config_mismatch", why, msg.req))]
+        return [Send(peer, p.Ok(msg.req, self._attach_result()))]
+
     def _attach_result(self) -> dict:
         core = self.core
         return {
             "session": self.session,
+            "world_size": self.world,
+            "run": self.run,
             "config": core.config.to_dict(),
             "dataset_size": core.dataset_size,
             "dataset_fingerprint": core.dataset_fingerprint,
@@ -136,15 +167,20 @@ class TrainerSessions:
         batch = batches.recorded.get(msg.rollout_id)
         repair: list = []
         if batch is not None and msg.rollout_id not in batches.repairs:
-            if len(batch.groups) >= batches.target(batch):  # complete (a partial batch: at its own size)
-                return [Send(peer, batches.reply(msg.req, msg.rollout_id))]
             ops: list = []
+            if msg.rank in batch.taken:  # a rank asking again for a share it took: it restarted
+                batches.retake(msg.rollout_id, msg.rank, self._gone(), ops)
+            batch = batches.shared(msg.rollout_id, ops)
+            if len(batch.groups) >= batches.target(batch):  # complete (a partial batch: at its own size)
+                answer = Send(peer, batches.reply(msg.req, msg.rollout_id, msg.rank))
+                return [core.persist(ops, [answer])] if ops else [answer]
             batches.start_repair(msg.rollout_id, ops)
             repair = [core.persist(ops, [])]
         # Asking for a batch that still needs generating resumes admission, as
         # in the seed: a trainer killed while paused (e.g. saving a checkpoint)
-        # must not leave its successor's generate() waiting forever.
-        waits = msg.rollout_id in batches.repairs or msg.rollout_id > batches.last_rollout_id
+        # must not leave its successor's generate() waiting forever. The leader's
+        # call only: a member asking ahead must not undo the leader's pause.
+        waits = msg.rank == 0 and (msg.rollout_id in batches.repairs or msg.rollout_id > batches.last_rollout_id)
         starvation = core.admission.starvation
         if starvation.starved:
             if (peer, msg.req) in starvation.answered:  # a resend of a call already told: tell it again
@@ -152,7 +188,7 @@ class TrainerSessions:
             # A new call: the user may have fixed the reward and restarted the agents. Start over.
             starvation.clear()
         resumed = self.resume() if self.paused and waits else []
-        error = batches.enqueue(peer, msg.req, msg.rollout_id, msg.deadline)
+        error = batches.enqueue(peer, msg.req, msg.rollout_id, msg.deadline, msg.rank)
         return repair + resumed + ([Send(peer, error)] if error else core.pump(now))
 
     # ------------------------------------------------------------------ pause
@@ -279,8 +315,16 @@ class TrainerSessions:
         if rollout_id <= batches.consumed_upto:
             return [Send(peer, p.Ok(msg.req, {"consumed_upto": batches.consumed_upto}))]
         ops: list = []
-        batches.consume(rollout_id, ops)
-        return [self.core.persist(ops, [Send(peer, p.Ok(msg.req, {"consumed_upto": rollout_id}))])]
+        if batches.take(rollout_id, msg.rank, ops):  # every rank holds its share now
+            batches.consume(rollout_id, ops)
+        answer = Send(peer, p.Ok(msg.req, {"consumed_upto": batches.consumed_upto}))
+        return [self.core.persist(ops, [answer])]
+
+    def _gone(self) -> set[str]:
+        """Agents whose payloads are gone for good (retired, or unknown to this coordinator)."""
+        agents = self.core.membership.agents
+        referenced = self.core.batches.referenced_agents()
+        return {a for a in referenced if a not in agents or agents[a].status == RETIRED}
 
     def on_missing(self, peer: bytes, msg: p.Missing, now: float) -> list:
         """An agent that is up answered that it no longer holds some groups of a batch
