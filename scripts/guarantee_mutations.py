@@ -352,4 +352,23 @@ MUTATIONS = [
         "        return [core.persist([], [answer])] + core.pump(now)\n",
         X + "test_three_sources_hold_their_shares_settings_and_epochs_and_set_mixture_survives_a_sigkill",
     ),
+    Mutation(
+        "12",
+        "consumed-by-first-rank",
+        "a sharded trainer's batch counts as consumed once any rank took its share: a node lost before the "
+        "others took theirs loses their prompts",
+        "coordinator/trainer.py",
+        "        if batches.take(rollout_id, msg.rank, ops):  # every rank holds its share now\n",
+        "        if batches.take(rollout_id, msg.rank, ops) or True:\n",
+        "tests/cluster/test_sharded_shares.py::test_three_ranks_pull_disjoint_balanced_shares_and_survive_a_lost_node",
+    ),
+    Mutation(
+        "12",
+        "shares-overlap",
+        "a rank's share also holds the lower ranks' groups: groups delivered to two ranks",
+        "coordinator/records.py",
+        "        return [g for g, r in zip(self.groups, self.ranks, strict=True) if r == rank]\n",
+        "        return [g for g, r in zip(self.groups, self.ranks, strict=True) if r <= rank]\n",
+        "tests/cluster/test_sharded_shares.py::test_three_ranks_pull_disjoint_balanced_shares_and_survive_a_lost_node",
+    ),
 ]
