@@ -328,6 +328,8 @@ class Attach(Message):
     world_size: int = 1
     run: str = ""
     """The launch the ranks belong to (torchrun's run id and restart count): members join only its leader."""
+    balance: str = "tokens"
+    """The leader's: shares of balanced tokens (``tokens``) or of equal group counts (``groups``)."""
 
 
 @message

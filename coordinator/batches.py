@@ -86,6 +86,8 @@ class Batches:
         self.repairs: dict[int, list[tuple[bytes, int, int]]] = {}  # batch -> (peer, req, rank) waiting for it
         self.world = 1
         """Processes of the attached trainer (``Attach.world_size``): batches are split into that many shares."""
+        self.equal_groups = False
+        """Its shares hold equal numbers of groups (``Attach.balance`` ``groups``), else balanced tokens."""
         self.drops = DropStats()  # filter verdicts since the last batch was assembled
         self.source_drops: list[int] = [0] * len(core.sources)  # filter drops since then, by training source
         self.epoch_last_rollout: dict[int, int] = {}  # epoch -> last batch holding its prompts
@@ -184,7 +186,7 @@ class Batches:
     def shared(self, rollout_id: int, ops: list) -> RecordedBatch:
         """Batch ``rollout_id`` with shares for the attached trainer's ranks (made and recorded if it had none)."""
         batch = self.recorded[rollout_id]
-        made = shares.with_shares(batch, self.world)
+        made = shares.with_shares(batch, self.world, self.equal_groups)
         if made is not batch:
             self.recorded[rollout_id] = made
             ops.append(PutBatch(rollout_id, made))
@@ -279,7 +281,7 @@ class Batches:
         metrics.update(self.core.staleness.metrics(g.rollout_id, [st.start for _, st in chosen], self.core.now))
         metrics.update(self.core.oversampling.batch_metrics(full, len(groups)))
         batch = shares.with_shares(
-            RecordedBatch(groups, metrics, size=len(groups) if len(groups) < full else 0), self.world
+            RecordedBatch(groups, metrics, size=len(groups) if len(groups) < full else 0), self.world, self.equal_groups
         )
         if batch.size:
             self.core.counters.partial_batches += 1

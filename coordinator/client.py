@@ -111,6 +111,7 @@ class AsyncRolloutClient:
         world_size: int = 1,
         run: str | None = None,
         leader_wait: float = 60.0,
+        balance: str = "tokens",
     ):
         """``rank``/``world_size``: this process's place in a trainer of several processes (torchrun,
         accelerate: one per GPU; docs/guides/sharded-trainers.md). Rank 0 leads: it attaches (fencing any
@@ -119,7 +120,9 @@ class AsyncRolloutClient:
         ``run`` names the launch the ranks belong to, so that a new launch's leader fences the old one's
         members (default: torchrun's ``TORCHELASTIC_RUN_ID`` and restart count, else ``ROLLFLEET_RUN``, else
         ""; "" joins any leader of the same ``world_size``). ``leader_wait``: seconds a member waits for a
-        leader of its run to attach before it raises ``StateError``.
+        leader of its run to attach before it raises ``StateError``. ``balance`` (the leader's): ranks' shares
+        of balanced tokens (``"tokens"``), or of equal group counts with tokens balanced among those
+        (``"groups"``: a trainer whose per-process batch has a fixed size, e.g. TRL's).
 
         ``curve_secret``: this trainer's ``NAME.key_secret`` file; ``curve_server_key``: the coordinator's
         public key file (``coordinator.key``). Both or neither; a missing or malformed file raises ConfigError.
@@ -139,6 +142,9 @@ class AsyncRolloutClient:
         if not (isinstance(leader_wait, (int, float)) and leader_wait > 0):
             raise ValueError(f"leader_wait must be a number of seconds > 0, got {leader_wait!r}")
         self.leader_wait = float(leader_wait)
+        if balance not in ("tokens", "groups"):
+            raise ValueError(f"balance must be 'tokens' or 'groups', got {balance!r}")
+        self.balance = balance
         self.curve = client_keys(
             curve_secret, curve_server_key, secret_flag="curve_secret", server_flag="curve_server_key"
         )
@@ -206,7 +212,9 @@ class AsyncRolloutClient:
         started = time.monotonic()
         while True:
             msg, _ = await self._coord.request(
-                lambda req: p.Attach(req, self.client_id, self.expect, self.rank, self.world_size, self.run),
+                lambda req: p.Attach(
+                    req, self.client_id, self.expect, self.rank, self.world_size, self.run, self.balance
+                ),
                 retry_interval=self.retry_interval,
                 timeout=self.timeout,
                 what="attach" if self.rank == 0 else f"join (rank {self.rank})",
@@ -498,13 +506,20 @@ class AsyncRolloutClient:
 
     # ---------------------------------------------------------------- weights
 
-    async def update_weights_from_disk(self, path: str, version: int, *, timeout: float = DEFAULT_TIMEOUT) -> dict:
+    async def update_weights_from_disk(
+        self, path: str, version: int, *, timeout: float = DEFAULT_TIMEOUT, group=None
+    ) -> dict:
         """Every engine loads the checkpoint at ``path`` and serves ``version`` (greater than the fleet's);
         returns ``{"update_id", "version", "engines": {"agent/engine": version}}`` once they all do.
 
         Raises ``WeightUpdateError`` naming the agent and engine that failed (or the deadline missed),
         ``StateError`` when another trainer's update runs or ``version`` is not above the current one.
+
+        With ``world_size > 1`` every rank calls it (inside ``torch.distributed``'s default group, or ``group``):
+        rank 0 alone asks the coordinator, and every rank returns its result or raises its error.
         """
+        if self.world_size > 1:
+            return await self._weights.sharded().from_disk(path, version, timeout, group)
         return await self._weights.from_disk(path, version, timeout)
 
     async def update_weights(
@@ -516,6 +531,7 @@ class AsyncRolloutClient:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: float = DEFAULT_TIMEOUT,
         verify: bool | None = None,
+        group=None,
     ) -> dict:
         """Broadcast ``named_tensors`` (a mapping or ``(name, tensor)`` pairs) to every engine as rank 0,
         in buckets of up to ``bucket_bytes``; returns as ``update_weights_from_disk`` does.
@@ -528,7 +544,18 @@ class AsyncRolloutClient:
 
         An update that fails because an engine was lost in it (code ``weights``) is retried once,
         transparently, on a new group; the result then also holds ``"retried"``: the first attempt's error.
+
+        With ``world_size > 1`` (a sharded trainer) every rank calls it with its own view of the model: FSDP2
+        DTensors (gathered bucket by bucket with ``full_tensor()``), tensors every rank passes alike, or tensors
+        only some ranks pass (sent to rank 0), inside ``torch.distributed``'s default group or ``group`` (no
+        other collective may run on it meanwhile). Rank 0 sends each bucket to the engines; every rank returns
+        rank 0's result (a retry is one on every rank) or raises its error; a rank lost mid-update makes the
+        others raise ``WeightUpdateError`` and rank 0 abort the update (docs/weights.md, "Sharded trainers").
         """
+        if self.world_size > 1:
+            return await self._weights.sharded().broadcast(
+                named_tensors, version, backend, bucket_bytes, timeout, verify, group
+            )
         return await self._weights.broadcast(named_tensors, version, backend, bucket_bytes, timeout, verify)
 
     async def catch_up(
@@ -540,6 +567,7 @@ class AsyncRolloutClient:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: float = DEFAULT_TIMEOUT,
         verify: bool = True,
+        group=None,
     ) -> dict:
         """Bring the engines behind the fleet's current ``version`` (restarted or joined since the last
         broadcast: ``stats()["weights"]["behind"]``) up to it, while every other engine keeps serving and
@@ -548,8 +576,13 @@ class AsyncRolloutClient:
         "version", "engines"}`` with the engines brought back (empty: none was behind, or the fleet's
         weights came from disk, which agents re-load themselves). Verified by default. Raises
         ``WeightUpdateError`` as ``update_weights`` does, ``StateError`` when ``version`` is not the
-        fleet's or another update runs.
+        fleet's or another update runs. With ``world_size > 1`` every rank calls it, as ``update_weights``;
+        with nothing behind every rank returns at once, nothing gathered.
         """
+        if self.world_size > 1:
+            return await self._weights.sharded().catch_up(
+                named_tensors, version, backend, bucket_bytes, timeout, verify, group
+            )
         return await self._weights.catch_up(named_tensors, version, backend, bucket_bytes, timeout, verify)
 
     async def weight_version(self) -> int:
@@ -640,8 +673,10 @@ class RolloutClient:
     def stats(self) -> dict:
         return self._run(self._async.stats())
 
-    def update_weights_from_disk(self, path: str, version: int, *, timeout: float = DEFAULT_TIMEOUT) -> dict:
-        return self._run(self._async.update_weights_from_disk(path, version, timeout=timeout))
+    def update_weights_from_disk(
+        self, path: str, version: int, *, timeout: float = DEFAULT_TIMEOUT, group=None
+    ) -> dict:
+        return self._run(self._async.update_weights_from_disk(path, version, timeout=timeout, group=group))
 
     def update_weights(
         self,
@@ -652,10 +687,17 @@ class RolloutClient:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: float = DEFAULT_TIMEOUT,
         verify: bool | None = None,
+        group=None,
     ) -> dict:
         return self._run(
             self._async.update_weights(
-                named_tensors, version, backend=backend, bucket_bytes=bucket_bytes, timeout=timeout, verify=verify
+                named_tensors,
+                version,
+                backend=backend,
+                bucket_bytes=bucket_bytes,
+                timeout=timeout,
+                verify=verify,
+                group=group,
             )
         )
 
@@ -668,10 +710,17 @@ class RolloutClient:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: float = DEFAULT_TIMEOUT,
         verify: bool = True,
+        group=None,
     ) -> dict:
         return self._run(
             self._async.catch_up(
-                named_tensors, version, backend=backend, bucket_bytes=bucket_bytes, timeout=timeout, verify=verify
+                named_tensors,
+                version,
+                backend=backend,
+                bucket_bytes=bucket_bytes,
+                timeout=timeout,
+                verify=verify,
+                group=group,
             )
         )
 

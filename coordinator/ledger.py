@@ -112,17 +112,22 @@ def _encode_batch(batch: RecordedBatch) -> bytes:
     if batch.size:  # a partial batch only: full batches stay as they were written before partial ones existed
         record["size"] = batch.size
     if batch.world:  # a sharded trainer's shares (coordinator/shares.py)
-        record["shares"] = [batch.world, list(batch.ranks), list(batch.taken), list(batch.lost_ranks)]
+        record["shares"] = [
+            batch.world,
+            list(batch.ranks),
+            list(batch.taken),
+            list(batch.lost_ranks),
+            batch.equal_groups,
+        ]
     return _pack(record)
 
 
 def _decode_batch(raw: bytes) -> RecordedBatch:
     d = _unpack(raw)
     groups = tuple(GroupRef(g[0], g[1], g[2], g[3], lengths=tuple(g[4]) if len(g) > 4 else ()) for g in d["groups"])
-    world, ranks, taken, lost_ranks = d.get("shares") or (0, (), (), ())
-    return RecordedBatch(
-        groups, d["metrics"], tuple(tuple(x) for x in d["lost"]), d.get("size", 0), world, ranks, taken, lost_ranks
-    )
+    world, ranks, taken, lost_ranks, equal = d.get("shares") or (0, (), (), (), False)
+    lost = tuple(tuple(x) for x in d["lost"])
+    return RecordedBatch(groups, d["metrics"], lost, d.get("size", 0), world, ranks, taken, lost_ranks, equal)
 
 
 def _eval_key(name: str, index: int) -> bytes:

@@ -171,6 +171,8 @@ class RecordedBatch:
     """Ranks that hold their share (sent ``consumed``); the batch is consumed once all ``world`` do."""
     lost_ranks: tuple[int, ...] = ()
     """Ranks whose groups were lost and not replaced yet: a repair's groups go to them, in order."""
+    equal_groups: bool = False
+    """Shares of equal group counts (``Attach.balance`` ``groups``), else of balanced tokens."""
 
     def __post_init__(self):
         object.__setattr__(self, "groups", tuple(self.groups))

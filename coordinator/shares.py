@@ -28,18 +28,23 @@ from collections.abc import Sequence
 from coordinator.records import GroupRef, RecordedBatch
 
 
-def assign(tokens: Sequence[int], world: int) -> list[int]:
-    """The rank of each group (aligned with ``tokens``, each group's total tokens) among ``world`` ranks."""
+def assign(tokens: Sequence[int], world: int, equal_groups: bool = False) -> list[int]:
+    """The rank of each group (aligned with ``tokens``, each group's total tokens) among ``world`` ranks.
+
+    ``equal_groups``: every rank gets ``len(tokens) // world`` groups, the first ``len(tokens) % world`` ranks one
+    more (a trainer whose per-process batch has a fixed size, e.g. TRL's); LPT among the ranks with room left."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     ranks = [0] * len(tokens)
     if world == 1:
         return ranks
+    room = [len(tokens) // world + (r < len(tokens) % world) for r in range(world)] if equal_groups else None
     heap = [(0, 0, r) for r in range(world)]  # (tokens, groups, rank): the least loaded on top
     for i in sorted(range(len(tokens)), key=lambda i: (-int(tokens[i]), i)):
         load, count, rank = heapq.heappop(heap)
         ranks[i] = rank
-        heapq.heappush(heap, (load + int(tokens[i]), count + 1, rank))
+        if room is None or count + 1 < room[rank]:  # a rank with no room left leaves the heap
+            heapq.heappush(heap, (load + int(tokens[i]), count + 1, rank))
     return ranks
 
 
@@ -69,15 +74,18 @@ def replacement_ranks(
 # ---------------------------------------------------------------------- recorded batches (pure)
 
 
-def with_shares(batch: RecordedBatch, world: int) -> RecordedBatch:
+def with_shares(batch: RecordedBatch, world: int, equal_groups: bool = False) -> RecordedBatch:
     """``batch`` with shares made for ``world`` ranks (itself if they are; new ones, nobody's taken, if the
-    trainer's size changed, e.g. resumed from a checkpoint on another number of processes)."""
+    trainer's size or balance changed, e.g. resumed from a checkpoint on another number of processes)."""
     if world <= 1:
         return batch if not batch.world else dataclasses.replace(batch, world=0, ranks=(), taken=(), lost_ranks=())
-    if batch.world == world and len(batch.ranks) == len(batch.groups):
+    same = (batch.world, batch.equal_groups) == (world, equal_groups)
+    if same and len(batch.ranks) == len(batch.groups):
         return batch
-    ranks = assign([g.tokens for g in batch.groups], world)
-    return dataclasses.replace(batch, world=world, ranks=tuple(ranks), taken=(), lost_ranks=())
+    ranks = assign([g.tokens for g in batch.groups], world, equal_groups)
+    return dataclasses.replace(
+        batch, world=world, ranks=tuple(ranks), taken=(), lost_ranks=(), equal_groups=equal_groups
+    )
 
 
 def kept_on_loss(batch: RecordedBatch, lost: list[GroupRef]) -> list[GroupRef]:

@@ -82,6 +82,9 @@ class TrainerSessions:
         if msg.world_size < 1 or not 0 <= msg.rank < msg.world_size:
             why = f"rank {msg.rank} is not in [0, world_size) for world_size {msg.world_size}"
             return [Send(peer, p.Error("bad_request", why, msg.req))]
+        if msg.balance not in ("tokens", "groups"):
+            why = f"balance must be 'tokens' or 'groups', not {msg.balance!r}"
+            return [Send(peer, p.Error("bad_request", why, msg.req))]
         if msg.rank > 0:
             return self._join(peer, msg)
         if (msg.client_id, msg.req) == self._last_attach and self.session:
@@ -94,6 +97,7 @@ class TrainerSessions:
         self.client = msg.client_id
         self.world, self.run = msg.world_size, msg.run
         self.core.batches.world = msg.world_size
+        self.core.batches.equal_groups = msg.balance == "groups"
         # A replaced trainer's waiting calls (its members' too) are answered with an error, never silently dropped.
         pending = self.core.batches.pending
         fenced = "a newer trainer session attached"

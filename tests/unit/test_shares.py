@@ -80,3 +80,15 @@ def test_a_trainer_of_another_size_gets_new_shares():
     taken = shares.with_shares(RecordedBatch(batch.groups, {}, world=3, ranks=batch.ranks, taken=(0, 1)), 2)
     assert taken.world == 2 and taken.taken == () and len(taken.ranks) == 6
     assert shares.with_shares(batch, 1).world == 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_equal_group_shares_hold_the_same_number_of_groups(seed):
+    rng = random.Random(seed)
+    world = rng.randint(2, 4)
+    tokens = [int(rng.paretovariate(1.2) * 100) for _ in range(world * rng.randint(1, 4) + rng.randrange(world))]
+    ranks = shares.assign(tokens, world, equal_groups=True)
+    counts = [ranks.count(r) for r in range(world)]
+    assert counts == [len(tokens) // world + (r < len(tokens) % world) for r in range(world)]
+    batch = shares.with_shares(RecordedBatch([group(i, n) for i, n in enumerate(tokens)], {}), world, True)
+    assert batch.equal_groups and [len(batch.share(r)) for r in range(world)] == counts
