@@ -132,6 +132,16 @@ class WeightSender:
         self._aborted: dict[int, str] = {}  # update id -> why the coordinator aborted it
         self.version: int | None = None
         self.updates = 0  # broadcasts attempted: every VERIFY_EVERY-th is verified by default
+        self._sharded: Any = None
+
+    def sharded(self) -> Any:
+        """The calls of a trainer of several ranks (``client.world_size > 1``: coordinator/sharded_weights.py),
+        made at first use; this object stays rank 0's sender to the coordinator and the engines."""
+        if self._sharded is None:
+            from coordinator.sharded_weights import ShardedWeights
+
+            self._sharded = ShardedWeights(self)
+        return self._sharded
 
     async def from_disk(self, path: str, version: int, timeout: float) -> dict:
         result = await self.client._request(
@@ -429,6 +439,8 @@ class WeightSender:
 
     async def close(self) -> None:
         await self._destroy()
+        if self._sharded is not None:
+            self._sharded.close()
 
 
 def _sendable(tensor: Any, backend: str) -> Any:
