@@ -113,7 +113,7 @@ class Agent:
         openai_host: str = "127.0.0.1",
         openai_port: int = 0,
     ):
-        """``curve``: this agent's key pair and the coordinator's public key (docs/curve.md); the
+        """``curve``: this agent's key pair and the coordinator's public key (docs/operate/keys.md); the
         payload endpoint is then a CURVE server with the same pair, its public key in the address."""
         self.coordinator = coordinator
         self.metrics_host, self.metrics_port = metrics_host, metrics_port

@@ -3,7 +3,7 @@
 Key files are ``zmq.auth.create_certificates``'s: ``NAME.key`` holds the public key,
 ``NAME.key_secret`` the public and the secret key (mode 0600). Keys travel as Z85 text.
 
-Layout (docs/curve.md):
+Layout (docs/operate/keys.md):
 
 - the coordinator's ``--curve-dir DIR`` holds ``coordinator.key_secret`` (its own pair) and the
   public keys it accepts: ``DIR/agents/*.key`` and ``DIR/trainers/*.key``;
@@ -222,6 +222,6 @@ def check_exposure(bind: str, flag: str, *, keyed: bool, insecure: bool, keys_fl
     if not insecure:
         raise ConfigError(
             f"{flag} {bind} is reachable from other hosts but no CurveZMQ keys are given: anyone reaching it "
-            f"could join the fleet. Give {keys_flag} (docs/curve.md), bind to 127.0.0.1, or pass --insecure"
+            f"could join the fleet. Give {keys_flag} (docs/operate/keys.md), bind to 127.0.0.1, or pass --insecure"
         )
     return f"{flag} {bind} is reachable from other hosts without CurveZMQ keys (--insecure): anyone gets in"

@@ -55,7 +55,7 @@ SGLANG_SAMPLING_PARAMS: dict[str, str] = {
     "stream_interval": _INT,
     "custom_params": _OBJECT,
 }
-"""SGLang's ``SamplingParams`` fields (docs/engerr.md lists them) and the JSON type each takes."""
+"""SGLang's ``SamplingParams`` fields (docs/operate/engine-errors.md lists them) and the JSON type each takes."""
 
 OWN_FLAGS = {
     "max_new_tokens": "--max-new-tokens",

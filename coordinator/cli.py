@@ -1,7 +1,7 @@
 """``coordinator serve``, ``coordinator status`` and ``coordinator replay``.
 
 ``serve --bind`` on an address reachable from other hosts needs ``--curve-dir`` (CurveZMQ keys,
-docs/curve.md) or an explicit ``--insecure``; loopback needs neither.
+docs/operate/keys.md) or an explicit ``--insecure``; loopback needs neither.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
         metavar="PATH | NAME=PATH,weight=W[,OPT=V]",
         help="JSONL file, one prompt per line; or one training dataset of a mixture, repeatable: "
         "NAME=PATH,weight=W with options reward, filter, n_samples, max_new_tokens, temperature, top_p, "
-        "input_key, label_key, shuffle_seed (README 'Mixing datasets')",
+        "input_key, label_key, shuffle_seed (docs/concepts/mixtures.md)",
     )
     sp.add_argument("--input-key", default="prompt", help="row key holding the prompt (string or chat messages)")
     sp.add_argument("--label-key", default="label", help="row key holding the label given to the reward")
@@ -48,7 +48,7 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME=PATH[,OPT=V]",
         help="an evaluation dataset for client.evaluate(NAME); repeatable; options n_samples, max_new_tokens, "
-        "temperature, top_p, pass_threshold (README 'Evaluation')",
+        "temperature, top_p, pass_threshold (docs/concepts/evaluation.md)",
     )
     sp.add_argument("--data-dir", required=True, help="directory of the coordinator's LMDB ledger (keep it to resume)")
     sp.add_argument(
@@ -76,7 +76,7 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
         "--generate",
         default=d.generate,
         metavar="MODULE:FUNCTION",
-        help="a custom generate function making each sample (multi-turn, tools; README 'Generate functions'); "
+        help="a custom generate function making each sample (multi-turn, tools; docs/guides/generate-functions.md); "
         "default: one /generate call per sample",
     )
     sp.add_argument(
@@ -84,7 +84,7 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
         default=d.tool_parser,
         metavar="NAME|MODULE:FUNCTION",
         help="how generate functions' OpenAI endpoint reads tool calls from the model's output: hermes "
-        "(<tool_call>{json}</tool_call>, the default), none, or module:function (README 'Generate functions')",
+        "(<tool_call>{json}</tool_call>, the default), none, or module:function (docs/guides/generate-functions.md)",
     )
     sp.add_argument(
         "--prefetch", type=number(int, min=-1), default=d.prefetch, help="ready groups beyond demand (-1: one batch)"
@@ -95,7 +95,7 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
         default=1.0,
         metavar="FACTOR",
         help="start ceil(rollout-batch-size x FACTOR) groups for a waiting generate() and stop the surplus once "
-        "its batch is full (README 'Over-sampling and deadlines'; default 1.0: off)",
+        "its batch is full (docs/concepts/over-sampling.md; default 1.0: off)",
     )
     sp.add_argument(
         "--max-staleness",
@@ -148,7 +148,7 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
         default="{}",
         metavar="JSON",
         help="JSON object merged into the sampling params sent to engines, checked against SGLang's "
-        'SamplingParams fields, e.g. \'{"stop": ["</answer>"], "min_p": 0.05}\' (docs/engerr.md)',
+        'SamplingParams fields, e.g. \'{"stop": ["</answer>"], "min_p": 0.05}\' (docs/operate/engine-errors.md)',
     )
     sp.add_argument(
         "--map-size",
@@ -164,7 +164,7 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
         default="auto",
         metavar="N|auto",
         help="relay processes that hold the agents' and trainers' connections and pass their messages to the "
-        "coordinator in batches (docs/gateways.md); 0: none, the coordinator serves --bind itself; auto "
+        "coordinator in batches (docs/operate/gateways.md); 0: none, the coordinator serves --bind itself; auto "
         "(default): one per 8 cores this process may use (affinity, cgroup quota), at most 4, none below 8 cores or "
         "for a non-tcp --bind",
     )

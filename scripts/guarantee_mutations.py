@@ -1,5 +1,5 @@
 """The deliberate bugs ``scripts/check_guarantees.py`` plants, one per row: each breaks one
-guarantee of the README's table (or, under "metrics", a per-batch metric the trainer logs), and the
+guarantee of docs/concepts/guarantees.md (or, under "metrics", a per-batch metric the trainer logs), and the
 named test must fail with it in place.
 
 A mutation replaces ``old`` (which must occur exactly once in ``path``) by ``new``. When the code

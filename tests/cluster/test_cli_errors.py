@@ -136,7 +136,7 @@ def test_serve_refuses_bad_values_naming_the_flag(tmp_path, dataset, flags, name
 
 
 def test_serve_takes_message_sizes_with_units(tmp_path, dataset, busy_port):
-    # 64MiB, as the README writes it, passes the flag checks: the start fails only on the busy port.
+    # 64MiB, as docs/operate/configuration.md writes it, passes the flag checks: the start fails only on the busy port.
     out = serve(dataset, tmp_path / "c", "--max-message-bytes", "64MiB", "--bind", f"tcp://127.0.0.1:{busy_port}")
     assert_one_line(out, "cannot bind")
 

@@ -1,4 +1,4 @@
-"""Each guarantee of the README, made to fail for real: a fault is injected (common/faults.py,
+"""Each guarantee of docs/concepts/guarantees.md, made to fail for real: a fault is injected (common/faults.py,
 ``ROLLFLEET_FAULTS`` set for the one process that must misbehave), and the test asserts what
 only the mechanism under test can produce.
 

@@ -4,7 +4,7 @@ Real loopback clusters (coordinator, agents, sim engines), driven through the pu
 (``RolloutClient``) and ``coordinator status``. Each test names, in its docstring, the bug that
 turns it red. Nothing is slept for: every wait polls a positive signal with a deadline.
 
-Semantics under test (README, "Trainer API"; ``coordinator/core.py``):
+Semantics under test (docs/guides/trainer.md; ``coordinator/core.py``):
 - ``pause(drain=True)`` stops admission and returns once no lease is in flight: groups already
   on an engine finish and are committed (they become ready).
 - ``pause(drain=True, abort=True)`` aborts the engine requests of the groups in flight; their

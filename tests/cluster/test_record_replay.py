@@ -1,4 +1,4 @@
-"""Record and replay (README "Debugging with recorded batches"): a real run's batches, recorded by the trainer's
+"""Record and replay (docs/guides/record-and-replay.md): a real run's batches, recorded by the trainer's
 client, served again by ``coordinator replay`` with no agents and no engines, equal to what the trainer had."""
 
 from __future__ import annotations
