@@ -28,9 +28,9 @@ return once every engine serves ``version``; ``weight_version()`` reads it.
 
 ``RolloutClient(addr, record="DIR")`` also writes every batch it returns to ``DIR/rollout-<id>.parquet``
 on a thread (coordinator/recorder.py); ``coordinator replay --from DIR`` serves them again to this same
-API, with no fleet (README "Debugging with recorded batches").
+API, with no fleet (docs/guides/record-and-replay.md).
 
-CurveZMQ (docs/curve.md): ``RolloutClient(addr, curve_secret="trainer.key_secret",
+CurveZMQ (docs/operate/keys.md): ``RolloutClient(addr, curve_secret="trainer.key_secret",
 curve_server_key="coordinator.key")`` connects with this trainer's key pair to the coordinator
 holding that public key, and to the agents' payload endpoints with the keys their addresses carry.
 
