@@ -4,8 +4,9 @@
 
 Every rank joins ``torch.distributed`` (gloo, ``tcp://127.0.0.1:INIT_PORT``), builds ``build_model()`` wrapped
 with ``fully_shard`` (its parameters are DTensors, each rank holding half of each), and opens a
-``RolloutClient(rank=RANK, world_size=WORLD)`` (rank 0 attaches; the others ``attach=False``: they never talk to
-the coordinator). What it pushes at version v (``tensors``): the model's DTensors after v steps of
+``RolloutClient(rank=RANK, world_size=WORLD)``: rank 0 attaches to ADDRESS; the others are given an address
+nobody serves (``attach=False``, a 5 s request timeout), so any coordinator request a member made in a weight
+call would fail it. What it pushes at version v (``tensors``): the model's DTensors after v steps of
 ``step()``, ``sim.accuracy`` (a plain tensor every rank passes) and ``expert.R.weight`` (one only rank R passes).
 ``reference(v, world)`` is the same, unsharded: what every engine must hold after the push.
 
@@ -14,10 +15,11 @@ Each call's outcome goes to ``OUT_DIR/rank<R>.json`` (a list of ``{"step", "resu
 
 - ``push``: ``update_weights`` of version 1 (verified, several buckets), then waits for ``OUT_DIR/go-2`` (the test
   checks the engines), writes the full model to ``OUT_DIR/ckpt2/weights.pt`` and pushes it with
-  ``update_weights_from_disk``, then a ``catch_up`` with nothing behind;
+  ``update_weights_from_disk``, then a ``catch_up`` with nothing behind, then ``update_weights`` of version 2
+  again (refused: ``StateError`` on every rank);
 - ``retry``: rank 0 SIGKILLs ENGINE_PID just before it broadcasts the first bucket of version 1 (the engine is in
-  the group then), so the push costs one retry; then, once the engine is back behind the fleet, ``catch_up``
-  twice (it, then nothing behind);
+  the group then), so the push costs one retry; then, once ``OUT_DIR/go-2`` says an engine is behind the fleet,
+  ``catch_up`` twice (it, then nothing behind);
 - ``kill-member``: rank 1 stops before gathering bucket 1 of version 1 (prints ``stalled``); the test kills it;
 - ``kill-leader``: rank 0 stops inside its broadcast of bucket 1 (prints ``stalled``); the test kills it.
 """
@@ -131,6 +133,15 @@ def gone(pid: int) -> bool:
         return True
 
 
+def nobody_listens() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main(address: str, rank: int, world: int, port: int, out: Path, scenario: str, engine_pid: int = 0) -> None:
     from torch.distributed.fsdp import fully_shard
 
@@ -177,7 +188,11 @@ def main(address: str, rank: int, world: int, port: int, out: Path, scenario: st
 
         weight_group.broadcast = stalling_broadcast
 
-    client = RolloutClient(address, rank=rank, world_size=world, attach=rank == 0, timeout=60, retry_interval=0.5)
+    if rank:
+        address = f"tcp://127.0.0.1:{nobody_listens()}"
+    client = RolloutClient(
+        address, rank=rank, world_size=world, attach=rank == 0, timeout=60 if rank == 0 else 5, retry_interval=0.5
+    )
     try:
         push = lambda v, **kw: client.update_weights(  # noqa: E731
             tensors(model, v, rank, world), v, backend="gloo", bucket_bytes=BUCKET_BYTES, timeout=TIMEOUT, **kw
@@ -196,12 +211,9 @@ def main(address: str, rank: int, world: int, port: int, out: Path, scenario: st
                 torch.save(full, out / "ckpt2" / "weights.pt")
             log.call("disk-2", lambda: client.update_weights_from_disk(str(out / "ckpt2"), 2, timeout=TIMEOUT))
             log.call("catch-up-none", lambda: client.catch_up(tensors(model, 2, rank, world), 2, backend="gloo"))
+            log.call("broadcast-2-again", lambda: push(2))
         elif scenario == "retry":
-            if rank == 0:
-                deadline = time.monotonic() + 60
-                while not client.stats()["weights"]["behind"] and time.monotonic() < deadline:
-                    time.sleep(0.1)
-            dist.barrier()  # rank 1 waits here until rank 0 saw the restarted engine behind
+            wait_file(out / "go-2")  # the test has an engine behind the fleet
             catch = lambda: client.catch_up(  # noqa: E731
                 tensors(model, 1, rank, world), 1, backend="gloo", bucket_bytes=BUCKET_BYTES, timeout=TIMEOUT
             )

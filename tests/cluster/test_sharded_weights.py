@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -37,6 +38,18 @@ def engines(cluster) -> dict[str, dict]:
         if entry["status"] == "alive"
         for e in entry["engines"]
     }
+
+
+def up_engines(cluster) -> dict[str, dict] | None:
+    """Both engines of a1, once each is up (serving, or up behind the fleet's weights)."""
+    found = engines(cluster)
+    return found if len(found) == 2 and all(e.get("state") in ("healthy", "stale") for e in found.values()) else None
+
+
+def pid_of(cluster, engine: str) -> int:
+    """The pid of the process now running ``agent/engine`` (the last one its agent launched)."""
+    agent, name = engine.split("/")
+    return int(re.findall(rf"engine {name} launched \(pid (\d+)\)", cluster.agents[agent].text())[-1])
 
 
 def start_trainers(cluster, scenario: str, *extra: str) -> tuple[list, list]:
@@ -95,11 +108,12 @@ def test_a_broadcast_and_a_disk_push_from_both_ranks_land_as_the_unsharded_model
     """Both ranks call ``update_weights`` with their shards (FSDP2 DTensors), a tensor both pass and one only each
     passes; every engine then holds exactly the unsharded model's tensors (digest over names, dtypes, shapes,
     values), verified. Then a checkpoint of the full model pushed with ``update_weights_from_disk`` from both
-    ranks, and a ``catch_up`` with nothing behind (both return ``{}`` at once). Both ranks return the same result.
+    ranks, and a ``catch_up`` with nothing behind (both return ``{}`` at once); then version 2 again, refused
+    with the same ``StateError`` on both ranks. Both ranks return the same results.
 
     Turns red if a shard, a bucket or a rank's own tensor is lost or misplaced in the gather (digest), if rank 1
-    returns anything but rank 0's result, or if rank 1 talks to the coordinator (it never attached: any
-    request would fail with an unknown session)."""
+    returns or raises anything but rank 0's outcome, or if rank 1 talks to the coordinator (its address is one
+    nobody serves: a request would fail after 5 s)."""
     pytest.importorskip("torch")
     cluster = make_cluster()
     cluster.start_coordinator()
@@ -111,10 +125,11 @@ def test_a_broadcast_and_a_disk_push_from_both_ranks_land_as_the_unsharded_model
     assert b1["result"] == b0["result"] and b0["result"]["engines"] == {"a1/sim-0": 1, "a1/sim-1": 1}
     expect_digest(cluster, 1)
     (paths[0].parent / "go-2").touch()
-    r0, r1 = wait_records(procs, paths, 3, 60)
+    r0, r1 = wait_records(procs, paths, 4, 60)
     assert r0[1]["result"]["engines"] == {"a1/sim-0": 2, "a1/sim-1": 2}, r0
     assert r1[1:] == [{**r, "at": r1[i + 1]["at"], "took": r1[i + 1]["took"]} for i, r in enumerate(r0[1:])], (r0, r1)
     assert r0[2]["result"]["engines"] == {}
+    assert r0[3]["kind"] == "StateError" and "not greater" in r0[3]["error"], r0[3]
     expect_digest(cluster, 2)
     assert cluster.status()["weights"]["lock"] is None
     for proc in procs:
@@ -145,14 +160,20 @@ def test_an_engine_killed_inside_a_push_costs_one_retry_on_both_ranks_then_a_cat
     assert "result" in b0 and b1["result"] == b0["result"], (b0, b1)
     assert b0["result"]["retried"] and b0["result"]["version"] == 1, b0
     assert set(b0["result"]["engines"].values()) == {1}
-    # An engine restarted after the push comes back behind it: rank 0 waits for that, then both catch it up.
-    wait_for(lambda: all(e.get("state") == "healthy" for e in engines(cluster).values()), 20, "both engines serving")
-    os.kill(cluster.engine_pids_of("a1")[-1], signal.SIGKILL)
+    # The killed engine restarts, in the retry's group or (when it came up later) behind it. If it made the
+    # group, an engine killed now comes back behind the push; then both ranks catch it up.
+    wait_for(lambda: len(cluster.engine_pids_of("a1")) == 3, 20, "the killed engine to restart")
+    up = wait_for(lambda: up_engines(cluster), 20, "both engines up")
+    behind = [name for name, e in up.items() if e["state"] == "stale"]
+    if not behind:
+        os.kill(pid_of(cluster, "a1/sim-1"), signal.SIGKILL)
+        behind = ["a1/sim-1"]
+        wait_for(lambda: cluster.status()["weights"]["behind"] == behind, 20, "a1/sim-1 to restart behind")
+    (paths[0].parent / "go-2").touch()
     r0, r1 = wait_records(procs, paths, 3, 60)
-    (behind,) = r0[1]["result"]["engines"]
-    assert r0[1]["result"]["engines"] == {behind: 1} and r1[1]["result"] == r0[1]["result"], (r0, r1)
+    assert r0[1]["result"]["engines"] == {behind[0]: 1} and r1[1]["result"] == r0[1]["result"], (r0, r1)
     assert r0[2]["result"]["engines"] == {} == r1[2]["result"]["engines"], (r0, r1)
-    wait_for(lambda: engines(cluster)[behind].get("state") == "healthy", 10, f"{behind} serving again")
+    wait_for(lambda: engines(cluster)[behind[0]].get("state") == "healthy", 10, f"{behind[0]} serving again")
     expect_digest(cluster, 1)
     for proc in procs:
         assert proc.wait(30) == 0, proc.text()[-3000:]
