@@ -187,6 +187,40 @@ def wait_ready(address: str, procs: Processes, engines: int, timeout: float = 30
             time.sleep(0.2)
 
 
+def train_sharded(address: str, model_dir: Path, config, out: Path, args) -> list[dict]:
+    """The trainer as ``args.nproc`` ranks under torchrun (examples/grpo/sharded.py); rank 0's metrics."""
+    import dataclasses
+    import json
+
+    from examples.grpo.plot import load_metrics
+
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(args.nproc),
+        "--standalone",
+        "-m",
+        "examples.grpo.sharded",
+        "--coordinator",
+        address,
+        "--model",
+        str(model_dir),
+        "--out",
+        str(out),
+        "--threads",
+        str(args.trainer_threads),
+        "--config",
+        json.dumps(dataclasses.asdict(config)),
+    ]
+    print(f"training on {args.nproc} processes: {' '.join(argv[1:6])} ...")
+    done = subprocess.run(argv, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"the sharded trainer exited with {done.returncode}")
+    return load_metrics(out / "metrics.jsonl")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/grpo", help="run directory; must not exist or be empty")
@@ -250,6 +284,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--engines", type=int, default=1, help="hf engines on the agent (default 1)")
     ap.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine (default 1)")
     ap.add_argument("--trainer-threads", type=int, default=1, help="torch threads of the trainer (default 1)")
+    ap.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="trainer processes (default 1): more runs the trainer under torchrun with FSDP2 (gloo), each rank "
+        "training its own share of every batch (examples/grpo/sharded.py; docs/guides/sharded-trainers.md)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--eval-every",
@@ -306,7 +347,6 @@ def main(argv=None) -> int:
         print(f"started a coordinator at {address} and an agent with {args.engines} hf engine(s); logs in {procs.logs}")
         wait_ready(address, procs, args.engines)
         print(f"fleet ready after {time.monotonic() - started:.0f}s; training")
-        model, _ = load_model(str(model_dir))
         config = TrainConfig(
             steps=args.steps,
             lr=args.lr,
@@ -320,7 +360,11 @@ def main(argv=None) -> int:
             eval_every=args.eval_every,
             eval_sampled="sampled",
         )
-        history = train(address, model, config, out=out)
+        if args.nproc > 1:
+            history = train_sharded(address, model_dir, config, out, args)
+        else:
+            model, _ = load_model(str(model_dir))
+            history = train(address, model, config, out=out)
     except KeyboardInterrupt:
         print("interrupted: stopping everything")
         procs.stop()

@@ -112,7 +112,21 @@ def _version(label) -> int:
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    """The model's parameters, full (an FSDP2 model's are gathered: a collective, every rank calls it)."""
+    return {name: _full(p).detach().clone() for name, p in model.named_parameters()}
+
+
+def _full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _ranks() -> tuple[int, int]:
+    """``(rank, world_size)`` of this trainer process: torch.distributed's when it is initialized, else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def train(
@@ -132,25 +146,40 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
     correction_mode(config)  # a bad mode fails before the fleet is touched
+    rank, world = _ranks()
     model.to(resolve_device(config.device))
+    reference = None
+    if world > 1:  # one process of several (torchrun): FSDP2 shards the model; each rank trains on its share
+        import copy
+
+        from torch.distributed.fsdp import fully_shard
+
+        reference = copy.deepcopy(model)  # unsharded: recomputes older versions' logprobs for the check
+        fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
     history: list[dict] = []
-    metrics_path = out / "metrics.jsonl"
+    metrics_path = out / ("metrics.jsonl" if rank == 0 else f"metrics-rank{rank}.jsonl")
     metrics_path.write_text("")
     started = time.monotonic()
     expect = {"max_staleness": config.max_staleness, **config.expect}
-    with RolloutClient(address, expect=expect, record=config.record or None) as client:
+    record = (f"{config.record}/rank{rank}" if world > 1 else config.record) if config.record else None
+    with RolloutClient(address, expect=expect, record=record, rank=rank, world_size=world) as client:
         version = client.weight_version()
         held = {version: snapshot(model)}  # weights of the versions samples may come from
-        evals: dict = _evaluate(client, config, -1, log) if config.eval_every else {}
+        leads = rank == 0  # evaluations are the leader's calls
+        evals: dict = _evaluate(client, config, -1, log) if config.eval_every and leads else {}
         for step in range(config.steps):
             t0 = time.monotonic()
-            batch = client.generate(step)
+            batch = client.generate(step)  # with several ranks, this rank's share; metrics are the whole batch's
             t_generate = time.monotonic() - t0
-            row = {"step": step, "version": version, **_train_step(model, optimizer, batch, version, held, config)}
+            row = {
+                "step": step,
+                "version": version,
+                **_train_step(model, optimizer, batch, version, held, config, reference),
+            }
             t1 = time.monotonic()
             version += 1
-            _push(client, model, version, config, out)
+            _push(client, model, version, config, out, reference)
             held[version] = snapshot(model)
             for old in [v for v in held if v < version - config.max_staleness]:
                 del held[old]
@@ -168,7 +197,7 @@ def train(
                 }
             )
             last = step + 1 == config.steps
-            if config.eval_every and ((step + 1) % config.eval_every == 0 or last):
+            if config.eval_every and leads and ((step + 1) % config.eval_every == 0 or last):
                 evals = _evaluate(client, config, step, log)  # on the weights just pushed
             row.update(evals)
             history.append(row)
@@ -204,7 +233,7 @@ def _evaluate(client, config: TrainConfig, step: int, log) -> dict:
     return out
 
 
-def _train_step(model, optimizer, batch, version: int, held: dict, config: TrainConfig) -> dict:
+def _train_step(model, optimizer, batch, version: int, held: dict, config: TrainConfig, reference=None) -> dict:
     samples = batch.samples
     device = next(model.parameters()).device
     prompts = [s.prompt_tokens for s in samples]
@@ -234,12 +263,12 @@ def _train_step(model, optimizer, batch, version: int, held: dict, config: Train
         stats.update(clip_stats)
     else:
         loss = pg_loss(logprobs, advantages, mask, correction.weights)
-    diff = _logprob_check(model, samples, logprobs.detach(), version, held)
+    diff = _logprob_check(reference or model, samples, logprobs.detach(), version, held)
     optimizer.zero_grad()
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
     optimizer.step()
-    return {"loss": loss.item(), "grad_norm": grad_norm.item(), **stats, **diff}
+    return {"loss": loss.item(), "grad_norm": _full(grad_norm).item(), "samples": len(samples), **stats, **diff}
 
 
 def _response_versions(samples, width: int) -> torch.Tensor:
@@ -293,12 +322,20 @@ def _pad(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
     return values, mask
 
 
-def _push(client, model, version: int, config: TrainConfig, out: Path) -> None:
+def _push(client, model, version: int, config: TrainConfig, out: Path, reference=None) -> None:
+    """The new weights to every engine. With several ranks every rank calls it: an FSDP2 model's shards are
+    gathered bucket by bucket as rank 0 sends them (a broadcast), or rank 0 writes the checkpoint (disk)."""
     if config.weights == "gloo":  # gloo sends CPU tensors: a model on a GPU is copied out first
         client.update_weights([(n, p.detach().cpu()) for n, p in model.named_parameters()], version, backend="gloo")
         return
     path = out / "checkpoints" / f"version-{version}"
-    model.save_pretrained(path)
+    if reference is None:
+        model.save_pretrained(path)
+    else:
+        full = snapshot(model)  # every rank gathers; rank 0 writes
+        if client.rank == 0:
+            reference.load_state_dict(full, strict=False)
+            reference.save_pretrained(path)
     client.update_weights_from_disk(str(path.resolve()), version)
     stale = out / "checkpoints" / f"version-{version - 2}"
     if stale.exists():
