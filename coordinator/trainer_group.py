@@ -219,6 +219,7 @@ class Channel:
         self.ctl: Any = None
         self.broken: GroupBroken | None = None
         self.owed = True
+        self.beat = BEAT
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="rollfleet-trainer-group", daemon=True)
         self._thread.start()
@@ -322,7 +323,9 @@ class Channel:
         await self.run(send, bound, f"telling the other ranks {msg[0]!r}")
 
     async def hear(self, bound: float) -> tuple:
-        """Another rank: rank 0's next message, beats skipped; GroupBroken when rank 0 is silent ``bound`` s."""
+        """Another rank: rank 0's next message, beats skipped; GroupBroken when rank 0 is silent ``bound`` s (at
+        least two beats' time)."""
+        bound = max(bound, 2 * self.beat)
 
         def recv() -> tuple:
             import torch.distributed as dist
@@ -343,7 +346,7 @@ class Channel:
         task = asyncio.ensure_future(aw)
         try:
             while not task.done():
-                await asyncio.wait([task], timeout=BEAT)
+                await asyncio.wait([task], timeout=self.beat)
                 if not task.done() and self.broken is None:
                     try:
                         await self.tell(BEAT_MSG, bound)
