@@ -371,4 +371,13 @@ MUTATIONS = [
         "        return [g for g, r in zip(self.groups, self.ranks, strict=True) if r <= rank]\n",
         "tests/cluster/test_sharded_shares.py::test_three_ranks_pull_disjoint_balanced_shares_and_survive_a_lost_node",
     ),
+    Mutation(
+        "8",
+        "sharded-retry-not-in-lockstep",
+        "a trainer rank above 0 does not start its gathers over when rank 0 retries a push (the ranks fall apart)",
+        "coordinator/sharded_weights.py",
+        '                    log.info("%s: rank 0 retries once: %s", what, msg[1])\n                    k = 0\n',
+        '                    log.info("%s: rank 0 retries once: %s", what, msg[1])\n',
+        "tests/cluster/test_sharded_weights.py::test_an_engine_killed_inside_a_push_costs_one_retry_on_both_ranks_then_a_catch_up",
+    ),
 ]
