@@ -380,4 +380,32 @@ MUTATIONS = [
         '                    log.info("%s: rank 0 retries once: %s", what, msg[1])\n',
         "tests/cluster/test_sharded_weights.py::test_an_engine_killed_inside_a_push_costs_one_retry_on_both_ranks_then_a_catch_up",
     ),
+    Mutation(
+        "metrics",
+        "prompt-lengths-of-responses",
+        "to_tensors()['prompt_lengths'] holds each sample's response length",
+        "coordinator/batch.py",
+        '"prompt_lengths": torch.tensor([len(s.prompt_tokens) for s in samples], dtype=torch.long)',
+        '"prompt_lengths": torch.tensor([len(s.response_tokens) for s in samples], dtype=torch.long)',
+        "tests/unit/test_documented_fields.py::test_every_to_tensors_key_is_what_each_samples_own_lists_give",
+    ),
+    Mutation(
+        "metrics",
+        "kept-groups-count-every-verdict",
+        "rollout/dynamic_filter/kept_groups counts the dropped groups too",
+        "common/metrics.py",
+        'out[f"{prefix}/kept_groups"] = self.kept',
+        'out[f"{prefix}/kept_groups"] = total',
+        "tests/unit/test_documented_fields.py::"
+        "test_filter_metrics_count_the_verdicts_the_test_sent_since_the_previous_batch_and_the_counters_all_of_them",
+    ),
+    Mutation(
+        "metrics",
+        "fetch-seconds-include-the-wait",
+        "rollout/fetch_seconds is measured from the call, the coordinator's wait included",
+        "coordinator/client.py",
+        'metrics["rollout/fetch_seconds"] = time.monotonic() - started - waited',
+        'metrics["rollout/fetch_seconds"] = time.monotonic() - started',
+        "tests/cluster/test_documented_answers.py::test_every_endpoint_reports_what_the_trainer_and_the_agents_saw",
+    ),
 ]
