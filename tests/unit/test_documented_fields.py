@@ -456,6 +456,8 @@ def test_statistics_and_answers_are_what_the_test_did():
     d.trainer(lambda s, r: p.StateDict(s, r, 0))
     state = d.answers[-1].result
     assert state["rollout_id"] == 0 and state["dataset_size"] == 40 and state["dataset_fingerprint"] == "fp"
+    assert state["format"] == 1 and state["mixture"] == [[0, [1.0]]]
+    assert (state["config"]["rollout_batch_size"], state["config"]["n_samples_per_prompt"]) == (2, N)
     assert core.statistics().trimmed_upto == -1, "a first checkpoint trims nothing"
     d.trainer(lambda s, r: p.Resume(s, r))
     assert d.answers[-1].result == {} and core.statistics().paused is False
@@ -483,3 +485,37 @@ def test_statistics_and_answers_are_what_the_test_did():
     agent, g = d.in_flight[b_leases[0]]
     core.handle(b"b", p.Receipt(old_b, g.lease, g.data_epoch, g.index, "late", N, {}), 4.0)
     assert core.statistics().fenced_messages == {"heartbeat": 1, "receipt": 1}
+
+
+def test_a_running_evaluation_pass_shows_the_results_and_leases_the_test_made_then_its_metrics():
+    from coordinator.evaluation import EvalSpec
+
+    spec = EvalSpec("math", size=6, fingerprint="efp", n_samples=2)
+    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=N, prefetch=2)
+    core = CoordinatorCore(cfg, Liveness(0.25, 3.0, 10.0), dataset_size=20, dataset_fingerprint="fp", eval_specs=[spec])
+    eff = core.handle(b"a", p.Register("a", 1, 5 * N, "tcp://a:1", [], [], []), 0.0)  # 5 groups at once
+    session = sends(eff, p.Welcome)[0].msg.session
+    (ok,) = [s.msg for s in sends(core.handle(b"t", p.Attach(1, "t"), 0.0), p.Ok)]
+    assert core.statistics().evaluations == {"math": {"running": False, "prompts": 6, "last": {}}}
+    in_flight = {}
+
+    def note(effects):
+        for s in sends(effects, p.Grant):
+            in_flight.update({g.lease: g for g in s.msg.leases if g.eval})
+        return [s.msg for s in sends(effects, p.Ok)]
+
+    note(core.handle(b"t", p.Evaluate(ok.result["session"], 7, "math", "tok"), 0.5))
+    assert len(in_flight) == 3, "the capacity the prefetch's 2 training leases leave"
+    finished, answers = 0, []
+    while in_flight:
+        running = core.statistics().evaluations["math"]
+        assert running == {"running": True, "pass": 1, "prompts": 6, "finished": finished, "leased": len(in_flight),
+                           "waiting": 1}  # fmt: skip
+        g = in_flight.pop(min(in_flight))
+        res = {"rewards": [1.0, 0.0], "lengths": [3, 5], "truncated": 1, "versions": ["0"]}
+        answers += note(core.handle(b"a", p.EvalResult(session, g.lease, g.eval, g.eval_pass, g.index, res), 1.0))
+        finished += 1
+    assert finished == 6 and len(answers) == 1
+    last = core.statistics().evaluations["math"]
+    assert last == {"running": False, "prompts": 6, "last": answers[0].result}
+    assert (answers[0].result["samples"], answers[0].result["reward_mean"]) == (12, 0.5)
