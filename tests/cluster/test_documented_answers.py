@@ -10,7 +10,8 @@ The trainer pushes two disk updates (after batches 0 and 1) and then none, so la
 count. Then ``pause(drain=True)``, and what every endpoint reports is compared with:
 
 - what the trainer measured itself (each ``generate``'s wall time; the batches it got, their groups, samples and
-  weight-version spans; the updates it pushed; the partial batches it saw);
+  weight-version spans; the updates it pushed; the partial batches it saw), and the dataset it wrote (each group's
+  row, label and prompt; each sample's reward recomputed from its text as ``--reward math`` is documented);
 - what the *agents* count on their side (groups committed and filtered, samples, their stores), against the
   coordinator's receipts, lease ends, drops, prompts and grants; the ledger read directly from disk.
 
@@ -20,7 +21,9 @@ updates pushed when its lease was granted are the version its samples were gener
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import time
 
 import pytest
@@ -53,6 +56,33 @@ def latency(samples) -> tuple[float, float]:
         sample_value(samples, "rollfleet_batch_latency_seconds_sum"),
         sample_value(samples, "rollfleet_batch_latency_seconds_count"),
     )
+
+
+def check_samples(batch, rows: list[dict]) -> tuple[int, int]:
+    """Each group's and sample's fields against the dataset row and the sample's own tokens; (right, wrong)."""
+    right = wrong = 0
+    for g in batch.groups:
+        row = rows[g.index]
+        assert g.label == row["label"] and len(g.samples) == SAMPLES and g.agent_id in AGENTS and g.source == "default"
+        for s in g.samples:
+            assert s.prompt_tokens.tolist() == list(row["prompt"].encode())  # the sim's tokens are bytes
+            assert s.metadata["prompt"] == row["prompt"] and s.label == row["label"]
+            assert len(s.response_tokens) == len(s.response_logprobs) == len(s.loss_mask)
+            assert s.loss_mask.tolist() == [1] * len(s.response_tokens) and all(lp <= 0 for lp in s.response_logprobs)
+            text = bytes(t for t in s.response_tokens if t < 256).decode()
+            assert s.response_text == text
+            assert s.status == ("truncated" if len(s.response_tokens) >= BUDGET else "completed")
+            if s.weight_versions:
+                assert s.weight_version == s.weight_versions[-1][0] and s.weight_versions[-1][2] == len(
+                    s.response_tokens
+                )
+            # --reward math (README): the last complete \boxed{}, else the last number, compared numerically.
+            found = re.findall(r"\\boxed\{([^{}]*)\}", text) or re.findall(r"-?\d+(?:\.\d+)?", text)
+            expected = float(bool(found) and float(found[-1]) == float(row["label"]))
+            assert s.reward == expected, (text, row["label"], s.reward)
+            right += expected == 1.0
+            wrong += expected == 0.0
+    return right, wrong
 
 
 def check_batch(batch, rollout_id: int, wall: float, lat: float) -> None:
@@ -97,7 +127,9 @@ def test_every_endpoint_reports_what_the_trainer_and_the_agents_saw(make_cluster
         cluster.start_agent(name, "--metrics-port", "0", concurrency=CONCURRENCY, sim_args=f"{SIM} --seed {seed}")
     coord = metrics_url(cluster.coordinator)
     agents = {name: metrics_url(cluster.agents[name]) for name in AGENTS}
+    rows = [json.loads(line) for line in cluster.dataset.read_text().splitlines() if line.strip()]
     batches, walls, updates = [], [], []
+    answers = [0, 0]  # samples right, wrong
     latencies = []
     with cluster.client() as client:
         for rollout_id in range(BATCHES + 1):
@@ -112,6 +144,9 @@ def test_every_endpoint_reports_what_the_trainer_and_the_agents_saw(make_cluster
             assert after[1] == before[1] + 1, "one batch recorded per generate"
             latencies.append(after[0] - before[0])
             check_batch(batch, rollout_id, wall, latencies[-1])
+            right, wrong = check_samples(batch, rows)
+            answers[0] += right
+            answers[1] += wrong
             batches.append(batch)
             walls.append(wall)
             if rollout_id < PUSHES:
@@ -138,6 +173,7 @@ def test_every_endpoint_reports_what_the_trainer_and_the_agents_saw(make_cluster
     assert all(by_agent.values()), "both agents' groups were delivered"
     assert max(g.data_epoch for g in delivered) >= 1, "the data epoch rolled over"
     assert any(b.metrics["rollout/staleness_max"] >= 2 for b in batches)
+    assert min(answers) > 0, answers  # rewards of both values were checked
 
     def agents_total(name: str, **labels) -> float:
         return sum(sample_value(a[n], name, agent=n, **labels) for n in AGENTS)
