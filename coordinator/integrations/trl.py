@@ -39,7 +39,13 @@ not generate. :class:`FleetRollouts` fills that dict from a rollfleet batch:
   beside its own, with ``rollfleet/staleness_mean`` and ``rollfleet/staleness_max`` of the batch.
   ``correction="none"`` (the default) changes nothing in TRL.
 
-Single process only (``accelerate`` with one process): the fleet hands one trainer its batches.
+**Several processes** (``accelerate launch --num_processes N`` or ``torchrun``): every process makes its own
+``FleetRollouts``, a ``RolloutClient`` of rank ``RANK`` among ``WORLD_SIZE`` (the launcher's environment; rank 0
+leads, docs/guides/sharded-trainers.md) asking for shares of equal group counts (``balance="groups"``): each
+process's slice holds ``rollout_batch_size / N`` whole groups, fetched by that process from the agents, so
+TRL's groups of ``num_generations`` consecutive completions line up across processes when it gathers the
+rewards. Weights are pushed from every process (rank 0 sends, the others take part), and ``rollout_batch_size``
+must be a multiple of the number of processes.
 """
 
 from __future__ import annotations
@@ -86,7 +92,14 @@ class FleetRollouts:
             raise ConfigError(f"weights must be 'gloo', 'nccl' or 'disk', got {weights!r}")
         if weights == "disk" and not checkpoint_dir:
             raise ConfigError("weights='disk' needs checkpoint_dir (a directory every engine can read)")
+        if client is None:
+            rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+            client_kwargs.setdefault("rank", rank)
+            client_kwargs.setdefault("world_size", world)
+            if client_kwargs["world_size"] > 1:
+                client_kwargs.setdefault("balance", "groups")  # each process's slice has a fixed size
         self.client = client or RolloutClient(coordinator, **client_kwargs)
+        self.processes = self.client.world_size
         self.weights = weights
         self.checkpoint_dir = checkpoint_dir
         self.bucket_bytes = bucket_bytes
@@ -94,6 +107,11 @@ class FleetRollouts:
         config = self.client.config
         self.batch_size = int(config["rollout_batch_size"])
         self.n_samples = int(config["n_samples_per_prompt"])
+        if self.batch_size % self.processes:
+            raise ConfigError(
+                f"rollout_batch_size {self.batch_size} does not split into {self.processes} processes' equal slices: "
+                "use a multiple of the number of processes"
+            )
         self.rollout_config = dict(config)
         self.base_version = self.client.weight_version()
         self.pushed_step = 0
@@ -110,7 +128,7 @@ class FleetRollouts:
         """``GRPOConfig`` fields that make one trainer step consume exactly one fleet batch."""
         return {
             "num_generations": self.n_samples,
-            "per_device_train_batch_size": self.batch_size * self.n_samples,
+            "per_device_train_batch_size": self.batch_size * self.n_samples // self.processes,
             "gradient_accumulation_steps": 1,
             "steps_per_generation": 1,
             "max_completion_length": int(self.rollout_config["max_new_tokens"]),
@@ -142,11 +160,12 @@ class FleetRollouts:
             logged["rollfleet/staleness_max"].append(float(batch.metrics.get("rollout/staleness_max", 0.0)))
         samples = [s for g in batch.groups for s in g.samples]
         if len(samples) != len(prompts):
+            share = self.batch_size * self.n_samples // self.processes
             raise ConfigError(
-                f"a TRL step asked for {len(prompts)} completions but a fleet batch holds {len(samples)} "
-                f"({self.batch_size} groups x {self.n_samples} samples): build GRPOConfig with "
-                f"**FleetRollouts.grpo_args() (per_device_train_batch_size={self.batch_size * self.n_samples}, "
-                f"num_generations={self.n_samples}, one process)"
+                f"a TRL step asked this process for {len(prompts)} completions but its share of a fleet batch holds "
+                f"{len(samples)} ({self.batch_size} groups x {self.n_samples} samples over {self.processes} "
+                f"process(es)): build GRPOConfig with **FleetRollouts.grpo_args() (per_device_train_batch_size="
+                f"{share}, num_generations={self.n_samples})"
             )
         return {
             "prompt_ids": [s.prompt_tokens.tolist() for s in samples],
@@ -223,12 +242,13 @@ class FleetRollouts:
     # ------------------------------------------------------------ weights
 
     def push_weights(self, trainer, step: int) -> dict:
-        """Push the trainer's parameters to every engine as version ``base + step``."""
+        """Push the trainer's parameters to every engine as version ``base + step`` (every process calls it)."""
         model = trainer.accelerator.unwrap_model(trainer.model)
         version = self.base_version + step
         if self.weights == "disk":
             path = os.path.join(self.checkpoint_dir, f"step-{step}")
-            model.save_pretrained(path)
+            if self.client.rank == 0:  # one writer; the other processes wait for rank 0's update
+                model.save_pretrained(path)
             result = self.client.update_weights_from_disk(path, version=version)
         else:
             named = [(name, param.detach()) for name, param in model.named_parameters()]
