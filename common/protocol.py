@@ -323,8 +323,8 @@ class Attach(Message):
     config_check: dict = field(default_factory=dict)
     rank: int = 0
     """This process's rank in a trainer of ``world_size`` processes: 0 leads (opens the session, fencing any
-    other trainer); a rank above 0 joins the leader's session as a member (``no_leader`` if none of its
-    ``run`` and ``world_size`` is attached)."""
+    other trainer); a rank above 0 joins the leader's session as a member (``no_leader`` if no leader is
+    attached, ``other_leader`` if the one attached has another ``run`` or ``world_size``)."""
     world_size: int = 1
     run: str = ""
     """The launch the ranks belong to (torchrun's run id and restart count): members join only its leader."""

@@ -219,9 +219,9 @@ class AsyncRolloutClient:
                 timeout=self.timeout,
                 what="attach" if self.rank == 0 else f"join (rank {self.rank})",
             )
-            if not (isinstance(msg, p.Error) and msg.code == "no_leader"):
+            if not (isinstance(msg, p.Error) and msg.code in ("no_leader", "other_leader")):
                 break
-            if rejoin and "leads" in msg.message:
+            if rejoin and msg.code == "other_leader":
                 raise Fenced(f"rank {self.rank}: a new trainer run's leader attached ({msg.message})", code="fenced")
             if time.monotonic() - started > self.leader_wait:
                 raise StateError(f"no leader for this rank after {self.leader_wait:.0f}s (leader_wait): {msg.message}")

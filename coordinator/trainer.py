@@ -119,7 +119,7 @@ class TrainerSessions:
                 f"{where}: the attached leader {self.client} leads {self.world} rank(s) of run {self.run!r}, "
                 "not this rank's"
             )
-            return [Send(peer, p.Error("no_leader", why, msg.req))]
+            return [Send(peer, p.Error("other_leader", why, msg.req))]
         why = config_differences(self.core.config.to_dict(), msg.config_check)
         if why:
             return [Send(peer, p.Error("config_mismatch", why, msg.req))]

@@ -137,6 +137,13 @@ def test_three_ranks_pull_disjoint_balanced_shares_and_survive_a_lost_node(make_
     for r in range(3):
         assert f" rank {r}/3" in logs, f"no agent served rank {r}"
 
+    # The coordinator is SIGKILLed and restarted: the leader attaches again, the members join its new session.
+    cluster.coordinator.signal(signal.SIGKILL)
+    cluster.coordinator.wait(30)
+    cluster.start_coordinator("--retire-after", "3", "--agent-ttl", "1.5")
+    again = pull(trainer, 1)
+    assert {r: s["groups"] for r, s in again.items()} == {r: s["groups"] for r, s in got.items()}
+
     # Batch 2: ranks 0 and 1 take their shares; then the node holding rank 2's groups is SIGKILLed.
     for r in trainer[:2]:
         r.send("generate 2")
