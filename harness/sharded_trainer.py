@@ -17,9 +17,9 @@ Each call's outcome goes to ``OUT_DIR/rank<R>.json`` (a list of ``{"step", "resu
   checks the engines), writes the full model to ``OUT_DIR/ckpt2/weights.pt`` and pushes it with
   ``update_weights_from_disk``, then a ``catch_up`` with nothing behind, then ``update_weights`` of version 2
   again (refused: ``StateError`` on every rank);
-- ``retry``: rank 0 SIGKILLs ENGINE_PID just before it broadcasts the first bucket of version 1 (the engine is in
-  the group then), so the push costs one retry; then, once ``OUT_DIR/go-2`` says an engine is behind the fleet,
-  ``catch_up`` twice (it, then nothing behind);
+- ``retry``: rank 0 SIGKILLs ENGINE_PID just before it broadcasts the first bucket of version 1 (gathered; the
+  engine is in the group then), so the push costs one retry; then, once ``OUT_DIR/go-2`` says an engine is
+  behind the fleet, ``catch_up`` twice (it, then nothing behind);
 - ``kill-member``: rank 1 stops before gathering bucket 1 of version 1 (prints ``stalled``); the test kills it;
 - ``kill-leader``: rank 0 stops inside its broadcast of bucket 1 (prints ``stalled``); the test kills it.
 """
