@@ -225,10 +225,13 @@ class TrainerSessions:
         return out + self.core.pump(now)
 
     def answer_drained(self) -> list:
-        """Answer the pauses waiting for their drain once no lease is in flight."""
+        """Answer the pauses waiting for their drain once no lease is in flight: after the ledger holds the
+        receipts that ended the last leases (a write behind theirs), so a drained pause means results durable
+        on the coordinator too, not only on the agents."""
         if not (self.drain_waiters or self.state_waiters) or self.core.admission.leases:
             return []
-        out = [Send(peer, p.Ok(req, {"leased": 0})) for peer, req in self.drain_waiters]
+        drained = [Send(peer, p.Ok(req, {"leased": 0})) for peer, req in self.drain_waiters]
+        out: list = [self.core.persist([], drained)] if drained else []
         self.drain_waiters.clear()
         waiting, self.state_waiters = self.state_waiters, []
         for peer, msg in waiting:
