@@ -363,8 +363,8 @@ class BatchRefs(Message):
     metrics: dict
     share: dict = field(default_factory=dict)
     """For a trainer of several processes: ``{"rank", "world_size", "lengths"}``, ``groups`` being that rank's
-    share and ``lengths`` every rank's sample lengths (None in a batch recorded without them); ``metrics``
-    are the whole batch's. Empty for a trainer of one process."""
+    share and ``lengths`` every rank's sample lengths, one little-endian int32 array (bytes) per rank (None in a
+    batch recorded without them); ``metrics`` are the whole batch's. Empty for a trainer of one process."""
 
 
 @message

@@ -88,6 +88,7 @@ class Batches:
         """Processes of the attached trainer (``Attach.world_size``): batches are split into that many shares."""
         self.equal_groups = False
         """Its shares hold equal numbers of groups (``Attach.balance`` ``groups``), else balanced tokens."""
+        self._share_lengths: dict[int, tuple[RecordedBatch, list[bytes] | None]] = {}
         self.drops = DropStats()  # filter verdicts since the last batch was assembled
         self.source_drops: list[int] = [0] * len(core.sources)  # filter drops since then, by training source
         self.epoch_last_rollout: dict[int, int] = {}  # epoch -> last batch holding its prompts
@@ -180,8 +181,17 @@ class Batches:
         batch = self.recorded[rollout_id]
         address = self.core.payload_address
         groups = [dataclasses.replace(g, payload_address=address(g.agent_id)).to_wire() for g in batch.share(rank)]
-        share = shares.share_info(batch, rank) if batch.world else {}
+        share = shares.share_info(batch, rank, self._lengths(rollout_id, batch)) if batch.world else {}
         return p.BatchRefs(req, rollout_id, groups, dict(batch.metrics), share)
+
+    def _lengths(self, rollout_id: int, batch: RecordedBatch) -> list[bytes] | None:
+        """``shares.rank_lengths`` of ``batch``, made once for every rank's reply (until the batch changes)."""
+        cached = self._share_lengths.get(rollout_id)
+        if cached is None or cached[0] is not batch:
+            cached = self._share_lengths[rollout_id] = (batch, shares.rank_lengths(batch))
+            if len(self._share_lengths) > 8:
+                self._share_lengths.pop(next(iter(self._share_lengths)))
+        return cached[1]
 
     def shared(self, rollout_id: int, ops: list) -> RecordedBatch:
         """Batch ``rollout_id`` with shares for the attached trainer's ranks (made and recorded if it had none)."""

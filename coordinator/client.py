@@ -59,6 +59,7 @@ from coordinator.batch import RolloutBatch
 from coordinator.client_weights import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, WeightSender
 from coordinator.endpoint import FetchFailed, _Endpoint, _raise_remote
 from coordinator.records import GroupRef
+from coordinator.shares import decode_lengths
 
 __all__ = ["AsyncRolloutClient", "FetchFailed", "RolloutBatch", "RolloutClient"]
 
@@ -367,7 +368,7 @@ class AsyncRolloutClient:
             metrics,
             rank=self.rank,
             world_size=int(share.get("world_size", 1)),
-            rank_lengths=share.get("lengths"),
+            rank_lengths=decode_lengths(share.get("lengths")),
         )
 
     async def _fetch(self, wire_refs: list, raw: list[bytes] | None = None) -> list[Group]:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import sys
+from array import array
 from collections.abc import Sequence
 
 from coordinator.records import GroupRef, RecordedBatch
@@ -123,15 +125,37 @@ def add_groups(batch: RecordedBatch, added: list[GroupRef]) -> RecordedBatch:
     )
 
 
-def share_info(batch: RecordedBatch, rank: int) -> dict:
-    """What ``BatchRefs.share`` tells rank ``rank``: its place, and every rank's sample lengths (in share order)
-    so that each rank counts every rank's micro-batches without a collective (None where a group has none)."""
+def rank_lengths(batch: RecordedBatch) -> list[bytes] | None:
+    """Every rank's sample lengths, in share order, each rank's as little-endian int32 bytes (``decode_lengths``):
+    a copy per reply, not a list to encode, when thousands of ranks ask for one batch. None where a group has none
+    (recorded before agents reported them)."""
     world = batch.world or 1
-    lengths: list[list[int]] | None = [[] for _ in range(world)]
+    lengths: list[array] = [array("i") for _ in range(world)]
     ranks = batch.ranks if batch.world else (0,) * len(batch.groups)
     for g, r in zip(batch.groups, ranks, strict=True):
         if not g.lengths:
-            lengths = None
-            break
+            return None
         lengths[r].extend(g.lengths)
-    return {"rank": rank, "world_size": world, "lengths": lengths}
+    if sys.byteorder != "little":
+        for a in lengths:
+            a.byteswap()
+    return [a.tobytes() for a in lengths]
+
+
+def decode_lengths(raw: list[bytes] | None) -> list[list[int]] | None:
+    """``rank_lengths``'s bytes as lists of ints."""
+    if raw is None:
+        return None
+    out = []
+    for chunk in raw:
+        a = array("i", bytes(chunk))
+        if sys.byteorder != "little":
+            a.byteswap()
+        out.append(a.tolist())
+    return out
+
+
+def share_info(batch: RecordedBatch, rank: int, lengths: list[bytes] | None) -> dict:
+    """What ``BatchRefs.share`` tells rank ``rank``: its place, and every rank's sample lengths (``rank_lengths``)
+    so that each rank counts every rank's micro-batches without a collective."""
+    return {"rank": rank, "world_size": batch.world or 1, "lengths": lengths}

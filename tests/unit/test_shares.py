@@ -68,11 +68,15 @@ def test_groups_a_rank_holds_stay_when_their_node_is_lost():
 
 def test_share_info_gives_every_ranks_lengths_or_none_without_them():
     batch = shares.with_shares(RecordedBatch([group(0, 30), group(1, 20), group(2, 10)], {}), 2)
-    info = shares.share_info(batch, 1)
+    raw = shares.rank_lengths(batch)
+    assert all(isinstance(chunk, bytes) for chunk in raw)
+    info = shares.share_info(batch, 1, raw)
     assert info["rank"] == 1 and info["world_size"] == 2
-    assert sorted(x for lengths in info["lengths"] for x in lengths) == [10, 20, 30]
+    decoded = shares.decode_lengths(info["lengths"])
+    assert decoded == [[g.lengths[0] for g in batch.share(r)] for r in range(2)]
+    assert sorted(x for lengths in decoded for x in lengths) == [10, 20, 30]
     old = shares.with_shares(RecordedBatch([GroupRef(0, 0, "a", "k")], {}), 2)
-    assert shares.share_info(old, 0)["lengths"] is None
+    assert shares.rank_lengths(old) is None and shares.decode_lengths(None) is None
 
 
 def test_a_trainer_of_another_size_gets_new_shares():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from common import protocol as p
 from coordinator.frontier import DELIVERED, PENDING
+from coordinator.shares import decode_lengths
 from tests.unit.test_core import MemLedger, N, grants, make_core, register, sends, tick
 
 RANKS = [b"r0", b"r1", b"r2"]
@@ -68,8 +69,8 @@ def test_every_rank_gets_a_disjoint_share_and_together_the_whole_batch():
     assert got[0].metrics == got[1].metrics == got[2].metrics
     assert got[0].metrics["rollout/groups"] == 6
     # Tokens balanced: ranks at most the largest group apart; every rank knows every rank's lengths.
-    lengths = got[0].share["lengths"]
-    assert got[1].share["lengths"] == lengths and got[2].share["rank"] == 2
+    lengths = decode_lengths(got[0].share["lengths"])
+    assert decode_lengths(got[1].share["lengths"]) == lengths and got[2].share["rank"] == 2
     loads = [sum(x) for x in lengths]
     group_tokens = [sum(g.index * 7 + 11 + k for k in range(N)) for g in core.batches.recorded[0].groups]
     assert max(loads) - min(loads) <= max(group_tokens)
