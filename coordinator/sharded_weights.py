@@ -46,7 +46,15 @@ from coordinator.client_weights import (
     free_port,
     master_address,
 )
-from coordinator.trainer_group import Channel, GroupBroken, PlanError, describe, make_plan, wire_device
+from coordinator.trainer_group import (
+    Channel,
+    GroupBroken,
+    PlanError,
+    cuda_device,
+    describe,
+    make_plan,
+    wire_device,
+)
 
 if TYPE_CHECKING:
     from coordinator.client_weights import WeightSender
@@ -141,6 +149,7 @@ class ShardedWeights:
             error = f"bucket_bytes must be > 0, got {bucket_bytes}"
         tensors, bad = describe(items, {dist.get_global_rank(ch.group, r): r for r in range(ch.size)})
         ch.device = wire_device(ch.group, items)
+        ch.cuda = cuda_device(items, ch.device)
         metas = await ch.exchange(
             {"tensors": tensors, "error": error or bad, "bucket_bytes": bucket_bytes}, timeout, "agreeing on the plan"
         )
@@ -152,7 +161,7 @@ class ShardedWeights:
         what = f"update_weights_from_disk({version})"
         ch = await self._channel(group, timeout, what)
         if ch.rank:
-            return await self._follow(ch, None, {}, [], 0, None, timeout, what)
+            return await self._follow(ch, None, (), 0, timeout, what)
         try:
             result = await ch.lead(self.sender.from_disk(path, version, timeout), timeout)
         except BaseException as exc:
@@ -168,7 +177,7 @@ class ShardedWeights:
         plan = await self._plan(ch, items, bucket_bytes, self._backend_error(ch, backend), float(timeout))
         ch.owed = True
         if ch.rank:
-            return await self._follow(ch, plan, dict(items), items, bucket_bytes, None, timeout, what)
+            return await self._follow(ch, plan, items, bucket_bytes, timeout, what)
         beat = self.sender._start_beat(what, f"weights-alive-{version}")
         try:
             first = None
@@ -201,8 +210,7 @@ class ShardedWeights:
         what = f"catch_up({version})"
         ch = await self._channel(group, timeout, what)
         if ch.rank:
-            items = _items(named_tensors)
-            return await self._follow(ch, None, dict(items), items, bucket_bytes, None, timeout, what)
+            return await self._follow(ch, None, named_tensors, bucket_bytes, timeout, what)
         try:
             return await self._lead_catch_up(ch, named_tensors, int(version), backend, bucket_bytes, timeout, verify)
         except BaseException as exc:
@@ -211,16 +219,19 @@ class ShardedWeights:
 
     # ------------------------------------------------------------------ the other ranks
 
-    async def _follow(self, ch, plan, mine, items, bucket_bytes, error, timeout, what) -> dict:
-        """Ranks above 0: act on rank 0's word until it says "done" (its result) or "fail" (its error)."""
+    async def _follow(self, ch, plan, named_tensors, bucket_bytes, timeout, what) -> dict:
+        """Ranks above 0: act on rank 0's word until it says "done" (its result) or "fail" (its error).
+        ``plan`` None: a catch-up's, made at its first "next" (``named_tensors`` read only then)."""
         k = 0
+        items = named_tensors if isinstance(named_tensors, list) else None
         try:
             while True:
                 msg = await ch.hear(timeout)
                 if msg[0] == "next":
-                    if plan is None:  # a catch-up: the plan is made at its first "next"
-                        plan = await self._plan(ch, items, bucket_bytes, error, timeout)
-                    await ch.gather(plan[k], mine, timeout, f"gathering bucket {k}")
+                    if plan is None:
+                        items = _items(named_tensors)
+                        plan = await self._plan(ch, items, bucket_bytes, None, timeout)
+                    await ch.gather(plan[k], dict(items), timeout, f"gathering bucket {k}")
                     k += 1
                 elif msg[0] == "retry":
                     log.info("%s: rank 0 retries once: %s", what, msg[1])

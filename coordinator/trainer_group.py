@@ -200,6 +200,14 @@ def wire_device(group: Any, items: list) -> Any:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def cuda_device(items: list, wire: Any) -> Any:
+    """This rank's GPU: its first CUDA tensor's device, else the wire's when that is a GPU; None on CPU."""
+    for _, t in items:
+        if getattr(t, "device", None) is not None and t.device.type == "cuda":
+            return t.device
+    return wire if wire.type == "cuda" else None
+
+
 def backend_of(group: Any) -> str:
     import torch.distributed as dist
 
@@ -216,6 +224,7 @@ class Channel:
         self.rank = rank
         self.size = size
         self.device: Any = None  # where tensors travel between ranks (``wire_device``), set by each plan
+        self.cuda: Any = None  # this rank's GPU (its first CUDA tensor's), current on the worker thread
         self.ctl: Any = None
         self.broken: GroupBroken | None = None
         self.owed = True
@@ -231,10 +240,10 @@ class Channel:
                 return
             fn, done = job
             try:
-                if self.device is not None and self.device.type == "cuda":
+                if self.cuda is not None:
                     import torch
 
-                    torch.cuda.set_device(self.device)  # per thread
+                    torch.cuda.set_device(self.cuda)  # the current device is per thread
                 result, error = fn(), None
             except BaseException as exc:  # handed to the waiting caller
                 result, error = None, exc
