@@ -7,6 +7,7 @@ serves, so anything that reached for it would fail them).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import subprocess
@@ -200,3 +201,26 @@ def test_two_ranks_agree_check_their_group_and_wait_on_beats_not_on_silence(tmp_
     assert word == ["done", 7] and waited >= 1.5, r1
     assert "no answer within 0.5s" in r1["silent"] and "waiting for rank 0's word" in r1["silent"], r1
     assert "process group failed" in r1["after"], r1
+
+
+def test_a_sharded_call_without_torch_distributed_is_a_state_error_naming_init_process_group():
+    torch = pytest.importorskip("torch")
+    if torch.distributed.is_initialized():
+        pytest.skip("this process already joined a torch.distributed group")
+
+    from common.errors import StateError
+    from coordinator.client import AsyncRolloutClient
+
+    async def call(name: str):
+        client = AsyncRolloutClient(f"tcp://127.0.0.1:{free_port()}", rank=1, world_size=2, attach=False)
+        try:
+            tensors = {"w": torch.zeros(2)}
+            if name == "update_weights_from_disk":
+                return await client.update_weights_from_disk("/nowhere", 1)
+            return await getattr(client, name)(tensors, 1, backend="gloo")
+        finally:
+            await client.close()
+
+    for name in ("update_weights", "catch_up", "update_weights_from_disk"):
+        with pytest.raises(StateError, match="init_process_group"):
+            asyncio.run(call(name))
