@@ -52,6 +52,9 @@ HEAVY_FILES = {
     "tests/cluster/test_weights.py",
     "tests/integration/test_hf_engine.py",
     "tests/cluster/test_nccl_two_gpus.py",
+    "tests/cluster/test_grpo_sharded.py",
+    "tests/cluster/test_trl_processes.py",
+    "tests/cluster/test_sharded_weights.py",
 }
 """Files whose tests are marked ``heavy``: CPU-bound (models training, chaos) or bounded in seconds on a loaded
 machine (silent partitions, weight updates under faults). ``-m "not heavy"`` leaves them out of a quick run."""
@@ -62,3 +65,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.relative_to(root).as_posix() in HEAVY_FILES:
             item.add_marker(pytest.mark.heavy)
+    # The long ones first: the workers (xdist --dist load) take tests in this order, so a long test left for the
+    # end would run alone while the other worker idles. No test depends on another's order.
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
