@@ -156,7 +156,7 @@ class WeightSender:
     ) -> dict:
         # References to the tensors, not copies, kept for the call's duration: a retry sends them
         # again, also when they came from a generator such as ``model.named_parameters()``.
-        items = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        items = local_tensors(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
         if not items:
             raise ValueError("update_weights needs at least one named tensor")
         if bucket_bytes <= 0:
@@ -326,7 +326,10 @@ class WeightSender:
             return exc  # cancellation and the like go on as they are
         if aborted is not None:
             return WeightUpdateError(f"{what}: {aborted}", code="weights")
-        return WeightUpdateError(f"{what}: the trainer's side failed: {why}", code="weights")
+        # A broken link (torch.distributed raises RuntimeError or OSError) is worth the one retry on a new group;
+        # a mistake in what was passed (a tensor torch cannot send) would only fail the same way again.
+        link = isinstance(exc, (RuntimeError, OSError, TimeoutError)) and not isinstance(exc, NotImplementedError)
+        return WeightUpdateError(f"{what}: the trainer's side failed: {why}", code="weights" if link else "trainer")
 
     async def catch_up(
         self, named_tensors, version: int, backend: str, bucket_bytes: int, timeout: float, verify: bool
@@ -348,11 +351,11 @@ class WeightSender:
         )
         if not begun["world_size"]:
             return {"update_id": begun["update_id"], "version": int(version), "engines": {}}
-        items = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
         update_id = self._update_id = begun["update_id"]
         beat = self._start_beat(what, f"weights-alive-catch-up-{version}")
         group = None
         try:
+            items = local_tensors(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
             if not items:
                 raise ValueError("catch_up needs the named tensors of the current version")
             check_backend(backend)
@@ -452,6 +455,25 @@ def _sendable(tensor: Any, backend: str) -> Any:
     elif backend == "nccl" and tensor.device.type != "cuda":
         tensor = tensor.cuda()
     return tensor.contiguous()
+
+
+def local_tensors(named_tensors) -> list[tuple[str, Any]]:
+    """``(name, tensor)`` pairs a trainer of one process can send: a DTensor on a mesh of this process alone
+    (FSDP2 on one GPU) is its full tensor; one sharded over several processes raises ``ValueError`` (its gather
+    is a collective the other processes never join), before the broadcast begins."""
+    out = []
+    for name, tensor in named_tensors:
+        mesh = getattr(tensor, "device_mesh", None)
+        if mesh is not None and hasattr(tensor, "full_tensor"):
+            if mesh.size() > 1:
+                raise ValueError(
+                    f"{name!r} is a DTensor sharded over {mesh.size()} processes: give every process "
+                    "RolloutClient(..., rank=R, world_size=W) and call update_weights on every one of them "
+                    "(docs/guides/sharded-trainers.md)"
+                )
+            tensor = tensor.full_tensor()
+        out.append((name, tensor))
+    return out
 
 
 def check_backend(backend: str) -> None:
