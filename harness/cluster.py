@@ -422,3 +422,22 @@ def client_threads() -> set[int]:
     import threading
 
     return {t.ident for t in threading.enumerate() if t.name == "rollfleet-client" and t.is_alive()}
+
+
+def run_group(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run ``argv`` (e.g. a torchrun launch and the ranks it starts) in a process group of its own, output captured;
+    the whole group is killed if it outlives ``timeout`` or the caller is interrupted (a test's timeout), so no
+    rank is left behind."""
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 
 import pytest
@@ -19,7 +18,7 @@ import pytest
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from harness.cluster import ROOT  # noqa: E402
+from harness.cluster import run_group  # noqa: E402
 from tests.cluster.test_grpo_example import (  # noqa: E402,F401
     BATCH,
     GROUP,
@@ -55,7 +54,7 @@ def test_grpo_under_torchrun_with_fsdp2_learns_on_every_rank(make_cluster, tmp_p
         "--config",
         json.dumps(config),
     ]
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    done = run_group(argv, timeout=850)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     ranks = [
         [json.loads(line) for line in (out / name).read_text().splitlines()]

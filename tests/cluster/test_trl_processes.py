@@ -10,7 +10,6 @@ ends at version ``steps - 1``, and the reward rises.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -19,7 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("torch")
 pytest.importorskip("trl")
 
-from harness.cluster import ROOT  # noqa: E402
+from harness.cluster import run_group  # noqa: E402
 from tests.cluster.test_grpo_example import BATCH, GROUP, start_fleet, warm_models  # noqa: E402,F401
 from tests.cluster.test_trl import STEPS, assert_rises  # noqa: E402
 
@@ -34,7 +33,7 @@ def test_trl_on_two_processes_pulls_a_share_each_and_learns(make_cluster, tmp_pa
     # ranks in the environment and runs MULTI_CPU on gloo, as TRL's trainer then does.
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
     argv += ["-m", "harness.trl_rank", cluster.address, warm_models("add"), str(out), str(STEPS)]
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=850, env=None)
+    done = run_group(argv, timeout=850)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     for result in ranks:
