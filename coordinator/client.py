@@ -51,22 +51,18 @@ import zmq
 import zmq.asyncio
 
 from common import protocol as p
-from common.curve import client_keys, split_address
-from common.errors import Closed, ConfigError, Fenced, RemoteError, RolloutError, StateError
+from common.curve import client_keys
+from common.errors import Closed, Fenced, RolloutError, StateError
 from common.transport import validate_endpoint
-from common.types import Group
 from coordinator.batch import RolloutBatch
 from coordinator.client_weights import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, WeightSender
 from coordinator.endpoint import FetchFailed, _Endpoint, _raise_remote
-from coordinator.records import GroupRef
+from coordinator.payloads import PayloadFetcher
 from coordinator.shares import decode_lengths
 
 __all__ = ["AsyncRolloutClient", "FetchFailed", "RolloutBatch", "RolloutClient"]
 
 log = logging.getLogger("rollfleet.client")
-
-FETCH_CHUNK = 64
-
 
 MAX_REATTACH = 20
 """Re-attaches one call may make (a coordinator restarted that many times while it waited) before it
@@ -168,7 +164,8 @@ class AsyncRolloutClient:
         """Seconds between ``WeightsAlive`` beats while a broadcast runs (the coordinator's, from attach)."""
         self._ctx: zmq.asyncio.Context | None = None
         self._coord: _Endpoint | None = None
-        self._agents: dict[str, _Endpoint] = {}
+        self._payloads: PayloadFetcher | None = None
+        """Fetches batches' payloads from the agents (coordinator/payloads.py); made with the ZeroMQ context."""
         self._closed = False
         self._weights = WeightSender(self)
         self._attaching = asyncio.Lock()
@@ -201,6 +198,13 @@ class AsyncRolloutClient:
                     "and that curve_server_key is that coordinator's coordinator.key)"
                 )
             self._coord = _Endpoint(self._ctx, self.address, "coordinator", curve=self.curve, hint=hint)
+            self._payloads = PayloadFetcher(
+                self._ctx,
+                curve=self.curve,
+                requester=self.requester,
+                retry_interval=max(self.retry_interval, 2.0),
+                timeout=self.fetch_timeout,
+            )
         if self._attach_wanted and not self.session:
             async with self._attaching:
                 if not self.session:
@@ -319,7 +323,7 @@ class AsyncRolloutClient:
             waited = time.monotonic() - started
             raw: list[bytes] | None = [] if self._recorder is not None else None
             try:
-                groups = await self._fetch(refs.groups, raw)
+                groups = await self._payloads.fetch(refs.groups, raw)
                 break
             except FetchFailed as exc:
                 # The node holding some payloads is down. It either comes back (its
@@ -370,72 +374,6 @@ class AsyncRolloutClient:
             world_size=int(share.get("world_size", 1)),
             rank_lengths=decode_lengths(share.get("lengths")),
         )
-
-    async def _fetch(self, wire_refs: list, raw: list[bytes] | None = None) -> list[Group]:
-        """The groups of ``wire_refs``, fetched from their agents; ``raw`` (a list) gets their payload bytes too."""
-        refs = [GroupRef.from_wire(item) for item in wire_refs]
-        by_address: dict[str, list[str]] = {}
-        for ref in refs:
-            if not ref.payload_address:
-                raise FetchFailed(
-                    f"group {ref.key} (dataset index {ref.index}) is on agent {ref.agent_id}, "
-                    "which the coordinator does not know now"
-                )
-            by_address.setdefault(ref.payload_address, []).append(ref.key)
-        jobs = []
-        for address, keys in by_address.items():
-            for i in range(0, len(keys), FETCH_CHUNK):
-                jobs.append(self._fetch_chunk(address, keys[i : i + FETCH_CHUNK]))
-        payloads: dict[str, bytes] = {}
-        failed: list[FetchFailed] = []
-        for part in await asyncio.gather(*jobs, return_exceptions=True):
-            if isinstance(part, FetchFailed):
-                failed.append(part)
-            elif isinstance(part, BaseException):
-                raise part
-            else:
-                payloads.update(part)
-        if failed:  # every node was asked: what one lacks and what another could not answer, together
-            missing = [k for f in failed for k in f.missing]
-            unreachable = [k for f in failed for k in f.unreachable]
-            raise FetchFailed("; ".join(str(f) for f in failed), missing, unreachable)
-        if raw is not None:
-            raw.extend(payloads[ref.key] for ref in refs)
-        return [Group.from_wire(payloads[ref.key]) for ref in refs]
-
-    async def _fetch_chunk(self, address: str, keys: list[str]) -> dict[str, bytes]:
-        ep = self._agents.get(address)
-        if ep is None:
-            ep = self._agents[address] = self._agent_endpoint(address)
-        try:
-            msg, frames = await ep.request(
-                lambda req: p.Fetch(req, keys, self.requester),
-                retry_interval=max(self.retry_interval, 2.0),
-                timeout=self.fetch_timeout,
-                what=f"fetch from {address}",
-            )
-        except RolloutError as exc:
-            await ep.close()
-            self._agents.pop(address, None)
-            raise FetchFailed(str(exc), unreachable=keys) from None
-        if isinstance(msg, p.Error):
-            raise RemoteError(f"agent {address}: [{msg.code}] {msg.message}", code=msg.code)
-        if msg.missing:
-            raise FetchFailed(
-                f"agent {address} no longer holds {len(msg.missing)} group(s), e.g. {msg.missing[:3]}", msg.missing
-            )
-        return dict(zip(msg.found, (bytes(f) for f in frames), strict=False))
-
-    def _agent_endpoint(self, address: str) -> _Endpoint:
-        endpoint, server_public = split_address(address)
-        if server_public is not None and self.curve is None:
-            raise ConfigError(
-                f"agent payload endpoint {endpoint} requires CurveZMQ keys: give curve_secret and curve_server_key"
-            )
-        if server_public is None:
-            return _Endpoint(self._ctx, endpoint, endpoint)
-        hint = " (CurveZMQ: the agent accepts the trainers' keys once the coordinator has welcomed it)"
-        return _Endpoint(self._ctx, endpoint, endpoint, curve=self.curve, server_public=server_public, hint=hint)
 
     async def pause(self, drain: bool = True, abort: bool = False) -> dict:
         """Stop admission; with ``drain`` wait until no lease is in flight (results durable).
@@ -605,9 +543,10 @@ class AsyncRolloutClient:
                 )
             except RolloutError:
                 pass
-        for ep in [*self._agents.values(), *([self._coord] if self._coord else [])]:
-            await ep.close()
-        self._agents.clear()
+        if self._payloads is not None:
+            await self._payloads.close()
+        if self._coord is not None:
+            await self._coord.close()
         if self._ctx is not None:
             self._ctx.term()
 
