@@ -65,6 +65,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.relative_to(root).as_posix() in HEAVY_FILES:
             item.add_marker(pytest.mark.heavy)
-    # The long ones first: the workers (xdist --dist load) take tests in this order, so a long test left for the
-    # end would run alone while the other worker idles. No test depends on another's order.
-    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
