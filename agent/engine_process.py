@@ -121,6 +121,14 @@ class _ExitProtocol(asyncio.SubprocessProtocol):
             self._on_exit()
 
 
+def _unwritable_log(name: str, log_path: Path, exc: OSError) -> EngineStartError:
+    """The engine's log cannot be written (a full disk, a read-only one): its start fails, saying where and why."""
+    return EngineStartError(
+        f"engine {name}: cannot write its log {log_path} ({exc.strerror or exc}); free space under the "
+        "--data-dir (or move it)"
+    )
+
+
 class EngineProcess:
     """One launched engine child (the leader of its own process group)."""
 
@@ -151,13 +159,20 @@ class EngineProcess:
         env = dict(spec.env) if spec.env is not None else dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")  # the listening line must reach the log
         loop = asyncio.get_running_loop()
-        with open(log_path, "ab") as f:
+        try:
+            f = open(log_path, "ab", buffering=0)  # unbuffered: a failed write is not retried at close
+        except OSError as exc:
+            raise _unwritable_log(spec.name, log_path, exc) from None
+        with f:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-            f.write(
-                f"=== rollfleet supervisor {stamp}: launching {spec.name}: "
-                f"{subprocess.list2cmdline(redacted(spec.argv))}\n".encode()
-            )
-            f.flush()
+            try:
+                f.write(
+                    f"=== rollfleet supervisor {stamp}: launching {spec.name}: "
+                    f"{subprocess.list2cmdline(redacted(spec.argv))}\n".encode()
+                )
+                f.flush()
+            except OSError as exc:  # a full disk under the logs: a start that failed, not a crash of the agent
+                raise _unwritable_log(spec.name, log_path, exc) from None
             offset = f.tell()
             transport, protocol = await loop.subprocess_exec(
                 lambda: _ExitProtocol(on_exit),
