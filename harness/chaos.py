@@ -487,9 +487,11 @@ class ChaosRun:
         after = text[seen:]
         charged = [line for line in after.splitlines() if "failed unexpectedly" in line or ") failed: " in line]
         if code != 1 or len(lines) != 1 or DISK_FULL_LINE not in lines[0] or "Traceback" in after or charged:
+            shown = charged[0] if charged else after[after.find("Traceback") :][:3000] if "Traceback" in after else ""
             self.stuck.append(
-                f"{name} met a full disk and exited with {code}, not with its one line and 1, or charged a prompt: "
-                f"{(charged or lines or [after[-2000:]])[0]}"
+                f"{name} met a full disk and exited with {code}, not with its one line and 1, or charged a prompt "
+                f"({len(lines)} error line(s), {'a' if 'Traceback' in after else 'no'} traceback): "
+                f"{'; '.join(lines) or after[-2000:]} {shown}"
             )
         how = next((h for h in ("ENOSPC", "EIO", "left, ") if lines and h in lines[0]), "?")
         time.sleep(self.rng.uniform(0.2, 1.0))  # the disk freed a moment later, then the agent back on it
