@@ -378,7 +378,7 @@ def status(args) -> int:
     validate_endpoint(args.coordinator, "--coordinator")
     keys = {"curve_secret": args.curve_secret, "curve_server_key": args.curve_server_key}
     with RolloutClient(args.coordinator, timeout=args.timeout, attach=False, **keys) as client:
-        stats = client.stats()
+        stats = client.stats().raw  # the answer as the coordinator sent it: what --json prints
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
     else:

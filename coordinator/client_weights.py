@@ -1,6 +1,8 @@
 """The trainer's side of weight updates (docs/weights.md): rank 0 of the update group.
 
-``WeightSender`` runs inside ``AsyncRolloutClient``. A disk update is one request. A broadcast:
+``WeightSender`` runs inside ``AsyncRolloutClient``, which hands it the one way it reaches the coordinator: a
+``Request`` (coordinator/client_session.py), the client's session-bound request. A disk update is one request.
+A broadcast:
 
 1. pick ``master_address`` (the trainer's address as the coordinator's host sees it: 127.0.0.1
    when the coordinator is on loopback, else the local address of a UDP socket connected to the
@@ -40,7 +42,7 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -48,9 +50,10 @@ from common import protocol as p
 from common import weight_group
 from common.errors import RemoteError, RolloutError, StateError, WeightUpdateError
 from common.weight_rows import leading_rows, tensor_checksum
+from coordinator.client_results import WeightUpdateResult
 
 if TYPE_CHECKING:
-    from coordinator.client import AsyncRolloutClient
+    from coordinator.client_session import Request
 
 log = logging.getLogger("rollfleet.client.weights")
 
@@ -121,8 +124,14 @@ def verify_values(items: list[tuple[str, Any]], rows: int = VERIFY_ROWS) -> dict
 
 
 class WeightSender:
-    def __init__(self, client: AsyncRolloutClient):
-        self.client = client
+    """Rank 0's side of the weight updates of one client. ``request``: the client's session-bound coordinator
+    request (its one way to the coordinator); ``address``: the coordinator's endpoint (the rendezvous address is
+    picked against it); ``heartbeat``: the coordinator's heartbeat interval now (it comes with each attach)."""
+
+    def __init__(self, request: Request, address: str, heartbeat: Callable[[], float]):
+        self.request = request
+        self.address = address
+        self.heartbeat = heartbeat
         self.group: Any = None
         self.group_name = ""
         self._store: Any = None  # the rendezvous store of ``group``, hosted by this process for its lifetime
@@ -132,28 +141,18 @@ class WeightSender:
         self._aborted: dict[int, str] = {}  # update id -> why the coordinator aborted it
         self.version: int | None = None
         self.updates = 0  # broadcasts attempted: every VERIFY_EVERY-th is verified by default
-        self._sharded: Any = None
 
-    def sharded(self) -> Any:
-        """The calls of a trainer of several ranks (``client.world_size > 1``: coordinator/sharded_weights.py),
-        made at first use; this object stays rank 0's sender to the coordinator and the engines."""
-        if self._sharded is None:
-            from coordinator.sharded_weights import ShardedWeights
-
-            self._sharded = ShardedWeights(self)
-        return self._sharded
-
-    async def from_disk(self, path: str, version: int, timeout: float) -> dict:
-        result = await self.client._request(
+    async def from_disk(self, path: str, version: int, timeout: float) -> WeightUpdateResult:
+        result = await self.request(
             lambda s, req: p.UpdateWeights(s, req, int(version), "disk", str(path), timeout=float(timeout)),
             f"update_weights_from_disk({version})",
         )
         self.version = result["version"]
-        return result
+        return WeightUpdateResult.from_wire(result)
 
     async def broadcast(
         self, named_tensors, version: int, backend: str, bucket_bytes: int, timeout: float, verify: bool | None = None
-    ) -> dict:
+    ) -> WeightUpdateResult:
         # References to the tensors, not copies, kept for the call's duration: a retry sends them
         # again, also when they came from a generator such as ``model.named_parameters()``.
         items = local_tensors(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
@@ -166,7 +165,8 @@ class WeightSender:
         beat = self._start_beat(what, f"weights-alive-{version}")
         try:
             try:
-                return await self._attempt(items, int(version), backend, bucket_bytes, float(timeout), what, verify)
+                result = await self._attempt(items, int(version), backend, bucket_bytes, float(timeout), what, verify)
+                return WeightUpdateResult.from_wire(result)
             except WeightUpdateError as exc:
                 if exc.code != "weights":
                     raise
@@ -175,7 +175,7 @@ class WeightSender:
                 log.warning("%s failed, retrying once on a new group: %s", what, exc)
                 first = str(exc)
             result = await self._attempt(items, int(version), backend, bucket_bytes, float(timeout), what, verify)
-            return {**result, "retried": first}
+            return WeightUpdateResult.from_wire(result, retried=first)
         finally:
             await self._stop_beat(beat)
 
@@ -201,14 +201,14 @@ class WeightSender:
         aborts the update of a trainer silent past its TTL (a trainer SIGKILLed mid-broadcast frees the
         lock that way), and answers whether the update this call works on was aborted (then the
         rendezvous is abandoned at once)."""
-        interval = min(self.client.heartbeat_interval, 0.25)
+        interval = min(self.heartbeat(), 0.25)
         while not stop.is_set():
             await asyncio.sleep(interval)
             if stop.is_set():
                 return
             update_id = self._update_id
             try:
-                answer = await self.client._request(
+                answer = await self.request(
                     lambda s, req, update_id=update_id: p.WeightsAlive(s, req, update_id), f"{what} heartbeat"
                 )
             except RolloutError as exc:
@@ -226,13 +226,13 @@ class WeightSender:
             log.info("weight update %#x was aborted while its group formed; closing the rendezvous: %s", update_id, why)
             self._hosting = None  # the last reference: the store closes, every rank waiting on it fails now
 
-    async def _begin(self, request, address: str, port: int, timeout: float, what: str) -> dict:
+    async def _begin(self, make, address: str, port: int, timeout: float, what: str) -> dict:
         """Send ``UpdateWeights`` with the rendezvous already served at ``address:port``: the engines dial it
         as soon as the coordinator announces the group, and one that finds nothing listening backs off for
         seconds (torch's store client). Kept when the answer says ``init``, closed otherwise."""
         self._hosting = weight_group.host(address, port, timeout)  # held by this object only (see ``_abandon``)
         try:
-            begun = await self.client._request(request, what)
+            begun = await self.request(make, what)
         except BaseException:
             self._hosting = None
             raise
@@ -266,7 +266,7 @@ class WeightSender:
         self, items, version: int, backend: str, bucket_bytes: int, timeout: float, what: str, verify: bool | None
     ) -> dict:
         """One update: a new ``UpdateWeights``, the group, the buckets, ``FinishWeights``."""
-        address = master_address(self.client.address)
+        address = master_address(self.address)
         port = free_port(address)
         begun = await self._begin(
             lambda s, req: p.UpdateWeights(s, req, version, "distributed", "", address, port, backend, timeout),
@@ -297,7 +297,7 @@ class WeightSender:
             self.updates += 1
             checked = verify if verify is not None else (begun["init"] or self.updates % VERIFY_EVERY == 0)
             values = verify_values(items) if checked else {}
-            result = await self.client._request(lambda s, req: p.FinishWeights(s, req, update_id, values), what)
+            result = await self.request(lambda s, req: p.FinishWeights(s, req, update_id, values), what)
         except (RemoteError, StateError):
             # The coordinator answered with an error: it has ended the update already.
             await asyncio.shield(self._destroy())  # the next update forms a new group
@@ -333,14 +333,14 @@ class WeightSender:
 
     async def catch_up(
         self, named_tensors, version: int, backend: str, bucket_bytes: int, timeout: float, verify: bool
-    ) -> dict:
+    ) -> WeightUpdateResult:
         """The fleet's current ``version`` again, to the engines behind it only (restarted or joined after
         a broadcast), in a group of their own that ends with the call; every other engine keeps serving.
         Nothing behind: answered at once, ``named_tensors`` unread."""
         what = f"catch_up({version})"
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-        address = master_address(self.client.address)
+        address = master_address(self.address)
         port = free_port(address)
         begun = await self._begin(
             lambda s, req: p.UpdateWeights(s, req, int(version), "catch_up", "", address, port, backend, timeout),
@@ -350,7 +350,7 @@ class WeightSender:
             what,
         )
         if not begun["world_size"]:
-            return {"update_id": begun["update_id"], "version": int(version), "engines": {}}
+            return WeightUpdateResult.from_wire(nothing_behind(begun, version))
         update_id = self._update_id = begun["update_id"]
         beat = self._start_beat(what, f"weights-alive-catch-up-{version}")
         group = None
@@ -363,7 +363,8 @@ class WeightSender:
             group, self._side_store = await self._form(address, port, begun, backend, timeout)
             await self._send(group, update_id, items, backend, bucket_bytes, timeout, what)
             values = verify_values(items) if verify else {}
-            return await self.client._request(lambda s, req: p.FinishWeights(s, req, update_id, values), what)
+            result = await self.request(lambda s, req: p.FinishWeights(s, req, update_id, values), what)
+            return WeightUpdateResult.from_wire(result)
         except (RemoteError, StateError):
             raise  # the coordinator ended it already
         except BaseException as exc:
@@ -390,7 +391,7 @@ class WeightSender:
 
         def announce(seq: int, bucket: list, tensors: list) -> asyncio.Task:
             return asyncio.ensure_future(
-                self.client._request(
+                self.request(
                     lambda s, req: p.WeightBucket(
                         s,
                         req,
@@ -419,9 +420,7 @@ class WeightSender:
         """Tell the coordinator this trainer's side of ``update_id`` failed, then drop the local group."""
         try:
             async with asyncio.timeout(ABORT_DEADLINE):
-                await self.client._request(
-                    lambda s, req: p.AbortWeights(s, req, update_id, why[:2000]), f"{what} abort"
-                )
+                await self.request(lambda s, req: p.AbortWeights(s, req, update_id, why[:2000]), f"{what} abort")
         except (RolloutError, TimeoutError) as exc:
             log.warning("%s: could not report the failure (the update ends at its deadline or TTL): %s", what, exc)
         if destroy:
@@ -442,8 +441,11 @@ class WeightSender:
 
     async def close(self) -> None:
         await self._destroy()
-        if self._sharded is not None:
-            self._sharded.close()
+
+
+def nothing_behind(begun: dict, version: int) -> dict:
+    """A catch-up's result when no engine is behind (the coordinator's answer to ``UpdateWeights`` said so)."""
+    return {"update_id": begun["update_id"], "version": int(version), "engines": {}}
 
 
 def _sendable(tensor: Any, backend: str) -> Any:

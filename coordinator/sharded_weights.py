@@ -38,6 +38,7 @@ from common import errors, weight_group
 from common import protocol as p
 from common.errors import RemoteError, StateError, WeightUpdateError
 from common.weight_rows import leading_rows, tensor_checksum
+from coordinator.client_results import WeightUpdateResult
 from coordinator.client_weights import (
     VERIFY_EVERY,
     VERIFY_ROWS,
@@ -45,6 +46,7 @@ from coordinator.client_weights import (
     check_backend,
     free_port,
     master_address,
+    nothing_behind,
 )
 from coordinator.trainer_group import (
     Channel,
@@ -102,11 +104,13 @@ def _items(named_tensors) -> list:
 
 
 class ShardedWeights:
-    """The sharded side of ``AsyncRolloutClient``'s weight calls; rank 0 drives its ``WeightSender``."""
+    """The sharded side of ``AsyncRolloutClient``'s weight calls, on rank ``rank`` of ``world_size``; rank 0 drives
+    ``sender`` (its ``WeightSender``), which reaches the coordinator through the ``request`` it was handed."""
 
-    def __init__(self, sender: WeightSender):
+    def __init__(self, sender: WeightSender, rank: int, world_size: int):
         self.sender = sender
-        self.client = sender.client
+        self.rank = rank
+        self.world_size = world_size
         self._channels: list[Channel] = []
 
     # ------------------------------------------------------------------ the trainer's group
@@ -120,14 +124,14 @@ class ShardedWeights:
             raise StateError(f"{what}: world_size > 1 needs torch.distributed on the trainer") from None
         if not (dist.is_available() and dist.is_initialized()):
             raise StateError(
-                f"{what}: this client has world_size={self.client.world_size}, so every rank calls it inside the "
+                f"{what}: this client has world_size={self.world_size}, so every rank calls it inside the "
                 "trainer's torch.distributed group: call torch.distributed.init_process_group first (or pass group=)"
             )
         group = dist.group.WORLD if group is None else group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        if size != self.client.world_size or rank != self.client.rank:
+        if size != self.world_size or rank != self.rank:
             raise StateError(
-                f"{what}: the client is rank {self.client.rank} of {self.client.world_size}, but this process is "
+                f"{what}: the client is rank {self.rank} of {self.world_size}, but this process is "
                 f"rank {rank} of {size} in the trainer's process group: they must be the same"
             )
         for ch in self._channels:
@@ -157,19 +161,21 @@ class ShardedWeights:
 
     # ------------------------------------------------------------------ the calls
 
-    async def from_disk(self, path: str, version: int, timeout: float, group: Any) -> dict:
+    async def from_disk(self, path: str, version: int, timeout: float, group: Any) -> WeightUpdateResult:
         what = f"update_weights_from_disk({version})"
         ch = await self._channel(group, timeout, what)
         if ch.rank:
-            return await self._follow(ch, None, (), 0, timeout, what)
+            return WeightUpdateResult.from_wire(await self._follow(ch, None, (), 0, timeout, what))
         try:
             result = await ch.lead(self.sender.from_disk(path, version, timeout), timeout)
         except BaseException as exc:
             await self._tell_failure(ch, exc)
             raise
-        return await self._done(ch, result, timeout, what)
+        return WeightUpdateResult.from_wire(await self._done(ch, result.raw, timeout, what))
 
-    async def broadcast(self, named_tensors, version, backend, bucket_bytes, timeout, verify, group) -> dict:
+    async def broadcast(
+        self, named_tensors, version, backend, bucket_bytes, timeout, verify, group
+    ) -> WeightUpdateResult:
         what = f"update_weights({version})"
         items = _items(named_tensors)  # references, kept for the call (a retry gathers them again)
         ch = await self._channel(group, timeout, what)
@@ -177,7 +183,7 @@ class ShardedWeights:
         plan = await self._plan(ch, items, bucket_bytes, self._backend_error(ch, backend), float(timeout))
         ch.owed = True
         if ch.rank:
-            return await self._follow(ch, plan, items, bucket_bytes, timeout, what)
+            return WeightUpdateResult.from_wire(await self._follow(ch, plan, items, bucket_bytes, timeout, what))
         beat = self.sender._start_beat(what, f"weights-alive-{version}")
         try:
             first = None
@@ -201,26 +207,31 @@ class ShardedWeights:
                     raise
                 if first is not None:
                     result = {**result, "retried": first}
-                return await self._done(ch, result, timeout, what)
+                return WeightUpdateResult.from_wire(await self._done(ch, result, timeout, what))
         finally:
             await self.sender._stop_beat(beat)
         raise AssertionError("unreachable")
 
-    async def catch_up(self, named_tensors, version, backend, bucket_bytes, timeout, verify, group) -> dict:
+    async def catch_up(
+        self, named_tensors, version, backend, bucket_bytes, timeout, verify, group
+    ) -> WeightUpdateResult:
         what = f"catch_up({version})"
         ch = await self._channel(group, timeout, what)
         if ch.rank:
-            return await self._follow(ch, None, named_tensors, bucket_bytes, timeout, what)
+            result = await self._follow(ch, None, named_tensors, bucket_bytes, timeout, what)
+            return WeightUpdateResult.from_wire(result)
         try:
-            return await self._lead_catch_up(ch, named_tensors, int(version), backend, bucket_bytes, timeout, verify)
+            result = await self._lead_catch_up(ch, named_tensors, int(version), backend, bucket_bytes, timeout, verify)
         except BaseException as exc:
             await self._tell_failure(ch, exc)
             raise
+        return WeightUpdateResult.from_wire(result)
 
     # ------------------------------------------------------------------ the other ranks
 
     async def _follow(self, ch, plan, named_tensors, bucket_bytes, timeout, what) -> dict:
-        """Ranks above 0: act on rank 0's word until it says "done" (its result) or "fail" (its error).
+        """Ranks above 0: act on rank 0's word until it says "done" (its result: the coordinator's answer, "retried"
+        added when rank 0 retried) or "fail" (its error).
         ``plan`` None: a catch-up's, made at its first "next" (``named_tensors`` read only then)."""
         k = 0
         items = named_tensors if isinstance(named_tensors, list) else None
@@ -259,7 +270,7 @@ class ShardedWeights:
     async def _lead_attempt(self, ch, plan, mine, version, backend, timeout, verify, what) -> dict:
         """One attempt of a broadcast, rank 0's side (``WeightSender._attempt`` with the gathers in it)."""
         s = self.sender
-        address = master_address(self.client.address)
+        address = master_address(s.address)
         port = free_port(address)
         begun = await ch.lead(
             s._begin(
@@ -286,9 +297,8 @@ class ShardedWeights:
             checked = verify if verify is not None else (begun["init"] or (s.updates + 1) % VERIFY_EVERY == 0)
             values = await self._push(ch, plan, mine, s.group, update_id, backend, timeout, what, checked)
             s.updates += 1
-            result = await ch.lead(
-                s.client._request(lambda ss, req: p.FinishWeights(ss, req, update_id, values), what), timeout
-            )
+            finish = s.request(lambda ss, req: p.FinishWeights(ss, req, update_id, values), what)
+            result = await ch.lead(finish, timeout)
         except GroupBroken as exc:
             raise await self._broken(exc, update_id, what, destroy=True) from exc
         except (RemoteError, StateError):
@@ -305,7 +315,7 @@ class ShardedWeights:
     async def _lead_catch_up(self, ch, named_tensors, version, backend, bucket_bytes, timeout, verify) -> dict:
         s = self.sender
         what = f"catch_up({version})"
-        address = master_address(self.client.address)
+        address = master_address(s.address)
         port = free_port(address)
         begun = await ch.lead(
             s._begin(
@@ -318,9 +328,7 @@ class ShardedWeights:
             timeout,
         )
         if not begun["world_size"]:  # nothing behind: every rank returns, nothing read or gathered
-            return await self._done(
-                ch, {"update_id": begun["update_id"], "version": version, "engines": {}}, timeout, what
-            )
+            return await self._done(ch, nothing_behind(begun, version), timeout, what)
         items = _items(named_tensors)
         update_id = s._update_id = begun["update_id"]
         beat = s._start_beat(what, f"weights-alive-catch-up-{version}")
@@ -331,9 +339,8 @@ class ShardedWeights:
             group, s._side_store = await ch.lead(s._form(address, port, begun, backend, timeout), timeout)
             plan = self._lazy_plan(ch, items, bucket_bytes, self._backend_error(ch, backend), timeout)
             values = await self._push(ch, plan, dict(items), group, update_id, backend, timeout, what, verify)
-            result = await ch.lead(
-                s.client._request(lambda ss, req: p.FinishWeights(ss, req, update_id, values), what), timeout
-            )
+            finish = s.request(lambda ss, req: p.FinishWeights(ss, req, update_id, values), what)
+            result = await ch.lead(finish, timeout)
         except GroupBroken as exc:
             raise await self._broken(exc, update_id, what, destroy=False) from exc
         except (RemoteError, StateError):
@@ -368,7 +375,7 @@ class ShardedWeights:
         def announce(seq: int) -> asyncio.Future:
             entries = plan[seq]
             return asyncio.ensure_future(
-                s.client._request(
+                s.request(
                     lambda ss, req: p.WeightBucket(
                         ss,
                         req,

@@ -323,11 +323,12 @@ class Cluster:
         return json.loads(out.stdout)
 
     def status(self, timeout: float = 5) -> dict:
-        """The same status, in-process: what readiness polls (a subprocess per poll is slow on 2 cores)."""
+        """The same status (the dict ``coordinator status --json`` prints: ``FleetStats.raw``), in-process: what
+        readiness polls (a subprocess per poll is slow on 2 cores)."""
         from coordinator.client import RolloutClient
 
         with RolloutClient(self.address, timeout=timeout, attach=False, **self.client_keys()) as probe:
-            stats = probe.stats()
+            stats = probe.stats().raw
         for agent_id, entry in stats["agents"].items():
             if entry.get("session"):
                 self._sessions_seen.setdefault(agent_id, set()).add(entry["session"])
