@@ -20,7 +20,7 @@ trainer. One JSON line per attempt goes to ``--weights-log`` (fsynced):
 
 After a broadcast, an engine that restarts (or a node that joins) is stale: out of
 the pool until an update reaches it. Before each ``generate`` the trainer looks at
-``stats()["weights"]["behind"]`` and, when engines are behind a broadcast version,
+``stats().weights.behind`` and, when engines are behind a broadcast version,
 brings just them to it with ``catch_up`` (the tensors are a function of the version,
 so a resumed trainer sends the same ones), logged with kind ``catch_up``. Once every
 engine is stale no batch can come: while a ``generate`` waits, the trainer looks at
@@ -148,8 +148,8 @@ def rescue_from_disk(client, root: Path, weights_log: Path, with_torch: bool) ->
     result = client.update_weights_from_disk(str(write_checkpoint(root, version, with_torch)), version, timeout=60)
     with open(weights_log, "a") as log:
         record = {"run": "harness", "pid": os.getpid(), "rid": -1, "kind": "disk", "rescue": True, "ok": True}
-        append(log, {**record, "version": result["version"], "engines": result["engines"], "seconds": 0.0})
-    return result["version"]
+        append(log, {**record, "version": result.version, "engines": result.engines, "seconds": 0.0})
+    return result.version
 
 
 def append(log, record: dict) -> None:
@@ -195,11 +195,11 @@ class Pusher:
             record.update(version=version, ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
             print(f"weights {kind} {version} failed after rollout {rid}: {record['error']}", flush=True)
         else:
-            self.last = max(self.last, result["version"])
-            record.update(version=result["version"], ok=True, engines=result["engines"])
-            if result.get("retried"):
-                record["retried"] = result["retried"][:300]
-            print(f"weights {kind} {result['version']} after rollout {rid}", flush=True)
+            self.last = max(self.last, result.version)
+            record.update(version=result.version, ok=True, engines=result.engines)
+            if result.retried:
+                record["retried"] = result.retried[:300]
+            print(f"weights {kind} {result.version} after rollout {rid}", flush=True)
         record["seconds"] = round(time.monotonic() - started, 3)
         record["t1"] = time.time()
         await asyncio.to_thread(append, self.log, record)
@@ -210,14 +210,14 @@ class Pusher:
         if not self.with_torch:
             return False
         try:
-            stats = (await asyncio.wait_for(self.client.stats(), 5))["weights"]
+            weights = (await asyncio.wait_for(self.client.stats(), 5)).weights
         except (RolloutError, TimeoutError):
             return False  # the coordinator is restarting: look again later
-        if not stats.get("behind") or stats["kind"] != "distributed" or stats["lock"] is not None:
+        if not weights.behind or weights.kind != "distributed" or weights.lock is not None:
             return False
-        version, started = stats["version"], time.monotonic()
+        version, started = weights.version, time.monotonic()
         record = {"run": self.run, "pid": os.getpid(), "rid": rid, "kind": "catch_up", "rescue": rescue}
-        record.update(version=version, behind=stats["behind"], t0=time.time())
+        record.update(version=version, behind=list(weights.behind), t0=time.time())
         try:
             async with asyncio.timeout(self.timeout * 3):
                 result = await self.client.catch_up(
@@ -227,8 +227,8 @@ class Pusher:
             record.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
             print(f"catch_up {version} failed before rollout {rid}: {record['error']}", flush=True)
         else:
-            record.update(ok=True, engines=result["engines"])
-            print(f"catch_up {version} before rollout {rid}: {sorted(result['engines'])}", flush=True)
+            record.update(ok=True, engines=result.engines)
+            print(f"catch_up {version} before rollout {rid}: {sorted(result.engines)}", flush=True)
         record["seconds"] = round(time.monotonic() - started, 3)
         record["t1"] = time.time()
         await asyncio.to_thread(append, self.log, record)
@@ -241,9 +241,9 @@ class Pusher:
             stats = await asyncio.wait_for(self.client.stats(), 5)
         except (RolloutError, TimeoutError):
             return False  # the coordinator is restarting: look again later
-        if stats["weights"]["lock"] is not None:
+        if stats.weights.lock is not None:
             return False
-        states = [e.get("state") for a in stats["agents"].values() if a["status"] == "alive" for e in a["engines"]]
+        states = [e.get("state") for a in stats.agents.values() if a.status == "alive" for e in a.engines]
         return "stale" in states and "healthy" not in states
 
     async def generate(self, rid: int):
@@ -285,7 +285,7 @@ async def evaluate(client: AsyncRolloutClient, args: argparse.Namespace, rid: in
     record = {"run": run, "pid": os.getpid(), "rid": rid, "name": args.eval_name}
     started = time.monotonic()
     try:
-        record.update(ok=True, metrics=await client.evaluate(args.eval_name))
+        record.update(ok=True, metrics=(await client.evaluate(args.eval_name)).to_dict())
     except RolloutError as exc:
         record.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
     record["seconds"] = round(time.monotonic() - started, 3)

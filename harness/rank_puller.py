@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
                     "micro_batches": {n: batch.micro_batch_count(n) for n in BUDGETS},
                 }
             elif command == "pause":
-                answer = client.pause(drain=True)
+                answer = client.pause(drain=True).to_dict()
             elif command == "state_dict":
                 answer = client.state_dict()
             elif command == "load_state_dict":

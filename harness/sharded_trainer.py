@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from common import weight_group
 from coordinator import trainer_group
-from coordinator.client import RolloutClient
+from coordinator.client import RolloutClient, WeightUpdateResult
 
 TIMEOUT = 30.0
 BUCKET_BYTES = 4 << 10  # several buckets for a model of ~17 KiB
@@ -94,7 +94,7 @@ class Log:
         self.rank = rank
         self.records: list[dict] = []
 
-    def call(self, name: str, fn) -> dict | None:
+    def call(self, name: str, fn) -> WeightUpdateResult | None:
         started = time.time()
         try:
             result = fn()
@@ -102,7 +102,7 @@ class Log:
             record = {"step": name, "error": str(exc), "kind": type(exc).__name__}
             result = None
         else:
-            record = {"step": name, "result": result}
+            record = {"step": name, "result": result.to_dict()}
         record.update(at=time.time(), took=time.time() - started)
         self.records.append(record)
         tmp = self.path.with_suffix(".tmp")

@@ -54,7 +54,7 @@ import os
 from typing import Any
 
 from common.errors import ConfigError
-from coordinator.client import RolloutClient
+from coordinator.client import RolloutClient, WeightUpdateResult
 
 PLACEHOLDER_PROMPT = "(prompt chosen by the rollfleet coordinator)"
 
@@ -241,8 +241,9 @@ class FleetRollouts:
 
     # ------------------------------------------------------------ weights
 
-    def push_weights(self, trainer, step: int) -> dict:
-        """Push the trainer's parameters to every engine as version ``base + step`` (every process calls it)."""
+    def push_weights(self, trainer, step: int) -> WeightUpdateResult:
+        """Push the trainer's parameters to every engine as version ``base + step`` (every process calls it); the
+        update's result (rank 0's, on every process)."""
         model = trainer.accelerator.unwrap_model(trainer.model)
         version = self.base_version + step
         if self.weights == "disk":

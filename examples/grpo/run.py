@@ -176,11 +176,11 @@ def wait_ready(address: str, procs: Processes, engines: int, timeout: float = 30
         while True:
             procs.check()
             try:
-                agent = probe.stats()["agents"].get("node-0") or {}
+                agent = probe.stats().agents.get("node-0")
             except Exception:  # the coordinator is still starting
-                agent = {}
-            healthy = [e for e in agent.get("engines") or () if e.get("state") == "healthy"]
-            if agent.get("status") == "alive" and len(healthy) >= engines:
+                agent = None
+            healthy = [e for e in agent.engines if e.get("state") == "healthy"] if agent is not None else []
+            if agent is not None and agent.status == "alive" and len(healthy) >= engines:
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the agent did not become ready in {timeout:.0f}s; see {procs.logs}")

@@ -216,20 +216,20 @@ def _evaluate(client, config: TrainConfig, step: int, log) -> dict:
     """One evaluation pass on the fleet (the coordinator's ``--eval-dataset``): ``eval_*`` metrics for the rows."""
     m = client.evaluate(config.eval_name)
     log(
-        f"eval after step {step}: {config.eval_name} reward {m['reward_mean']:.3f} over {m['prompts']} prompts, "
-        f"truncated {m['truncated_ratio']:.2f}, weights {','.join(m['weight_versions'])}"
+        f"eval after step {step}: {config.eval_name} reward {m.reward_mean:.3f} over {m.prompts} prompts, "
+        f"truncated {m.truncated_ratio:.2f}, weights {','.join(m.weight_versions)}"
     )
     out = {
-        "eval_reward": m["reward_mean"],
-        "eval_truncated": m["truncated_ratio"],
+        "eval_reward": m.reward_mean,
+        "eval_truncated": m.truncated_ratio,
         "eval_after_step": step,
-        "eval_versions": m["weight_versions"],
+        "eval_versions": list(m.weight_versions),
     }
     if config.eval_sampled:
         m = client.evaluate(config.eval_sampled)
-        k = m["n_samples"]
-        log(f"eval after step {step}: {config.eval_sampled} pass@1 {m['pass@1']:.3f}, pass@{k} {m[f'pass@{k}']:.3f}")
-        out.update({"eval_pass@1": m["pass@1"], f"eval_pass@{k}": m[f"pass@{k}"]})
+        k = m.n_samples
+        log(f"eval after step {step}: {config.eval_sampled} pass@1 {m.pass_at[1]:.3f}, pass@{k} {m.pass_at[k]:.3f}")
+        out.update({"eval_pass@1": m.pass_at[1], f"eval_pass@{k}": m.pass_at[k]})
     return out
 
 

@@ -86,7 +86,7 @@ def one(cluster, client, tensors, version, key: str, t_up: float) -> dict:
     started = time.monotonic()
     result = client.catch_up(tensors, version, backend="gloo", timeout=120)
     called = time.monotonic() - started
-    assert key in result["engines"], result
+    assert key in result.engines, result
     wait_for(lambda: engines(cluster.status())[key]["state"] == "healthy", 60, f"{key} to serve", interval=0.02)
     serving = time.monotonic() - t_up
     after = pauses(cluster.status(), key)

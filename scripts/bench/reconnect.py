@@ -117,7 +117,7 @@ def outage(net, slot: int, seconds: float, watch, port: int | None = None, train
     ends = time.monotonic() + seconds
     while time.monotonic() < ends:  # bounded by the outage; meanwhile, what the coordinator makes of a0
         try:
-            seen.add(watch.stats()["agents"]["a0"]["status"])
+            seen.add(watch.stats().agents["a0"].status)
         except Exception as exc:  # the watch's own link is never partitioned: say so, do not stop the outage
             seen.add(f"status failed: {type(exc).__name__}")
         if trainer is not None and not trainer.alive():
@@ -134,8 +134,8 @@ def measure_agent(net, cluster, watch, puller, seconds: float) -> tuple[float, d
 
     def back():
         asked = time.monotonic()
-        entry = watch.stats()["agents"]["a0"]
-        return entry["status"] == "alive" and asked - entry["silent_s"] > healed and entry["leases"] > 0
+        entry = watch.stats().agents["a0"]
+        return entry.status == "alive" and asked - entry.silent_s > healed and entry.leases > 0
 
     wait_for(back, 60, "a0 back")
     return time.monotonic() - healed, shown

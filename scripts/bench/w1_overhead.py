@@ -256,9 +256,9 @@ def wait_cluster_ready(procs: Procs, address: str) -> None:
     with RolloutClient(address, attach=False, timeout=10) as probe:
 
         def ready():
-            agents = probe.stats()["agents"]
+            agents = probe.stats().agents
             # The coordinator counts capacity in groups.
-            live = [a for a in agents.values() if a["status"] == "alive" and a["capacity"] >= CONCURRENCY // GROUP]
+            live = [a for a in agents.values() if a.status == "alive" and a.capacity >= CONCURRENCY // GROUP]
             return len(live) == AGENTS
 
         wait_until(ready, READY_TIMEOUT, "agents registered with healthy engines", interval=0.2, check=procs.check)

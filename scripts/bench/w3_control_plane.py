@@ -164,7 +164,7 @@ def agents_alive(address: str, curve: dict) -> int:
 
     try:
         with RolloutClient(address, timeout=10, attach=False, **curve) as client:
-            return sum(a["status"] == "alive" for a in client.stats()["agents"].values())
+            return sum(a.status == "alive" for a in client.stats().agents.values())
     except RolloutError:
         return -1
 

@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from common.errors import WeightUpdateError  # noqa: E402
+from coordinator.client import WeightUpdateResult  # noqa: E402
 from harness.chaos_check import NO_ENGINE_UP  # noqa: E402
 from harness.chaos_evidence import serving_engines  # noqa: E402
 from harness.cluster import Cluster, free_port  # noqa: E402
@@ -201,7 +202,7 @@ class Fleet:
     def named(self):
         return list(self.model.named_parameters())
 
-    def push(self, named, *, bucket_mb: int | None = None) -> tuple[float, dict]:
+    def push(self, named, *, bucket_mb: int | None = None) -> tuple[float, WeightUpdateResult]:
         self.version += 1
         bucket = (bucket_mb or self.args.bucket_mb) * MB
         t0 = time.perf_counter()
@@ -321,7 +322,7 @@ def run(args) -> int:
         t0 = time.perf_counter()
         try:
             took, result = fleet.push(fleet.named())
-            emit("update_after_kill_s", round(took, 4), "s", engines=result["engines"], retried=result.get("retried"))
+            emit("update_after_kill_s", round(took, 4), "s", engines=result.engines, retried=result.retried)
             results["update_after_kill_s"] = round(took, 4)
         except WeightUpdateError as exc:
             # With one engine in the fleet there is nobody to receive it: refused at once, lock released.
@@ -330,17 +331,17 @@ def run(args) -> int:
             fleet.version -= 1
             emit("update_after_kill_refused_s", round(time.perf_counter() - t0, 4), "s", error=str(exc)[:200])
             results["update_after_kill"] = "refused: no engine up"
-        behind = wait_for(lambda: fleet.client.stats()["weights"]["behind"], 600, "the killed engine to restart behind")
+        behind = wait_for(lambda: fleet.client.stats().weights.behind, 600, "the killed engine to restart behind")
         t0 = time.perf_counter()
         caught = fleet.client.catch_up(fleet.named(), fleet.version, backend=args.backend, timeout=600)
-        emit("catch_up_s", round(time.perf_counter() - t0, 4), "s", engines=caught["engines"], behind=behind)
+        emit("catch_up_s", round(time.perf_counter() - t0, 4), "s", engines=caught.engines, behind=behind)
         results["catch_up_s"] = round(time.perf_counter() - t0, 4)
         fleet.check_digest()
         fleet.nudge()
         took, result = fleet.push(fleet.named())
         fleet.check_digest()
         gap, n = fleet.check_batch()
-        emit("update_after_restart_s", round(took, 4), "s", engines=result["engines"])
+        emit("update_after_restart_s", round(took, 4), "s", engines=result.engines)
         emit("logprob_gap_after_restart", gap, "nats", samples=n)
     finally:
         fleet.close()

@@ -256,8 +256,8 @@ def fleet_push(args, rank: int, world: int, layers: int, bucket_bytes: int) -> d
                     named = [(n, p.full_tensor()) for n, p in named]
             result = client.update_weights(named, version, backend="gloo", bucket_bytes=bucket_bytes, timeout=120)
             times.append(time.perf_counter() - t0)
-            if len(result["engines"]) != RECEIVERS or set(result["engines"].values()) != {version}:
-                raise AssertionError(f"push {version}: engines answered {result['engines']}")
+            if len(result.engines) != RECEIVERS or set(result.engines.values()) != {version}:
+                raise AssertionError(f"push {version}: engines answered {result.engines}")
             version += 1
         with torch.no_grad():  # every rank gathers (a collective); rank 0 hashes the full model
             full = [(n, p.full_tensor()) for n, p in model.named_parameters()]

@@ -225,8 +225,8 @@ def run_rollfleet(workdir: Path, sizes: list[int], reps: int, bucket_bytes: int,
                         tensors, version, backend="gloo", bucket_bytes=bucket_bytes, timeout=300
                     )
                     dt = time.perf_counter() - t0
-                    if set(result["engines"].values()) != {version} or len(result["engines"]) != RECEIVERS:
-                        raise AssertionError(f"update {version}: engines answered {result['engines']}")
+                    if set(result.engines.values()) != {version} or len(result.engines) != RECEIVERS:
+                        raise AssertionError(f"update {version}: engines answered {result.engines}")
                     check_engines(cluster, version, weights_digest(tensors.items()))
                     if out["first"] is None:
                         out["first"] = (size_mb, dt)
@@ -247,8 +247,8 @@ def run_rollfleet(workdir: Path, sizes: list[int], reps: int, bucket_bytes: int,
                     t0 = time.perf_counter()
                     result = client.update_weights_from_disk(str(ckpt), version, timeout=300)
                     disk_times.append(time.perf_counter() - t0)
-                    if set(result["engines"].values()) != {version} or len(result["engines"]) != RECEIVERS:
-                        raise AssertionError(f"disk update {version}: engines answered {result['engines']}")
+                    if set(result.engines.values()) != {version} or len(result.engines) != RECEIVERS:
+                        raise AssertionError(f"disk update {version}: engines answered {result.engines}")
                     check_engines(cluster, version, None)
                     t0 = time.perf_counter()
                     read_checkpoint(ckpt / "model.safetensors")

@@ -51,9 +51,9 @@ def test_a_restarted_engine_catches_up_while_the_others_keep_serving(make_cluste
     tensors = {f"layer{i}.weight": torch.full((256, 64), 1.0 + i) for i in range(4)}
     with cluster.client(timeout=30) as client:
         client.generate(0)
-        assert client.catch_up(unread(), 0, backend="gloo")["engines"] == {}  # nothing behind: nothing read
+        assert client.catch_up(unread(), 0, backend="gloo").engines == {}  # nothing behind: nothing read
         result = client.update_weights(tensors, 1, backend="gloo", timeout=30)
-        assert set(result["engines"].values()) == {1} and len(result["engines"]) == 3
+        assert set(result.engines.values()) == {1} and len(result.engines) == 3
         before = engines(cluster.status())
         victim = cluster.engine_pids_of("a1")[0]
         os.kill(victim, signal.SIGKILL)
@@ -67,9 +67,9 @@ def test_a_restarted_engine_catches_up_while_the_others_keep_serving(make_cluste
         healthy_at = time.monotonic()
         url = now["a1/sim-0"]["url"]
         assert get(url, "/model_info")["weight_version"] == "default"
-        stats = client.stats()
-        assert stats["weights"]["behind"] == ["a1/sim-0"]
-        updates = stats["weights"]["updates"]
+        weights = client.stats().weights
+        assert weights.behind == ("a1/sim-0",)
+        updates = weights.updates
         serving = {k: e["url"] for k, e in now.items() if k != "a1/sim-0"}
         pauses = {k: get(u, "/server_info")["sim"]["pauses"] for k, u in serving.items()}
         groups = {k: get(u, "/server_info")["sim"]["weight_groups"] for k, u in serving.items()}
@@ -78,16 +78,16 @@ def test_a_restarted_engine_catches_up_while_the_others_keep_serving(make_cluste
             client.catch_up(tensors, 2, backend="gloo")
         result = client.catch_up(tensors, 1, backend="gloo", timeout=30)
         print(f"restart to current: {time.monotonic() - healthy_at:.2f}s after the engine was up (stale)")
-        assert result["engines"] == {"a1/sim-0": 1}, result
+        assert result.engines == {"a1/sim-0": 1}, result
 
         assert get(url, "/model_info")["weight_version"] == "1"
         held = get(url, "/weights_checker")["ranks"][0]["checksums"]["layer3.weight"]  # SGLang's CPU checksum
         assert held == tensor_checksum(tensors["layer3.weight"]), "the caught-up engine holds other weights"
         assert get(url, "/server_info")["sim"]["weight_groups"] == []  # its catch-up group ended with the call
-        stats = client.stats()
-        assert stats["weights"]["behind"] == [] and stats["weights"]["version"] == 1
-        assert stats["weights"]["updates"] == updates  # nothing recorded: the version was the fleet's
-        assert stats["weights"]["lock"] is None
+        weights = client.stats().weights
+        assert weights.behind == () and weights.version == 1
+        assert weights.updates == updates  # nothing recorded: the version was the fleet's
+        assert weights.lock is None
         for k, u in serving.items():
             info = get(u, "/server_info")["sim"]
             assert info["pauses"] == pauses[k], f"{k} was paused by the catch-up"
@@ -96,10 +96,10 @@ def test_a_restarted_engine_catches_up_while_the_others_keep_serving(make_cluste
 
         batch = client.generate(1)
         assert {s.weight_version for s in batch.samples} == {"1"}
-        assert client.catch_up(unread(), 1, backend="gloo")["engines"] == {}
+        assert client.catch_up(unread(), 1, backend="gloo").engines == {}
         tensors = {k: v + 1 for k, v in tensors.items()}
         result = client.update_weights(tensors, 2, backend="gloo", timeout=30)
-        assert result["engines"] == {"a1/sim-0": 2, "a1/sim-1": 2, "a2/sim-0": 2}
+        assert result.engines == {"a1/sim-0": 2, "a1/sim-1": 2, "a2/sim-0": 2}
         assert {s.weight_version for s in client.generate(2).samples} == {"2"}
 
 
@@ -125,7 +125,7 @@ def test_a_node_that_joins_after_a_broadcast_catches_up(make_cluster):
         assert {g.agent_id for g in client.generate(1).groups} == {"a1"}  # a2 is out of the pool
         result = client.catch_up(tensors, 1, backend="gloo", timeout=30)
         print(f"join to current: {time.monotonic() - joined_at:.2f}s after the engine was up (stale)")
-        assert result["engines"] == {"a2/sim-0": 1}
+        assert result.engines == {"a2/sim-0": 1}
         wait_for(lambda: engines(cluster.status())["a2/sim-0"]["state"] == "healthy", 10, "a2/sim-0 to serve")
         seen: set[str] = set()
         for step in range(2, 8):

@@ -28,6 +28,8 @@ import time
 
 import pytest
 
+from coordinator.client import PauseResult, ResumeResult
+from coordinator.client_stats import PromptCounts
 from coordinator.ledger import read_ledger
 from harness.observe import metrics_url, sample_value, scrape
 from harness.polling import wait_for
@@ -153,18 +155,18 @@ def test_every_endpoint_reports_what_the_trainer_and_the_agents_saw(make_cluster
                 ckpt = tmp_path / f"ckpt{rollout_id + 1}"
                 ckpt.mkdir()
                 result = client.update_weights_from_disk(str(ckpt), rollout_id + 1)
-                assert result["version"] == rollout_id + 1
-                assert result["engines"] == {f"{a}/sim-0": rollout_id + 1 for a in AGENTS}
-                updates.append((result["update_id"], str(ckpt)))
+                assert result.version == rollout_id + 1
+                assert result.engines == {f"{a}/sim-0": rollout_id + 1 for a in AGENTS}
+                updates.append((result.update_id, str(ckpt)))
         partials = sum(1 for b in batches if len(b) < SIZE)
         assert partials == 1 and 1 <= len(batches[-1]) < SIZE, [len(b) for b in batches]
         assert len({uid for uid, _ in updates}) == PUSHES
-        assert client.pause(drain=True) == {"leased": 0}
+        assert client.pause(drain=True) == PauseResult(leased=0)
         stats = client.stats()
         c = scrape(coord)
         a = {name: scrape(base) for name, base in agents.items()}
         state = client.state_dict()
-        assert client.resume() == {}
+        assert client.resume() == ResumeResult()
         assert sample_value(scrape(coord), "rollfleet_paused") == 0
         assert client.weight_version() == PUSHES
 
@@ -217,10 +219,10 @@ def test_every_endpoint_reports_what_the_trainer_and_the_agents_saw(make_cluster
     assert sample_value(c, "rollfleet_leases_in_flight") == 0 and sample_value(c, "rollfleet_leases_held") == 0
     stored = agents_total("rollfleet_agent_store_groups")
     ready = stored - len(delivered)  # the stores keep every committed group (no checkpoint trimmed yet)
-    assert sample_value(c, "rollfleet_groups_ready") == ready == stats["ready"]
+    assert sample_value(c, "rollfleet_groups_ready") == ready == stats.batches.ready
     assert sample_value(c, "rollfleet_fleet_capacity_groups") == len(AGENTS) * (CONCURRENCY // SAMPLES)
     assert sample_value(c, "rollfleet_dataset_prompts") == ROWS
-    open_epochs = stats["data_epochs"]
+    open_epochs = stats.data_epochs
     assert sample_value(c, "rollfleet_data_epoch") == max(open_epochs) >= max(g.data_epoch for g in delivered)
     prompts = {s.labels["state"]: s.value for s in c if s.name == "rollfleet_prompts"}
     assert sum(prompts.values()) == ROWS * len(open_epochs), "every row of an open epoch is in one state"
@@ -266,24 +268,24 @@ def test_every_endpoint_reports_what_the_trainer_and_the_agents_saw(make_cluster
         assert sample_value(mine, "rollfleet_agent_engine_weight_version", agent=name, engine="sim-0") == PUSHES
 
     # --- stats() and the answers against what the trainer did
-    assert stats["receipts"] == {"accepted": committed, "refused": 0}
-    assert stats["filtered_total"] == filtered and stats["leased"] == 0 and stats["held"] == 0
-    assert stats["paused"] is True and stats["pending_generates"] == 0 and stats["prefetch"] == 0
-    assert stats["last_rollout_id"] == stats["consumed_upto"] == len(batches) - 1
-    assert {n: (e["status"], e["capacity"], e["leases"]) for n, e in stats["agents"].items()} == {
+    assert stats.receipts == {"accepted": committed, "refused": 0}
+    assert stats.filtered_total == filtered and stats.leased == 0 and stats.held == 0
+    assert stats.paused is True and stats.batches.pending_generates == 0 and stats.batches.prefetch == 0
+    assert stats.batches.last_rollout_id == stats.batches.consumed_upto == len(batches) - 1
+    assert {n: (e.status, e.capacity, e.leases) for n, e in stats.agents.items()} == {
         n: ("alive", CONCURRENCY // SAMPLES, 0) for n in AGENTS
     }
-    weights = stats["weights"]
-    assert (weights["version"], weights["updates"], weights["kind"], weights["path"], weights["lock"]) == (
+    weights = stats.weights
+    assert (weights.version, weights.updates, weights.kind, weights.path, weights.lock) == (
         PUSHES,
         PUSHES,
         "disk",
         updates[-1][1],
         None,
     )
-    assert weights["engines"] == {f"{n}/sim-0": PUSHES for n in AGENTS} and weights["behind"] == []
-    assert stats["sources"]["default"]["weight"] == 1.0
-    assert stats["sources"]["default"]["prompts"] == stats["prompts"] == prompts
+    assert weights.engines == {f"{n}/sim-0": PUSHES for n in AGENTS} and weights.behind == ()
+    assert stats.sources["default"].weight == 1.0
+    assert stats.sources["default"].prompts == stats.prompts == PromptCounts(**prompts)
     assert state["rollout_id"] == len(batches) - 1 and state["dataset_size"] == ROWS
     assert state["config"]["rollout_batch_size"] == SIZE and state["config"]["n_samples_per_prompt"] == SAMPLES
     assert state["mixture"] == [[0, [1.0]]]

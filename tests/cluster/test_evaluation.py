@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+from dataclasses import astuple
 
 import pytest
 
@@ -35,9 +36,10 @@ def _expected(results: dict[int, dict], n: int) -> dict:
         "response_length_mean": sum(lengths) / len(lengths),
         "truncated_ratio": sum(r["truncated"] for r in results.values()) / len(rewards),
     }
+    out["pass_at"] = {}
     for k in range(1, n + 1):
         per = [pass_at_k(n, sum(x >= 1.0 for x in r["rewards"]), k) for r in results.values()]
-        out[f"pass@{k}"] = sum(per) / len(per)
+        out["pass_at"][k] = sum(per) / len(per)
     return out
 
 
@@ -71,38 +73,38 @@ def test_evaluate_reports_metrics_and_leaves_training_untouched(make_cluster, tm
     with cluster.client() as client:
         for rid in range(2):
             _check_training_batch(client.generate(rid), rows, size, seen)
-        before = client.stats()["prompts"]
+        before = client.stats().prompts
 
         m = client.evaluate("math")
-        assert m["name"] == "math" and m["pass"] == 1
-        assert (m["prompts"], m["samples"], m["failed_prompts"], m["n_samples"]) == (24, 72, 0, 3)
-        assert {"pass@1", "pass@2", "pass@3"} <= set(m)
-        assert 0.0 <= m["pass@1"] <= m["pass@2"] <= m["pass@3"] <= 1.0
-        assert 0 < m["response_length_mean"] <= 400
-        assert m["weight_versions"] == ["default"]
+        assert m.name == "math" and m.pass_id == 1
+        assert (m.prompts, m.samples, m.failed_prompts, m.n_samples) == (24, 72, 0, 3)
+        assert set(m.pass_at) == {1, 2, 3} and {"pass@1", "pass@2", "pass@3"} <= set(m.to_dict())
+        assert 0.0 <= m.pass_at[1] <= m.pass_at[2] <= m.pass_at[3] <= 1.0
+        assert 0 < m.response_length_mean <= 400
+        assert m.weight_versions == ("default",)
         ledger = read_ledger(cluster.tmp / "coordinator")
         results = ledger.eval_results_of("math")
         assert sorted(results) == list(range(24)), "every evaluation prompt has exactly one result"
         assert all(len(r["rewards"]) == len(r["lengths"]) == 3 for r in results.values())
         for key, value in _expected(results, 3).items():
-            assert m[key] == pytest.approx(value), key
-        assert 0.0 < m["reward_mean"] < 1.0  # the sim engine answers right about half the time
+            assert getattr(m, key) == pytest.approx(value), key
+        assert 0.0 < m.reward_mean < 1.0  # the sim engine answers right about half the time
 
         # One token per sample: every sample stops at the length limit.
         s = client.evaluate("short")
-        assert (s["prompts"], s["samples"], s["n_samples"]) == (10, 20, 2)
-        assert s["response_length_mean"] == 1.0
-        assert s["truncated_ratio"] == 1.0
+        assert (s.prompts, s.samples, s.n_samples) == (10, 20, 2)
+        assert s.response_length_mean == 1.0
+        assert s.truncated_ratio == 1.0
 
         # Training did not move for it: no prompt was taken, finished or delivered by the passes.
-        after = client.stats()["prompts"]
-        assert after["delivered"] == before["delivered"] == 2 * size
-        assert sum(after.values()) == sum(before.values())
+        after = client.stats().prompts
+        assert after.delivered == before.delivered == 2 * size
+        assert sum(astuple(after)) == sum(astuple(before))
         for rid in range(2, 5):
             _check_training_batch(client.generate(rid), rows, size, seen)
 
-        stats = client.stats()["evaluations"]
-        assert stats["math"]["running"] is False and stats["math"]["last"]["pass"] == 1
+        evaluations = client.stats().evaluations
+        assert evaluations["math"].running is False and evaluations["math"].last == m
         table = subprocess.run(
             [sys.executable, "-m", "coordinator.cli", "status", "--coordinator", cluster.address],
             capture_output=True,
@@ -110,11 +112,11 @@ def test_evaluate_reports_metrics_and_leaves_training_untouched(make_cluster, tm
             timeout=30,
             cwd=ROOT,
         ).stdout
-        assert f"eval:     math: last pass 1: reward_mean {m['reward_mean']:.4f}" in table, table
+        assert f"eval:     math: last pass 1: reward_mean {m.reward_mean:.4f}" in table, table
         assert "eval:     short: last pass 1" in table, table
         # A new call is a new pass over the same prompts.
         again = client.evaluate("math")
-        assert again["pass"] == 2 and again["prompts"] == 24
+        assert again.pass_id == 2 and again.prompts == 24
         with pytest.raises(RemoteError, match="no evaluation dataset 'nope'.*math, short") as err:
             client.evaluate("nope")
         assert err.value.code == "unknown_eval"
@@ -161,13 +163,13 @@ def test_evaluation_resumes_after_coordinator_sigkill_counting_each_prompt_once(
         assert not caller.is_alive(), "evaluate() never returned after the restart"
         assert "error" not in result, result.get("error")
         m = result["metrics"]
-        assert (m["pass"], m["prompts"], m["samples"], m["failed_prompts"]) == (1, 40, 80, 0)
+        assert (m.pass_id, m.prompts, m.samples, m.failed_prompts) == (1, 40, 80, 0)
         final = read_ledger(data_dir).eval_results_of("math")
         assert sorted(final) == list(range(40))
         # What was recorded before the kill counts as it was: not generated again, not counted twice.
         for index, r in early.items():
             assert final[index] == r
         for key, value in _expected(final, 2).items():
-            assert m[key] == pytest.approx(value), key
+            assert getattr(m, key) == pytest.approx(value), key
         # Training goes on from where it was.
         assert len(client.generate(1).groups) == cluster.config["rollout_batch_size"]

@@ -111,7 +111,7 @@ def test_sigkilled_agent_restarts_and_its_unacked_groups_are_delivered_exactly_o
     seen = TrainerView(cluster)
     with cluster.client(fetch_timeout=3) as client:
         seen.take(client.generate(0))
-        wait_for(lambda: client.stats()["leased"] > 0, 10, "prefetch leases in flight")
+        wait_for(lambda: client.stats().leased > 0, 10, "prefetch leases in flight")
         hold.touch()
         before_hold = set(read_store(data_dir)[0])
         held = wait_for(lambda: set(read_store(data_dir)[1]) - before_hold, 20, "a group committed, its receipt held")
@@ -133,7 +133,7 @@ def test_sigkilled_agent_restarts_and_its_unacked_groups_are_delivered_exactly_o
         # The agent logs what its Welcome answered once it has it, a moment after the status lists it.
         recovered = wait_for(lambda: REGISTERED.search(agent.text()), 10, "a1 to log its registration")
         assert int(recovered.group(1)) == len(unacked)
-        assert set(client.stats()["agents"]) == {"a1"}, "the restarted agent must keep its id"
+        assert set(client.stats().agents) == {"a1"}, "the restarted agent must keep its id"
         assert not set(cluster.engine_pids_of("a1")) & set(first_engines)
 
         # Everything committed before the kill reaches training exactly once, as committed
@@ -168,11 +168,9 @@ def test_engine_sigkilled_mid_rollout_is_restarted_and_its_groups_requeued(make_
         # The engine comes back as a new process; the groups it held were retried elsewhere. The agent
         # logs each engine's pid (the status has none), and its capacity before it reports it.
         def back_at_full_capacity():
-            entry = client.stats()["agents"]["a1"]
-            states = {e["name"]: e["state"] for e in entry["engines"]}
-            return (
-                entry["capacity"] == 32 // 4 and states["sim-0"] == "healthy" and engines_of(agent)["sim-0"][1] != pid
-            )
+            entry = client.stats().agents["a1"]
+            states = {e["name"]: e["state"] for e in entry.engines}
+            return entry.capacity == 32 // 4 and states["sim-0"] == "healthy" and engines_of(agent)["sim-0"][1] != pid
 
         wait_for(back_at_full_capacity, 30, "sim-0 restarted and full capacity back at the coordinator")
         _, new_pid = engines_of(agent)["sim-0"]
@@ -203,8 +201,8 @@ def test_all_engines_retired_makes_generate_raise_no_capacity(make_cluster):
         # The agent stays up (its committed groups can still be fetched) and gives its
         # unfinished leases back: their prompts are pending again, not stuck.
         assert agent.alive()
-        wait_for(lambda: client.stats()["leased"] == 0, 10, "the agent to release the leases it cannot finish")
-        assert client.stats()["agents"]["a1"]["capacity"] == 0
+        wait_for(lambda: client.stats().leased == 0, 10, "the agent to release the leases it cannot finish")
+        assert client.stats().agents["a1"].capacity == 0
 
 
 def test_agent_whose_only_engine_never_becomes_healthy_exits_with_clear_error(make_cluster):
@@ -243,7 +241,7 @@ def test_retired_agent_leaves_the_pool_and_recorded_batches_are_completed_with_r
     with cluster.client(fetch_timeout=2) as client:
         seen.take(client.generate(0))
         # a1 alone fills the prefetch: the next batch will be made of its groups.
-        wait_for(lambda: client.stats()["ready"] == size, 20, "a1's groups to fill the prefetch")
+        wait_for(lambda: client.stats().batches.ready == size, 20, "a1's groups to fill the prefetch")
         a2 = cluster.start_agent(
             "a2", concurrency=16, sim_args="--token-latency-ms 1 --output-len-dist fixed --output-len-median 16"
         )
@@ -253,8 +251,8 @@ def test_retired_agent_leaves_the_pool_and_recorded_batches_are_completed_with_r
         batch = seen.take(client.generate(1), unique_across=False)
         assert {g.agent_id for g in batch.groups} == {"a2"}
         assert batch.metrics["rollout/replaced_groups"] == size
-        agents = client.stats()["agents"]
-        assert agents["a1"]["status"] == "retired" and agents["a2"]["status"] == "alive"
+        agents = client.stats().agents
+        assert agents["a1"].status == "retired" and agents["a2"].status == "alive"
         for rid in (2, 3):
             assert {g.agent_id for g in seen.take(client.generate(rid), unique_across=False).groups} == {"a2"}
         # The last agent goes too: the trainer gets a clear error, not a hang.
@@ -273,7 +271,7 @@ def test_retirement_does_not_deliver_an_already_trained_prompt_again(make_cluste
             "a2", concurrency=16, sim_args="--token-latency-ms 1 --output-len-dist fixed --output-len-median 16"
         )
         cluster.agents["a1"].signal(signal.SIGKILL)
-        wait_for(lambda: client.stats()["agents"]["a1"]["status"] == "retired", 20, "a1 to be retired")
+        wait_for(lambda: client.stats().agents["a1"].status == "retired", 20, "a1 to be retired")
         for rid in range(1, 5):
             seen.take(client.generate(rid))  # asserts no dataset index is delivered twice
 
@@ -328,12 +326,12 @@ def test_sigterm_releases_leases_drains_receipts_and_leaves_no_engine(make_clust
     seen = TrainerView(cluster)
     with cluster.client() as client:
         seen.take(client.generate(0))
-        wait_for(lambda: client.stats()["leased"] > 0, 10, "leases in flight")
+        wait_for(lambda: client.stats().leased > 0, 10, "leases in flight")
         agent.signal(signal.SIGTERM)
         assert agent.wait(30) == 0, agent.text()[-3000:]
         assert "shutting down" in agent.text()
         # Well inside the 60 s TTL: the agent released its unfinished leases itself.
-        wait_for(lambda: client.stats()["leased"] == 0, 20, "the stopped agent's leases to be released")
+        wait_for(lambda: client.stats().leased == 0, 20, "the stopped agent's leases to be released")
         assert not any(pid_alive(p) for p in engines), "an engine outlived its agent's orderly shutdown"
         groups, unacked = read_store(cluster.tmp / "a1")
         assert not unacked, f"receipts left unacknowledged at shutdown: {sorted(unacked)}"

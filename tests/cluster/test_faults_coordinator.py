@@ -20,10 +20,12 @@ import signal
 import sys
 import textwrap
 import threading
+from dataclasses import astuple
 from pathlib import Path
 
 import lmdb
 
+from coordinator.client_stats import AgentInfo
 from coordinator.ledger import read_ledger as read_coordinator_ledger
 from coordinator.records import LedgerSnapshot
 from harness.polling import wait_for
@@ -132,10 +134,10 @@ def stop_cluster(cluster) -> None:
 
 def sessions(watch) -> dict[str, int]:
     """Each agent's fencing session, as the coordinator's status shows it now."""
-    return {name: entry["session"] for name, entry in watch.stats()["agents"].items()}
+    return {name: entry.session for name, entry in watch.stats().agents.items()}
 
 
-def wait_registered_again(watch, name: str, old_session: int, timeout: float = 30) -> dict:
+def wait_registered_again(watch, name: str, old_session: int, timeout: float = 30) -> AgentInfo:
     """Wait until the status lists ``name`` alive under a session other than ``old_session``.
 
     Sessions are never reused, across coordinator restarts too (membership.py), so a new one is
@@ -143,8 +145,8 @@ def wait_registered_again(watch, name: str, old_session: int, timeout: float = 3
     """
 
     def again():
-        entry = watch.stats()["agents"].get(name)
-        return entry if entry and entry["status"] == "alive" and entry["session"] not in (0, old_session) else None
+        entry = watch.stats().agents.get(name)
+        return entry if entry and entry.status == "alive" and entry.session not in (0, old_session) else None
 
     return wait_for(again, timeout, f"{name} to register again")
 
@@ -209,7 +211,7 @@ def test_stopped_agent_has_its_leases_held_then_is_fenced_and_delivers_nothing_t
     trainer = TrainerLoop(cluster.client(), range(6))
     trainer.start()
 
-    wait_for(lambda: watch.stats()["agents"]["a1"]["leases"] > 0, 30, "a1 to hold leases")
+    wait_for(lambda: watch.stats().agents["a1"].leases > 0, 30, "a1 to hold leases")
     before = sessions(watch)["a1"]
     a1.signal(signal.SIGSTOP)
     try:
@@ -217,8 +219,8 @@ def test_stopped_agent_has_its_leases_held_then_is_fenced_and_delivers_nothing_t
         # groups are not generated twice), while a2 takes the work the batches need.
         def held():
             s = watch.stats()
-            a = s["agents"]
-            return a["a1"]["status"] == "dead" and s["held"] > 0 and a["a2"]["leases"] > 0
+            a = s.agents
+            return a["a1"].status == "dead" and s.held > 0 and a["a2"].leases > 0
 
         wait_for(held, 20, "a1's leases held while a2 generates")
     finally:
@@ -232,8 +234,8 @@ def test_stopped_agent_has_its_leases_held_then_is_fenced_and_delivers_nothing_t
         for rid in (0, 3, 5):
             assert batch_ids(other.generate(rid)) == batch_ids(batches[rid])
     s = watch.stats()
-    assert s["prompts"]["delivered"] == len(delivered)
-    assert sum(s["prompts"].values()) == 400
+    assert s.prompts.delivered == len(delivered)
+    assert sum(astuple(s.prompts)) == 400
     stop_cluster(cluster)
     assert_ledger_matches_stores(cluster, ["a1", "a2"])
 
@@ -252,7 +254,7 @@ def test_coordinator_sigkill_restart_loses_and_duplicates_nothing(make_cluster):
     in_flight = TrainerLoop(client, [2, 3])
     in_flight.start()
     wait_for(
-        lambda: watch.stats()["pending_generates"] == 1 and len(in_flight.batches) == 0,
+        lambda: watch.stats().batches.pending_generates == 1 and len(in_flight.batches) == 0,
         30,
         "generate(2) to be waiting on the coordinator",
     )
@@ -276,8 +278,8 @@ def test_coordinator_sigkill_restart_loses_and_duplicates_nothing(make_cluster):
     for rid in range(4):
         assert batch_ids(client.generate(rid)) == batch_ids(batches[rid]), f"batch {rid} changed across the restart"
     s = watch.stats()
-    assert s["prompts"]["delivered"] == len(delivered)
-    assert sum(s["prompts"].values()) == 400
+    assert s.prompts.delivered == len(delivered)
+    assert sum(astuple(s.prompts)) == 400
     # Work in flight at the kill was adopted back by its agents, not generated a second time.
     assert not regenerated(agents.values())
 
@@ -288,7 +290,7 @@ def test_coordinator_sigkill_restart_loses_and_duplicates_nothing(make_cluster):
     cluster.start_coordinator(*RESTART_TTL)
     state = client.state_dict()
     assert state["rollout_id"] == 5
-    assert watch.stats()["paused"]
+    assert watch.stats().paused
     batches[6] = client.generate(6)  # generating again resumes admission
     delivered = assert_no_index_twice(batches)
     stop_cluster(cluster)
@@ -418,8 +420,8 @@ def test_partitioned_agent_is_presumed_dead_and_its_late_receipts_create_no_dupl
             # Leases granted by the coordinator, and work the agent reports on its engines: the grant
             # reached it before the partition (a grant still in flight is lost with it, and the agent
             # would have nothing to commit while cut off).
-            cut = watch.stats()["agents"]["cut"]
-            return cut["leases"] > 0 and sum(e.get("in_flight", 0) for e in cut["engines"]) > 0
+            cut = watch.stats().agents["cut"]
+            return cut.leases > 0 and sum(e.get("in_flight", 0) for e in cut.engines) > 0
 
         wait_for(generating, 30, "the cut-off agent to hold leases and generate them")
         before, connections = sessions(watch)["cut"], proxy.connections
@@ -429,8 +431,8 @@ def test_partitioned_agent_is_presumed_dead_and_its_late_receipts_create_no_dupl
             # Presumed dead: its leases are held for it (not generated again elsewhere) while the
             # direct agent takes the work the batches need.
             s = watch.stats()
-            a = s["agents"]
-            return a["cut"]["status"] == "dead" and s["held"] > 0 and a["direct"]["leases"] > 0
+            a = s.agents
+            return a["cut"].status == "dead" and s.held > 0 and a["direct"].leases > 0
 
         wait_for(held, 20, "the cut-off agent's leases held while the direct agent generates")
         # Alive but cut off, it keeps committing groups whose receipts cannot arrive,
@@ -446,8 +448,8 @@ def test_partitioned_agent_is_presumed_dead_and_its_late_receipts_create_no_dupl
         batches = trainer.finish()
         delivered = assert_no_index_twice(batches)
         s = watch.stats()
-        assert s["prompts"]["delivered"] == len(delivered)
-        assert sum(s["prompts"].values()) == 400
+        assert s.prompts.delivered == len(delivered)
+        assert sum(astuple(s.prompts)) == 400
         with cluster.client() as other:
             assert batch_ids(other.generate(2)) == batch_ids(batches[2])
         stop_cluster(cluster)
@@ -468,7 +470,7 @@ def test_sigterm_flushes_the_ledger_and_restart_resumes_with_everything(make_clu
     watch = cluster.client(attach=False)
     trainer = TrainerLoop(client, range(8))
     trainer.start()
-    wait_for(lambda: len(trainer.batches) >= 2 and watch.stats()["leased"] > 0, 60, "receipts to be flowing")
+    wait_for(lambda: len(trainer.batches) >= 2 and watch.stats().leased > 0, 60, "receipts to be flowing")
 
     assert stop(coordinator, signal.SIGTERM) == 0, coordinator.text()[-3000:]
     assert len(trainer.batches) < 8, "the trainer must have a call in flight across the restart"
@@ -485,7 +487,7 @@ def test_sigterm_flushes_the_ledger_and_restart_resumes_with_everything(make_clu
     with cluster.client() as other:
         for rid in sorted(recorded):
             assert batch_ids(other.generate(rid)) == batch_ids(batches[rid])
-    assert watch.stats()["prompts"]["delivered"] == len(delivered)
+    assert watch.stats().prompts.delivered == len(delivered)
     stop_cluster(cluster)
     final = read_ledger(cluster).prompts
     for pk, st in at_exit.prompts.items():

@@ -255,16 +255,16 @@ def test_messages_of_a_session_presumed_dead_are_fenced_and_the_agent_registers_
     trainer = Trainer(cluster.client(timeout=120), cluster.config["rollout_batch_size"])
     trainer.start()
     watch = cluster.client(attach=False)
-    wait_for(lambda: watch.stats()["agents"]["a1"]["leases"] > 0, 20, "a1 to hold leases")
+    wait_for(lambda: watch.stats().agents["a1"].leases > 0, 20, "a1 to hold leases")
     hold.touch()
     try:
         # Presumed dead, with receipts committed and sent under the old session (held).
-        wait_for(lambda: watch.stats()["agents"]["a1"]["status"] == "dead", 15, "a1 to be presumed dead")
+        wait_for(lambda: watch.stats().agents["a1"].status == "dead", 15, "a1 to be presumed dead")
         wait_for(lambda: read_store(cluster.tmp / "a1")[1], 10, "a receipt sent while held")
     finally:
         hold.unlink()
     wait_for(lambda: len(registrations(agent)) >= 2, 20, "a1 to register again")
-    fenced = watch.stats()["fenced_messages"]
+    fenced = watch.stats().fenced_messages
     assert fenced.get("receipt", 0) >= 1 and fenced.get("heartbeat", 0) >= 1, fenced
     reasons = re.findall(r"reconnecting to the coordinator: (\w+)", agent.text())
     assert reasons[0] == "fenced", f"the agent reconnected because {reasons}, not because it was fenced"
@@ -287,7 +287,7 @@ def test_a_fetched_batch_asked_again_after_its_node_retired_gets_only_fresh_prom
         assert {g.agent_id for g in first.groups} == {"a1"}
         cluster.start_agent("a2", concurrency=16, sim_args=FAST)
         cluster.agents["a1"].signal(signal.SIGKILL)
-        wait_for(lambda: client.stats()["agents"]["a1"]["status"] == "retired", 20, "a1 to be retired")
+        wait_for(lambda: client.stats().agents["a1"].status == "retired", 20, "a1 to be retired")
         again = client.generate(0)  # its groups are gone with a1: completed with replacements
         assert again.metrics["rollout/replaced_groups"] == len(first.groups)
         assert {g.agent_id for g in again.groups} == {"a2"}
@@ -297,7 +297,7 @@ def test_a_fetched_batch_asked_again_after_its_node_retired_gets_only_fresh_prom
         # trained prompts been reopened, they would have had to come again before that.
         seen = [prompt(g) for g in again.groups]
         rid = 1
-        while 0 in client.stats()["data_epochs"]:
+        while 0 in client.stats().data_epochs:
             assert rid < 12, "epoch 0 never closed"
             seen += [prompt(g) for g in client.generate(rid).groups]
             rid += 1
@@ -322,11 +322,11 @@ def test_a_lost_grant_is_released_by_heartbeat_reconciliation_and_its_prompts_ge
     lost = {(epoch, index) for _, epoch, index in json.loads(m.group(1))}
     assert lost
     with cluster.client(attach=False) as watch:
-        prefetch = watch.stats()["prefetch"]
+        prefetch = watch.stats().batches.prefetch
         # No trainer: admission stops once the prefetch is ready. It fills up only if the
         # lost leases were released (the heartbeat told the agent the highest lease granted).
         wait_for(
-            lambda: (s := watch.stats())["ready"] == prefetch and s["leased"] == 0,
+            lambda: (s := watch.stats()).batches.ready == prefetch and s.leased == 0,
             20,
             "the prefetch to fill despite the lost grant",
         )
@@ -350,11 +350,11 @@ def test_a_lost_pause_still_pauses_the_agent_by_heartbeat(make_cluster, monkeypa
             with urllib.request.urlopen(url + "/v1/loads", timeout=5) as resp:
                 return json.loads(resp.read())["loads"][0]["num_running_reqs"]
 
-        wait_for(lambda: watch.stats()["leased"] > 0 and running() > 0, 20, "groups generating")
+        wait_for(lambda: watch.stats().leased > 0 and running() > 0, 20, "groups generating")
         engine.signal(signal.SIGKILL)
         # Its groups fail over to... no engine: they wait, held by the agent, for one to come back.
         wait_for(
-            lambda: (s := watch.stats())["agents"]["a1"]["capacity"] == 0 and s["leased"] > 0,
+            lambda: (s := watch.stats()).agents["a1"].capacity == 0 and s.leased > 0,
             20,
             "the agent's leases to wait for an engine",
         )
@@ -365,4 +365,4 @@ def test_a_lost_pause_still_pauses_the_agent_by_heartbeat(make_cluster, monkeypa
             5,
             "the pause Control to be lost",
         )
-        wait_for(lambda: watch.stats()["leased"] == 0, 5, "the paused agent to give its waiting leases back")
+        wait_for(lambda: watch.stats().leased == 0, 5, "the paused agent to give its waiting leases back")

@@ -40,7 +40,7 @@ def test_an_engine_frozen_before_a_disk_update_is_left_out_and_batches_keep_comi
         os.kill(frozen.pid, signal.SIGSTOP)
         try:
             result = client.update_weights_from_disk(str(ckpt), 1, timeout=60)
-            assert result["engines"] == {"a1/url-0": 1}, result
+            assert result.engines == {"a1/url-0": 1}, result
             client.generate(1)
             # At --max-staleness 1, batch 2 holds only groups started on update 1: the survivor's.
             assert {s.weight_version for s in client.generate(2).samples} == {"1"}
@@ -56,5 +56,5 @@ def test_an_engine_frozen_before_a_disk_update_is_left_out_and_batches_keep_comi
         ckpt2 = cluster.tmp / "ckpt2"
         ckpt2.mkdir()
         result = client.update_weights_from_disk(str(ckpt2), 2, timeout=60)
-        assert result["engines"] == {"a1/url-0": 2, "a1/url-1": 2}, "the next update reaches it"
+        assert result.engines == {"a1/url-0": 2, "a1/url-1": 2}, "the next update reaches it"
         assert {s.weight_version for s in client.generate(3).samples} == {"2"}

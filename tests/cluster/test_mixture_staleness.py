@@ -51,7 +51,7 @@ def test_a_trainer_one_step_behind_gets_every_batch_of_the_mixture_and_a_batch_p
     def push(client, version: int) -> None:
         ckpt = tmp_path / f"ckpt{version}"
         ckpt.mkdir()
-        assert client.update_weights_from_disk(str(ckpt), version)["version"] == version
+        assert client.update_weights_from_disk(str(ckpt), version).version == version
 
     # A short timeout: a batch that never comes fails the test in seconds, not at the suite's hard timeout.
     with cluster.client(timeout=20) as client:
@@ -60,13 +60,13 @@ def test_a_trainer_one_step_behind_gets_every_batch_of_the_mixture_and_a_batch_p
         for t in (2, 3):
             push(client, t - 1)  # one step behind: push t - 1, then ask for t
             check(t, client.generate(t))
-        assert client.stats()["waiting_for_update"] is None
+        assert client.stats().waiting_for_update is None
 
         # Batch 4 before update 3 (batch t + 2 before push t + 1): past the bound, it waits for the push, and says so.
         got: dict = {}
         waiter = threading.Thread(target=lambda: got.update(batch=client.generate(4)))
         waiter.start()
-        why = wait_for(lambda: client.stats()["waiting_for_update"], 15, "the status to say why batch 4 waits")
+        why = wait_for(lambda: client.stats().waiting_for_update, 15, "the status to say why batch 4 waits")
         assert why.startswith("rollout 4 waits for 1 more weight update(s): with --max-staleness 1"), why
         assert "2 update(s) were pushed" in why and "math, code, tool lack their share" in why, why
         table = subprocess.run(
@@ -76,10 +76,10 @@ def test_a_trainer_one_step_behind_gets_every_batch_of_the_mixture_and_a_batch_p
             timeout=30,
         ).stdout
         assert f"waiting:  {why}" in table, table
-        assert waiter.is_alive() and client.stats()["leased"] == 0
+        assert waiter.is_alive() and client.stats().leased == 0
         push(client, 3)
         waiter.join(20)
         assert not waiter.is_alive(), "batch 4 did not come after the push it waited for"
         check(4, got["batch"])
-        assert client.stats()["waiting_for_update"] is None
+        assert client.stats().waiting_for_update is None
     assert max(seen.values()) == 1, [k for k, n in seen.items() if n > 1]

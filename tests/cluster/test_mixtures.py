@@ -90,9 +90,9 @@ def test_three_sources_hold_their_shares_settings_and_epochs_and_set_mixture_sur
         assert tool_epoch0 == set(range(SIZES["tool"])), sorted(tool_epoch0)
         assert {e for (src, e, _) in seen if src == "tool"} == {0, 1}
         assert {e for (src, e, _) in seen if src == "math"} == {0}
-        stats = client.stats()["sources"]
-        assert stats["tool"]["data_epochs"][-1] >= 1 and stats["math"]["data_epochs"] == [0]
-        assert stats["code"]["filtered"] >= dropped
+        by_source = client.stats().sources
+        assert by_source["tool"].data_epochs[-1] >= 1 and by_source["math"].data_epochs == (0,)
+        assert by_source["code"].filtered >= dropped
         table = subprocess.run(
             [sys.executable, "-m", "coordinator.cli", "status", "--coordinator", cluster.address],
             capture_output=True,
@@ -106,7 +106,7 @@ def test_three_sources_hold_their_shares_settings_and_epochs_and_set_mixture_sur
         with pytest.raises(RolloutError, match="unknown dataset name"):
             client.set_mixture({"math": 1.0, "poetry": 1.0})
         answer = client.set_mixture({"math": 0.2, "code": 0.3, "tool": 0.5})
-        assert answer["from_rollout_id"] == 6
+        assert answer.from_rollout_id == 6
         batches[6] = client.generate(6)
         assert composition(batches[6]) == {"math": 2, "code": 3, "tool": 5}
         check_source_metrics(batches[6])
@@ -122,7 +122,7 @@ def test_three_sources_hold_their_shares_settings_and_epochs_and_set_mixture_sur
             ]
         batches[7] = client.generate(7)
         assert composition(batches[7]) == {"math": 2, "code": 3, "tool": 5}
-        assert client.stats()["sources"]["tool"]["weight"] == 0.5
+        assert client.stats().sources["tool"].weight == 0.5
         seen = Counter((g.source, g.data_epoch, g.index) for b in batches.values() for g in b.groups)
         assert max(seen.values()) == 1
         client.pause(drain=True)
@@ -160,9 +160,9 @@ def test_a_dataset_whose_reward_always_fails_starves_the_rollout_naming_it(make_
         with pytest.raises(Starved, match="dataset bad: .*this reward always fails"):
             client.generate(0)
         stats = client.stats()
-        assert stats["sources"]["good"]["filtered"] == 0
+        assert stats.sources["good"].filtered == 0
         # The waiting batch was failed with good's share ready: enough groups in all, none of bad's.
-        assert stats["sources"]["good"]["prompts"]["ready"] >= 2
+        assert stats.sources["good"].prompts.ready >= 2
 
 
 def test_weights_changed_at_a_restart_need_allow_config_change_and_apply_from_the_next_batch(make_cluster, tmp_path):
@@ -183,7 +183,7 @@ def test_weights_changed_at_a_restart_need_allow_config_change_and_apply_from_th
         again = client.generate(0)
         assert [(g.source, g.index) for g in again.groups] == [(g.source, g.index) for g in first.groups]
         assert composition(client.generate(1)) == {"a": 3, "b": 1}
-        assert client.stats()["sources"]["a"]["weight"] == 3.0
+        assert client.stats().sources["a"].weight == 3.0
 
 
 def test_an_agent_with_its_own_dataset_is_refused_by_a_mixture_saying_why(make_cluster, tmp_path):

@@ -128,7 +128,7 @@ def outage(cluster, net, watch, trainer, seconds: float, direction: str = "both"
     net.partition(0, direction)
     ends = time.monotonic() + seconds
     while time.monotonic() < ends:  # the outage itself; meanwhile, watch what the coordinator makes of a0
-        seen.add(watch.stats()["agents"]["a0"]["status"])
+        seen.add(watch.stats().agents["a0"].status)
         trainer.check()
         time.sleep(min(0.5, max(0.0, ends - time.monotonic())))
     dropped = net.dropped(0)
@@ -137,9 +137,9 @@ def outage(cluster, net, watch, trainer, seconds: float, direction: str = "both"
 
     def back():
         asked = time.monotonic()
-        entry = watch.stats()["agents"]["a0"]
-        heard_after_heal = asked - entry["silent_s"] > healed
-        return entry["status"] == "alive" and heard_after_heal and entry["leases"] > 0
+        entry = watch.stats().agents["a0"]
+        heard_after_heal = asked - entry.silent_s > healed
+        return entry.status == "alive" and heard_after_heal and entry.leases > 0
 
     wait_for(back, BACK_WITHIN, f"a0 heard, alive and granted within {BACK_WITHIN}s of a {seconds}s outage's heal")
     back_s = time.monotonic() - healed
@@ -159,7 +159,7 @@ def refused(cluster) -> list[str]:
 
 def assert_none_refused(cluster, watch) -> None:
     """No group was refused as a duplicate (wasted work): the coordinator counted none, no agent logged one."""
-    receipts = watch.stats()["receipts"]
+    receipts = watch.stats().receipts
     lines = refused(cluster)
     assert receipts["refused"] == 0 and not lines, f"groups refused as duplicates: {receipts}, {lines}"
 
@@ -232,7 +232,7 @@ def test_delay_jitter_loss_reordering_and_duplication_lose_and_duplicate_nothing
     trainer = Trainer(cluster.client(timeout=120, fetch_timeout=3), 4, cluster.config["n_samples_per_prompt"])
     try:
         wait_for(lambda: trainer.batches >= 2 or trainer.check(), 60, "two batches before the impairment")
-        accepted = watch.stats()["receipts"]["accepted"]
+        accepted = watch.stats().receipts["accepted"]
         net.impair(0, delay_ms=20, jitter_ms=10, loss=0.03, reorder=0.1, duplicate=0.02)
         batches = trainer.batches
         wait_for(lambda: trainer.batches >= batches + 15 or trainer.check(), 180, "15 batches under impairment")
@@ -242,9 +242,9 @@ def test_delay_jitter_loss_reordering_and_duplication_lose_and_duplicate_nothing
         trainer.stop()
     for what in ("lost", "duplicated", "reordered"):
         assert impaired[what] > 0, f"the impairer {what} no packet: {impaired}"
-    a0 = stats["agents"]["a0"]
-    assert a0["status"] == "alive", a0
-    assert stats["receipts"]["accepted"] > accepted
+    a0 = stats.agents["a0"]
+    assert a0.status == "alive", a0
+    assert stats.receipts["accepted"] > accepted
     assert_none_refused(cluster, watch)
 
 
@@ -268,6 +268,6 @@ def test_a_trainer_cut_off_from_an_agents_payloads_gets_every_batch_completed_wi
         net.heal(0)
         batches = trainer.batches
         wait_for(lambda: trainer.batches >= batches + 3 or trainer.check(), 60, "three batches after the heal")
-        assert watch.stats()["agents"]["a0"]["status"] == "alive"
+        assert watch.stats().agents["a0"].status == "alive"
     finally:
         trainer.stop()

@@ -15,6 +15,7 @@ import pytest
 
 from common.demo_data import write_arithmetic_dataset
 from common.errors import RemoteError, StateError
+from coordinator.client import EvalMetrics
 from coordinator.record_format import TMP_PREFIX, read_batch
 from harness.cluster import ROOT, Proc
 from harness.polling import WaitAborted, wait_for
@@ -56,7 +57,7 @@ def trainer_loop(client, steps: int, on_step=None) -> list:
 def assert_same_batches(replayed, recorded) -> None:
     assert len(replayed) == len(recorded)
     for got, want in zip(replayed, recorded, strict=True):
-        if isinstance(want, dict):  # an evaluation pass
+        if isinstance(want, EvalMetrics):  # an evaluation pass
             assert got == want
             continue
         (batch, tensors), (want_batch, want_tensors) = got, want
@@ -121,12 +122,13 @@ def test_a_recorded_run_replays_equal_with_no_fleet(make_cluster, tmp_path):
         client.resume()
         ckpt = tmp_path / "ckpt2"
         ckpt.mkdir()
-        assert client.update_weights_from_disk(str(ckpt), 2)["engines"] == {}
+        assert client.update_weights_from_disk(str(ckpt), 2).engines == {}
         with pytest.raises(StateError, match="not greater"):
             client.update_weights_from_disk(str(ckpt), 2)
         client.update_weights({"w": torch.ones(3)}, 3, backend="gloo")
-        weights = client.stats()["weights"]
-        assert weights["version"] == 3 and [u["version"] for u in weights["not_applied"]] == [2, 3]
+        stats = client.stats()
+        assert stats.weights.version == 3
+        assert [u["version"] for u in stats.raw["weights"]["not_applied"]] == [2, 3]  # a replay's own key
         client.load_state_dict({**state, "rollout_id": 3})  # back to step 4: the pass after it comes again
         assert client.generate(4).groups == batches[4].groups
         assert client.evaluate("small") == recorded[-1]

@@ -110,7 +110,7 @@ def test_trl_grpo_trains_on_fleet_rollouts_and_pushes_weights(make_cluster, tmp_
     rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
     assert len(rewards) == STEPS and len(seen) == STEPS
     assert fleet.rollout_id == STEPS
-    assert stats["weights"]["version"] == STEPS - 1, stats["weights"]
+    assert stats.weights.version == STEPS - 1, stats.weights
     # The trainer's current model scores the fleet's tokens as the engine did: each push reached it.
     assert max(diffs) < 1e-3, diffs
     assert version == STEPS - 1  # a push before each step after the first

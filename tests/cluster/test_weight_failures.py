@@ -165,7 +165,7 @@ def test_a_restarted_engine_serves_only_the_fleets_weights(make_cluster):
     with VersionRecorder(cluster) as recorder, cluster.client(timeout=20, expect={"max_staleness": 0}) as client:
         assert {s.weight_version for s in client.generate(0).samples} == {"default"}
         client.pause()  # no lease until the next generate(): batch 1 is generated after the restart
-        assert client.update_weights_from_disk(str(ckpt), 1, timeout=15)["engines"] == {"a1/sim-0": 1}
+        assert client.update_weights_from_disk(str(ckpt), 1, timeout=15).engines == {"a1/sim-0": 1}
 
         # Disk: the restarted engine is re-loaded from ckpt1 before it serves.
         first = engine_entry(cluster.status(), "a1")
@@ -193,7 +193,7 @@ def test_a_restarted_engine_serves_only_the_fleets_weights(make_cluster):
         client.pause()
         tensors = {"layer.weight": torch.full((64, 64), 2.0), "sim.accuracy": torch.tensor([0.5])}
         result = client.update_weights(tensors, 2, backend="gloo", timeout=30)
-        assert result["engines"] == {"a1/sim-0": 2, "a2/sim-0": 2}
+        assert result.engines == {"a1/sim-0": 2, "a2/sim-0": 2}
 
         # Broadcast: the restarted engine holds its launch weights; it stays out of the pool.
         (_, pid) = cluster.engine_pids_of("a1")
@@ -218,7 +218,7 @@ def test_a_restarted_engine_serves_only_the_fleets_weights(make_cluster):
         reached = time.monotonic()
         tensors["layer.weight"] = torch.full((64, 64), 3.0)
         result = client.update_weights(tensors, 3, backend="gloo", timeout=30)
-        assert result["engines"] == {"a1/sim-0": 3, "a2/sim-0": 3}
+        assert result.engines == {"a1/sim-0": 3, "a2/sim-0": 3}
         assert model_info(url)["weight_version"] == "3"
         batch = client.generate(3)
         assert "a1" in {g.agent_id for g in batch.groups}, [g.agent_id for g in batch.groups]
@@ -284,10 +284,10 @@ def test_a_trainer_killed_mid_broadcast_leaves_the_fleet_serving_one_version(mak
         assert len(batch.groups) == 8 and {version(s.weight_version) for s in batch.samples} <= {0, 1}
         ckpt2 = cluster.tmp / "ckpt2"
         ckpt2.mkdir()
-        assert set(second.update_weights_from_disk(str(ckpt2), 2, timeout=15)["engines"].values()) == {2}
+        assert set(second.update_weights_from_disk(str(ckpt2), 2, timeout=15).engines.values()) == {2}
         tensors = {f"layer{i}.weight": torch.full((256,), 3.0 + i) for i in range(3)}
         result = second.update_weights(tensors, 3, backend="gloo", bucket_bytes=1, timeout=30)
-        assert result["engines"] == {"a1/sim-0": 3, "a1/sim-1": 3}
+        assert result.engines == {"a1/sim-0": 3, "a1/sim-1": 3}
         digest = weights_digest(tensors.items())
         for e in cluster.status()["agents"]["a1"]["engines"]:
             info = model_info(e["url"])
@@ -332,7 +332,7 @@ def test_a_trainer_killed_inside_a_broadcast_frees_the_lock_at_its_session_ttl(m
         started = time.monotonic()
         result = second.update_weights(tensors, 2, backend="gloo", timeout=60)
         print(f"the next broadcast took {time.monotonic() - started:.2f}s")
-        assert set(result["engines"].values()) == {2}
+        assert set(result.engines.values()) == {2}
 
 
 def test_an_engine_sigkilled_right_before_a_broadcast_leaves_the_update_succeeding(make_cluster):
@@ -353,23 +353,23 @@ def test_an_engine_sigkilled_right_before_a_broadcast_leaves_the_update_succeedi
     tensors = {f"layer{i}.weight": torch.full((4096,), 1.0 + i) for i in range(5)}
     with cluster.client(timeout=60) as client:
         client.generate(0)
-        assert set(client.update_weights(tensors, 1, backend="gloo", timeout=60)["engines"].values()) == {1}
+        assert set(client.update_weights(tensors, 1, backend="gloo", timeout=60).engines.values()) == {1}
         victim = cluster.engine_pids_of("a1")[0]
         os.kill(victim, signal.SIGKILL)
         started = time.monotonic()
         result = client.update_weights(tensors, 2, backend="gloo", bucket_bytes=1 << 14, timeout=60)
-        print(f"update after the engine kill took {time.monotonic() - started:.2f}s: {result['engines']}")
-        assert 2 in set(result["engines"].values())
+        print(f"update after the engine kill took {time.monotonic() - started:.2f}s: {result.engines}")
+        assert 2 in set(result.engines.values())
         assert cluster.status()["weights"]["version"] == 2
         seen = [(g.data_epoch, g.index) for g in client.generate(1).groups]
         assert len(seen) == 8
 
         # The killed engine restarts behind the broadcast; a catch-up brings just it to version 2.
-        behind = wait_for(lambda: client.stats()["weights"]["behind"], 30, "the killed engine to restart behind")
+        behind = wait_for(lambda: client.stats().weights.behind, 30, "the killed engine to restart behind")
         assert len(behind) == 1, behind
-        assert client.catch_up(tensors, 2, backend="gloo", timeout=60)["engines"] == {behind[0]: 2}
-        wait_for(lambda: client.stats()["weights"]["engines"].get(behind[0]) == 2, 10, f"{behind[0]} on version 2")
-        assert client.stats()["weights"]["behind"] == []
+        assert client.catch_up(tensors, 2, backend="gloo", timeout=60).engines == {behind[0]: 2}
+        wait_for(lambda: client.stats().weights.engines.get(behind[0]) == 2, 10, f"{behind[0]} on version 2")
+        assert client.stats().weights.behind == ()
         for rid in (2, 3):
             batch = client.generate(rid)
             assert {s.weight_version for s in batch.samples} == {"2"}
@@ -392,7 +392,7 @@ def test_a_verified_broadcast_fails_naming_the_engine_that_holds_other_weights(m
     tensors = {f"layer{i}.weight": torch.arange(64, dtype=torch.float32).reshape(8, 8) + i for i in range(4)}
     with cluster.client(timeout=60) as client:
         result = client.update_weights(tensors, 1, backend="gloo", timeout=60, verify=True)
-        assert set(result["engines"].values()) == {1}
+        assert set(result.engines.values()) == {1}
         cluster.start_agent("bad", engines=1, sim_args="--token-latency-ms 1 --corrupt-broadcasts")
         wait_for(lambda: len(cluster.status()["weights"]["engines"]) == 2, 30, "the second agent's engine")
         with pytest.raises(WeightUpdateError) as err:
@@ -442,9 +442,9 @@ def test_an_engine_killed_inside_the_rendezvous_costs_one_quick_retry(make_clust
         took = time.monotonic() - killed
         assert "error" not in outcome, outcome.get("error")
         result = outcome["result"]
-        print(f"update done {took:.2f}s after the kill; first attempt: {result.get('retried')}")
-        assert result["engines"] == {"a1/sim-0": 1, "a1/sim-1": 1}
-        assert "a2" in result["retried"], result
+        print(f"update done {took:.2f}s after the kill; first attempt: {result.retried}")
+        assert result.engines == {"a1/sim-0": 1, "a1/sim-1": 1}
+        assert "a2" in result.retried, result
         assert took < 30, f"the update took {took:.1f}s after the kill: something waited out a timeout"
         assert cluster.status()["weights"]["version"] == 1
 
@@ -491,22 +491,19 @@ def test_the_reported_scenario_an_engine_killed_after_a_disk_update_then_a_broad
                 path.mkdir()
                 safetensors_torch.save_file(tensors(version), str(path / "model.safetensors"))
                 client.update_weights_from_disk(str(path), version, timeout=120)
-            stats = client.stats()["weights"]
-            assert set(stats["engines"].values()) == {version}, stats["engines"]  # the status is current at once
+            weights = client.stats().weights
+            assert set(weights.engines.values()) == {version}, weights.engines  # the status is current at once
         victim = cluster.engine_pids_of("a1")[0]
         os.kill(victim, signal.SIGKILL)
         pull(client, 4)
         result = client.update_weights(tensors(5), 5, backend="gloo", timeout=120)
-        assert set(result["engines"].values()) == {5}, result
-        weights = client.stats()["weights"]
-        assert weights["lock"] is None and weights["version"] == 5
-        behind = wait_for(lambda: client.stats()["weights"]["behind"], 30, "the killed engine's restart, behind")
-        assert client.catch_up(tensors(5), 5, backend="gloo", timeout=120)["engines"] == {behind[0]: 5}
+        assert set(result.engines.values()) == {5}, result
+        weights = client.stats().weights
+        assert weights.lock is None and weights.version == 5
+        behind = wait_for(lambda: client.stats().weights.behind, 30, "the killed engine's restart, behind")
+        assert client.catch_up(tensors(5), 5, backend="gloo", timeout=120).engines == {behind[0]: 5}
         wait_for(
-            lambda: (
-                set(client.stats()["weights"]["engines"].values()) == {5}
-                and len(client.stats()["weights"]["engines"]) == 4
-            ),
+            lambda: set(client.stats().weights.engines.values()) == {5} and len(client.stats().weights.engines) == 4,
             30,
             "all four engines serving version 5",
         )

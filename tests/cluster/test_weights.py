@@ -68,8 +68,8 @@ def test_disk_updates_while_generation_runs_reach_every_engine(make_cluster, tmp
             ckpt = tmp_path / f"ckpt{version}"
             ckpt.mkdir()
             result = client.update_weights_from_disk(str(ckpt), version)
-            assert result["version"] == version and len(result["engines"]) == 4
-            assert set(result["engines"].values()) == {version}
+            assert result.version == version and len(result.engines) == 4
+            assert set(result.engines.values()) == {version}
         thread.join(120)
         assert not failures, failures
         assert client.weight_version() == 2
@@ -118,7 +118,7 @@ def test_gloo_broadcasts_reach_every_engine_with_the_same_digest(make_cluster, s
             tensors = {f"layer{i}.weight": torch.full((640, 1024), float(version + i)) for i in range(4)}
             tensors["sim.accuracy"] = torch.tensor([0.5])
             result = client.update_weights(tensors, version, backend="gloo", bucket_bytes=4 << 20, timeout=60)
-            assert set(result["engines"].values()) == {version} and len(result["engines"]) == 4
+            assert set(result.engines.values()) == {version} and len(result.engines) == 4
             digest = weights_digest(tensors.items())
             for url in engine_urls(cluster.status()).values():
                 info = model_info(url)
@@ -187,7 +187,7 @@ def test_a_new_trainer_replaces_one_that_left_an_update_in_flight(make_cluster):
             second.update_weights({"w": torch.ones(8)}, 1, timeout=60)
         assert cluster.status()["weights"]["lock"] is None
     result = second.update_weights({"w": torch.ones(8)}, 1, backend="gloo", timeout=60)
-    assert set(result["engines"].values()) == {1}
+    assert set(result.engines.values()) == {1}
     assert cluster.engine_pids_of("a1") == pids
     first.close()
     second.close()
