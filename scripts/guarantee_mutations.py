@@ -403,7 +403,7 @@ MUTATIONS = [
         "metrics",
         "fetch-seconds-include-the-wait",
         "rollout/fetch_seconds is measured from the call, the coordinator's wait included",
-        "coordinator/client.py",
+        "coordinator/client_async.py",
         'metrics["rollout/fetch_seconds"] = time.monotonic() - started - waited',
         'metrics["rollout/fetch_seconds"] = time.monotonic() - started',
         "tests/cluster/test_documented_answers.py::test_every_endpoint_reports_what_the_trainer_and_the_agents_saw",
