@@ -80,8 +80,8 @@ __all__ = [
 
 
 class RolloutClient:
-    """Blocking twin of ``AsyncRolloutClient`` (runs it on a private loop thread): the same methods, parameters,
-    defaults and records (tests/unit/test_client_parity.py), and the same constructor arguments."""
+    """Blocking twin of ``AsyncRolloutClient``: the same methods, parameters, defaults and records
+    (tests/unit/test_client_parity.py keeps them so)."""
 
     def __init__(self, address: str, **kwargs):
         self._async = AsyncRolloutClient(address, **kwargs)  # a bad address fails here, before any thread

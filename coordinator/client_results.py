@@ -62,6 +62,7 @@ class PauseResult(WireRecord):
     """Leases in flight when the answer left: 0 after ``pause(drain=True)`` (every result durable), else those
     the agents are still finishing."""
     raw: dict = field(default_factory=dict, repr=False, compare=False)
+    """The answer as the coordinator sent it (``to_dict()``)."""
 
     @property
     def drained(self) -> bool:
@@ -78,6 +79,7 @@ class ResumeResult(WireRecord):
     """``resume()``'s answer: admission is on again (durably). The coordinator says nothing more yet."""
 
     raw: dict = field(default_factory=dict, repr=False, compare=False)
+    """The answer as the coordinator sent it (``to_dict()``)."""
 
     @classmethod
     def from_wire(cls, raw: dict) -> ResumeResult:
@@ -93,6 +95,7 @@ class MixtureResult(WireRecord):
     weights: dict[str, float]
     """Every training dataset's weight (a name left out of the call weighs 0)."""
     raw: dict = field(default_factory=dict, repr=False, compare=False)
+    """The answer as the coordinator sent it (``to_dict()``)."""
 
     @classmethod
     def from_wire(cls, raw: dict) -> MixtureResult:
@@ -106,7 +109,7 @@ class EvalMetrics(WireRecord):
     name: str
     """The evaluation dataset (``coordinator serve --eval-dataset NAME=PATH``)."""
     pass_id: int
-    """The pass: 0, 1, ... per dataset (the wire's ``pass``)."""
+    """The pass: 1, 2, ... per dataset (the wire's ``pass``)."""
     prompts: int
     """Prompts of the pass (every one counted once)."""
     samples: int
@@ -116,6 +119,7 @@ class EvalMetrics(WireRecord):
     n_samples: int
     """Samples per prompt."""
     reward_mean: float
+    """Mean reward over the samples scored."""
     pass_at: dict[int, float]
     """pass@k for k = 1, 2, 4, ... and ``n_samples`` (the wire's ``pass@K`` keys): the unbiased estimate of the
     chance that one of k samples reaches the dataset's pass threshold."""
@@ -127,6 +131,7 @@ class EvalMetrics(WireRecord):
     """The weight versions the samples were generated with, as the engines label them (``"3"``; ``"default"``
     for the launch weights), sorted."""
     raw: dict = field(default_factory=dict, repr=False, compare=False)
+    """The answer as the coordinator sent it (``to_dict()``)."""
 
     @classmethod
     def from_wire(cls, raw: dict) -> EvalMetrics:
@@ -163,6 +168,7 @@ class WeightUpdateResult(WireRecord):
     """The first attempt's error when an engine lost in it made the client retry once, on a new group
     (``update_weights`` only); None when the first attempt succeeded."""
     raw: dict = field(default_factory=dict, repr=False, compare=False)
+    """The answer as the coordinator sent it (``to_dict()``)."""
 
     @classmethod
     def from_wire(cls, raw: dict, retried: str | None = None) -> WeightUpdateResult:
@@ -184,6 +190,7 @@ class RolloutState(TypedDict):
     dataset_fingerprint: str
     """The training data's fingerprint: a checkpoint loads only on the same data."""
     dataset_size: int
+    """Rows of the training data."""
     config: dict
     """The fleet's rollout config at the checkpoint."""
     mixture: NotRequired[list]

@@ -23,6 +23,7 @@ class WeightLock:
     kind: str
     """``"disk"``, ``"distributed"`` or ``"catch_up"``."""
     update_id: int
+    """The coordinator's id of the update (``WeightUpdateResult.update_id`` once it is done)."""
     step: str
     """Where the update is (docs/weights.md): ``"begin"``, ``"group"``, ``"init"``, ``"bucket"``, ``"finish"``."""
     deadline_in_s: float
@@ -98,10 +99,15 @@ class PromptCounts:
     """Prompts of the open data epochs by state (``FleetStats.prompts``, ``SourceStats.prompts``)."""
 
     pending: int = 0
+    """Not leased yet."""
     leased: int = 0
+    """Being generated."""
     ready: int = 0
+    """Generated and committed on an agent, waiting for a batch."""
     delivered: int = 0
+    """In a batch."""
     filtered: int = 0
+    """Dropped by the filter (or failed for good)."""
 
     @classmethod
     def from_wire(cls, raw: dict | None) -> PromptCounts:
@@ -145,6 +151,7 @@ class SourceStats:
     weight: float
     """The mixture's weight for the next batch not generated yet (``set_mixture``)."""
     prompts: PromptCounts
+    """Its prompts of the open data epochs by state."""
     data_epochs: tuple[int, ...]
     """Its open data epochs."""
     filtered: int
@@ -207,7 +214,9 @@ class FleetStats(WireRecord):
     held: int
     """Leases held for agents presumed dead (not in ``leased``)."""
     weights: WeightStats
+    """The fleet's weight version, the update running, each engine's version, the engines behind."""
     batches: BatchStats
+    """The last batch recorded, consumed and trimmed; waiting ``generate`` calls; ready groups."""
     prompts: PromptCounts
     """The open data epochs' prompts by state, over every training dataset."""
     data_epochs: tuple[int, ...]
@@ -215,6 +224,7 @@ class FleetStats(WireRecord):
     filtered_total: int
     """Prompts the filter dropped since the start."""
     agents: dict[str, AgentInfo]
+    """Every agent the coordinator knows, by id (retired ones too)."""
     sources: dict[str, SourceStats]
     """Each training dataset."""
     evaluations: dict[str, EvalProgress]
@@ -224,6 +234,7 @@ class FleetStats(WireRecord):
     fenced_messages: dict[str, int]
     """Agent messages refused for a dead or superseded session, by type."""
     raw: dict = field(default_factory=dict, repr=False, compare=False)
+    """The answer as the coordinator sent it (``to_dict()``)."""
 
     @classmethod
     def from_wire(cls, raw: dict) -> FleetStats:

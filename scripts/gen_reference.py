@@ -10,7 +10,8 @@ Pages (each says at its top that it is generated):
 - ``protocol.md``: every message of ``common/protocol.py`` (direction from its docstring, fields,
   types, defaults and field docstrings) and the protocol version's history (``common/wire.py``);
 - ``trainer-api.md``: ``AsyncRolloutClient`` and ``RolloutClient`` (public methods' signatures and
-  docstrings), ``RolloutBatch``, ``Group`` and ``Sample``;
+  docstrings), the records their calls return (coordinator/client_results.py, coordinator/client_stats.py),
+  ``RolloutBatch``, ``Group`` and ``Sample``;
 - ``metrics.md``: the Prometheus metrics of ``coordinator/observe.py`` and ``agent/observe.py``, the
   ``rollout/...`` batch metrics and the ``correction/...`` metrics;
 - ``errors.md``: the exception tree of ``common/errors.py`` and the codes of ``Error`` replies.
@@ -420,11 +421,14 @@ def _namespace(path: str) -> dict:
     return vars(importlib.import_module(path[: -len(".py")].replace("/", ".")))
 
 
-def _class_section(path: str, name: str, title: str, *, constructor_name: str | None = None) -> list[str]:
+def _class_section(
+    path: str, name: str, title: str, *, constructor_name: str | None = None, level: int = 2
+) -> list[str]:
+    """``name``'s section, its title a heading of ``level``, its members' one below."""
     namespace = _namespace(path)
     tree = ast.parse((ROOT / path).read_text())
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
-    lines = ["", f"## {title}", "", f"`{path}`", ""]
+    lines = ["", f"{'#' * level} {title}", "", f"`{path}`", ""]
     doc = ast.get_docstring(node)
     if doc:
         lines += [_md(doc), ""]
@@ -434,7 +438,11 @@ def _class_section(path: str, name: str, title: str, *, constructor_name: str | 
         lines += ["| attribute | type | default | meaning |", "| --- | --- | --- | --- |"]
         for f in fields:
             default = "required" if f.value is None else _code(ast.unparse(f.value))
-            default = re.sub(r"field\(default_factory=(\w+)\)", lambda m: {"dict": "{}", "list": "[]"}[m[1]], default)
+            if f.value is None and ast.unparse(f.annotation).startswith("NotRequired["):
+                default = "may be absent"  # a TypedDict's optional key
+            default = re.sub(
+                r"field\(default_factory=(\w+)[^)]*\)", lambda m: {"dict": "{}", "list": "[]"}[m[1]], default
+            )
             lines.append(
                 f"| `{f.target.id}` | {_cell(_code(ast.unparse(f.annotation)))} | {_cell(default)} "
                 f"| {_cell(_md(docs.get(f.target.id)))} |"
@@ -452,11 +460,34 @@ def _class_section(path: str, name: str, title: str, *, constructor_name: str | 
         else:
             shown = _signature(fn, None, namespace)
         heading = "constructor" if member == "__init__" else ("len()" if member == "__len__" else f"{member}")
-        lines += [f"### {heading}", "", "```python", shown, "```", ""]
+        lines += [f"{'#' * (level + 1)} {heading}", "", "```python", shown, "```", ""]
         fdoc = ast.get_docstring(fn)
         if fdoc:
             lines += [_md(fdoc), ""]
     return lines
+
+
+RECORDS = {
+    "coordinator/client_results.py": (
+        "PauseResult",
+        "ResumeResult",
+        "MixtureResult",
+        "EvalMetrics",
+        "WeightUpdateResult",
+        "RolloutState",
+    ),
+    "coordinator/client_stats.py": (
+        "FleetStats",
+        "WeightStats",
+        "WeightLock",
+        "BatchStats",
+        "PromptCounts",
+        "AgentInfo",
+        "SourceStats",
+        "EvalProgress",
+    ),
+}
+"""The records the trainer API's calls return, in the order the page shows them."""
 
 
 def trainer_api_page() -> str:
@@ -465,7 +496,10 @@ def trainer_api_page() -> str:
     tree = ast.parse((ROOT / "coordinator/client.py").read_text())
     sync = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RolloutClient")
     lines = [
-        _banner("coordinator/client.py, coordinator/batch.py and common/types.py"),
+        _banner(
+            "coordinator/client.py, coordinator/client_async.py, coordinator/client_results.py, "
+            "coordinator/client_stats.py, coordinator/batch.py and common/types.py"
+        ),
         "# Trainer API reference",
         "",
         "The signatures and docstrings of the trainer's classes, as the code has them. For the API in use",
@@ -475,7 +509,7 @@ def trainer_api_page() -> str:
         "",
         _md(client.__doc__),
     ]
-    lines += _class_section("coordinator/client.py", "AsyncRolloutClient", "AsyncRolloutClient")
+    lines += _class_section("coordinator/client_async.py", "AsyncRolloutClient", "AsyncRolloutClient")
     lines += [
         "## RolloutClient",
         "",
@@ -501,6 +535,18 @@ def trainer_api_page() -> str:
         own = ast.get_docstring(fn)
         if own and member != "__init__":
             lines += [f"`RolloutClient.{member}`: {_md(own)}", ""]
+    lines += [
+        "## Records",
+        "",
+        "What the calls return: frozen records decoded from the coordinator's answers, printable, compared by",
+        "their fields. Each keeps the answer as `raw` (`to_dict()` returns a copy, JSON-ready). `state_dict()`",
+        "alone returns a plain dict, `RolloutState`: the checkpoint payload, saved with the model and handed",
+        'back to `load_state_dict` as loaded. Until the next release `record["key"]` still answers as the',
+        "dict it replaces did, with a `DeprecationWarning`.",
+    ]
+    for path, names in RECORDS.items():
+        for name in names:
+            lines += _class_section(path, name, name, level=3)
     lines += _class_section("coordinator/batch.py", "RolloutBatch", "RolloutBatch")
     lines += _class_section("common/types.py", "Group", "Group")
     lines += _class_section("common/types.py", "Sample", "Sample")
