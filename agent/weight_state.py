@@ -5,7 +5,8 @@ weight-update steps. It turns each ``Weights*`` message into a ``RunWeightsStep`
 (agent/weights.py), each ``WeightsStepDone`` into the ``WeightsReport`` to send, and keeps:
 
 - ``current``: the last completed update as this agent knows it (from the Welcome's ``weights``
-  entry and from the steps it ran), which a restarted engine must be brought to;
+  entry and from the steps it ran), which a restarted engine must be brought to. It is the agent's
+  only record of the fleet's weights: the executor reads it (``WeightsExecutor(fleet=...)``);
 - ``updating``: an update is open (begun and not finished or aborted) or a step still runs. While
   it is true no lease is put on an engine: new ``/generate`` calls wait for the update's end;
 - ``catching_up``: the catch-ups open (``WeightsBegin.catch_up``: the fleet's version again, to
@@ -27,11 +28,12 @@ from collections.abc import Callable
 
 from agent.events import Log, RunWeightsStep, SetWeights, WeightsRecord, WeightsStepDone
 from common import protocol as p
+from common.weight_step import WeightKind, WeightStep
 
 OPENS = (p.WeightsBegin, p.WeightsFromDisk, p.WeightsInitGroup, p.WeightsBucket, p.WeightsFinish, p.WeightsAbort)
 """Coordinator messages that are steps of a weight update."""
 
-CLOSING_STEPS = ("disk", "finish", "abort")
+CLOSING_STEPS = (WeightStep.DISK, WeightStep.FINISH, WeightStep.ABORT)
 """Steps after which the update is over for this agent."""
 
 
@@ -78,7 +80,7 @@ class WeightState:
         if self.open_update is not None:
             # The session it belonged to is gone: end it here (engines continue, the group is destroyed).
             self.on_step(
-                p.WeightsAbort(self.open_update, record.version, record.path if record.kind == "disk" else ""),
+                p.WeightsAbort(self.open_update, record.version, record.path if record.kind == WeightKind.DISK else ""),
                 out,
                 report=False,
             )
@@ -89,7 +91,8 @@ class WeightState:
     def on_done(self, ev: WeightsStepDone, session: int, send: Callable[[p.Message], None], out: list) -> bool:
         """The executor finished a step: report it (``send``); True when the update is over for this agent.
 
-        The executor already holds ``ev.record`` (it produced it); only the core's copy changes here.
+        ``ev.record``, the weights the step reached, becomes ``current``: the executor brought its engines to
+        them already, and reads them here from now on.
         """
         catch_up = ev.update_id in self.catching_up
         if not catch_up:

@@ -130,7 +130,13 @@ class Agent:
         )
         self.agent_id = self.store.agent_id
         # Weight updates (agent/weights.py); it also brings every (re)started engine to the fleet's weights.
-        self.weights = WeightsExecutor(self.supervisor, self.client, self.handle, agent_id=self.agent_id)
+        self.weights = WeightsExecutor(
+            self.supervisor,
+            self.client,
+            self.handle,
+            fleet=lambda: self.session.weights.current,  # the core's record of the fleet's weights: the only one
+            agent_id=self.agent_id,
+        )
         self.supervisor.prepare = self.weights.prepare
         # The request ids in flight of generate functions' calls: what a sample's abort must name.
         self.live_rids = LiveRids()

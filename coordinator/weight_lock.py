@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, auto
 
 from common import protocol as p
 from common.weight_step import BROADCASTS, WeightKind, WeightStep
@@ -47,18 +47,18 @@ __all__ = ["TABLE", "Phase", "UnexpectedEvent", "Update", "formation", "lost", "
 class Phase(Enum):
     """Where the update holding the lock is (the module docstring draws them)."""
 
-    NEW = "new"
-    DISK = "disk"
-    BEGIN = "begin"
-    GROUP = "group"
-    INIT = "init"
-    BUCKET = "bucket"
-    GROUP_FINISHING = "group, finishing"
-    INIT_FINISHING = "init, finishing"
-    BUCKET_FINISHING = "bucket, finishing"
-    FINISH = "finish"
-    DONE = "done"
-    ABORTED = "aborted"
+    NEW = auto()
+    DISK = auto()
+    BEGIN = auto()
+    GROUP = auto()
+    INIT = auto()
+    BUCKET = auto()
+    GROUP_FINISHING = auto()
+    INIT_FINISHING = auto()
+    BUCKET_FINISHING = auto()
+    FINISH = auto()
+    DONE = auto()
+    ABORTED = auto()
 
 
 SHOWN: dict[Phase, WeightStep] = {

@@ -1,4 +1,9 @@
-"""Weight updates (docs/weights.md): the weight lock and each update's steps. Pure: events in, effects out.
+"""Weight updates (docs/weights.md): the weights role. Pure: messages and ticks in, effects out.
+
+The role checks each trainer request, turns messages and ticks into the lock's events and carries out
+the effects; the update holding the lock, its phases and every transition between them live in
+coordinator/weight_lock.py (one table). The role keeps what outlives an update: the weight log, the
+last group formed, the answers kept for resends and why recent updates failed.
 
 One update at a time. ``UpdateWeights`` takes the **weight lock** for its trainer session, with a
 deadline (``timeout``, restarted by every bucket and by ``FinishWeights``); while it is held no
@@ -36,64 +41,23 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from common import protocol as p
+from common.weight_step import BROADCASTS, WeightKind, WeightStep
+from coordinator import weight_events as ev
 from coordinator.effects import Send
 from coordinator.membership import ALIVE
 from coordinator.records import LedgerSnapshot, SetWeights, WeightLog
+from coordinator.weight_lock import Update, formation, lost, transition
 
 if TYPE_CHECKING:
     from coordinator.core import CoordinatorCore
 
-KINDS = ("disk", "distributed", "catch_up")
-BROADCASTS = ("distributed", "catch_up")
-"""Kinds whose tensors come from the trainer over a process group (the trainer is rank 0)."""
+KINDS = tuple(kind.value for kind in WeightKind)
 MEMBER_STATES = ("healthy", "stale")
 """Engine states that join a broadcast group (up; a stale one needs the broadcast to serve again)."""
 REPLIES_KEPT = 64
-
-
-@dataclass
-class Update:
-    """The update holding the weight lock."""
-
-    update_id: int
-    kind: str
-    version: int
-    path: str
-    session: int
-    holder: str
-    timeout: float
-    deadline: float
-    step: str
-    waiter: tuple[bytes, int] | None = None
-    """Whom the result goes to: the UpdateWeights (disk) or the FinishWeights (distributed)."""
-    sessions: dict[str, int] = field(default_factory=dict)
-    """Agents sent a step, with the session they had: one that changes was lost."""
-    waiting: set[str] = field(default_factory=set)
-    """Agents whose ``disk``/``finish`` report is awaited."""
-    members: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Distributed: agent -> {"agent/engine": rank offset}."""
-    init_pending: set[str] = field(default_factory=set)
-    buckets: dict[int, set[str]] = field(default_factory=dict)
-    """Forwarded bucket seq -> agents whose report is awaited."""
-    finishing: bool = False
-    engines: dict[str, dict] = field(default_factory=dict)
-    """Agent -> ``{engine: version}`` from its last report."""
-    group_name: str = ""
-    world_size: int = 0
-    seen: float = 0.0
-    """When its trainer was last heard of (any message of its session about the update)."""
-    confirmed: dict[str, list[str]] = field(default_factory=dict)
-    """Distributed: agent -> the engines it confirmed for the group (its ``begin`` report)."""
-    formed: bool = False
-    """Distributed: the group is chosen and the ``UpdateWeights`` answered."""
-    request: p.UpdateWeights | None = None
-    """Distributed: the request that began it (its address, port and backend form the group)."""
-    verify: dict = field(default_factory=dict)
-    """Distributed: ``FinishWeights.verify``, passed on to every agent's finish step."""
 
 
 class WeightUpdates:
@@ -110,6 +74,13 @@ class WeightUpdates:
         self.partial = ""
         """Why engines may hold part of an update: the last update failed after weights were sent
         (a bucket forwarded, or a disk load begun); "" once an update completes."""
+        self._effects = {
+            ev.ToAgent: self._send_agent,
+            ev.Answer: self._answer,
+            ev.Record: self._complete,
+            ev.Release: self._release,
+            ev.Abort: lambda effect, now: self.abort(effect.why, now),
+        }
 
     # ------------------------------------------------------------------ views
 
@@ -120,7 +91,7 @@ class WeightUpdates:
     @property
     def stops_admission(self) -> bool:
         """No prompt is leased: an update that changes the fleet's weights runs (a catch-up does not)."""
-        return self.lock is not None and self.lock.kind != "catch_up"
+        return self.lock is not None and self.lock.kind is not WeightKind.CATCH_UP
 
     def behind(self) -> dict[str, list[str]]:
         """Alive agents' engines that are up but out of the pool (``stale``): agent -> engine names."""
@@ -209,11 +180,8 @@ class WeightUpdates:
         lock = self.lock
         if key in self._replies:
             return [Send(peer, self._replies[key])]  # a resent request: the same answer
-        if lock is not None and lock.session == msg.session and lock.waiter is not None:
-            if lock.waiter[1] == msg.req and not lock.finishing:
-                lock.waiter = (peer, msg.req)  # a resend while it runs: answered when it ends (or its group forms)
-                lock.seen = now
-                return []
+        if lock is not None and lock.session == msg.session and lock.answers_update(msg.req):
+            return self._feed(ev.UpdateResent(peer, msg.req, now), now)
 
         def bad(code: str, why: str) -> list:
             return [Send(peer, p.Error(code, why, msg.req))]
@@ -222,7 +190,7 @@ class WeightUpdates:
             return bad("bad_request", f"weight update kind must be one of {KINDS}, got {msg.kind!r}")
         if not (msg.timeout > 0):
             return bad("bad_request", f"weight update timeout must be > 0 seconds, got {msg.timeout!r}")
-        if msg.kind == "disk" and not msg.path:
+        if msg.kind == WeightKind.DISK and not msg.path:
             return bad("bad_request", "a disk weight update needs a checkpoint path")
         if msg.kind in BROADCASTS and not (msg.master_address and 0 < msg.master_port < 65536 and msg.backend):
             why = (
@@ -230,7 +198,7 @@ class WeightUpdates:
                 f"{msg.master_address!r}:{msg.master_port} {msg.backend!r}"
             )
             return bad("bad_request", why)
-        if msg.kind == "catch_up":
+        if msg.kind == WeightKind.CATCH_UP:
             return self._begin_catch_up(peer, msg, now)
         out: list = []
         if lock is not None:
@@ -241,7 +209,7 @@ class WeightUpdates:
                 )
                 return bad("weights_busy", why)
             # Its own trainer begins anew: the update it left in flight was given up.
-            out += self.abort(f"weight update {lock.update_id} was replaced by a new update from its trainer", now)
+            out += self._feed(ev.Replaced(), now)
         if msg.version <= self.log.version:
             why = (
                 f"weight version {msg.version} is not greater than the fleet's current version "
@@ -249,28 +217,11 @@ class WeightUpdates:
             )
             return out + bad("weights_version", why)
         self._started_any = True
-        update = self._take_lock(msg, msg.path, now)
-        if msg.kind == "disk":
-            update.waiter = (peer, msg.req)
-            for rec in self.core.membership.alive():
-                out.append(self._to(rec.agent_id, p.WeightsFromDisk(update.update_id, msg.version, msg.path)))
-                update.waiting.add(rec.agent_id)
-            return out + self._advance(now)
-        return out + self._begin_distributed(peer, msg, update, now)
-
-    def _begin_distributed(
-        self, peer: bytes, msg: p.UpdateWeights, update: Update, now: float, agents: list[str] | None = None
-    ) -> list:
-        """Every alive agent (or just ``agents``) confirms its engines; the group is formed once they all answered."""
-        update.request = msg
-        update.waiter = (peer, msg.req)
-        update.step = "begin"
-        out: list = []
-        catch_up = msg.kind == "catch_up"
-        for agent_id in agents if agents is not None else [r.agent_id for r in self.core.membership.alive()]:
-            out.append(self._to(agent_id, p.WeightsBegin(update.update_id, msg.version, catch_up)))
-            update.waiting.add(agent_id)
-        return out + self._advance(now)
+        self._take_lock(msg, msg.path, now)
+        agents = tuple(rec.agent_id for rec in self.core.membership.alive())
+        if msg.kind == WeightKind.DISK:
+            return out + self._feed(ev.BeginDisk(peer, msg.req, agents), now) + self._advance(now)
+        return out + self._feed(ev.BeginBroadcast(peer, msg, agents), now) + self._advance(now)
 
     def _begin_catch_up(self, peer: bytes, msg: p.UpdateWeights, now: float) -> list:
         """The fleet's current version again, to the engines behind it only; the others keep serving.
@@ -290,85 +241,39 @@ class WeightUpdates:
                 "(push a new version with update_weights)"
             )
             return [Send(peer, p.Error("weights_version", why, msg.req))]
-        behind = self.behind() if self.log.kind == "distributed" else {}
+        behind = self.behind() if self.log.kind == WeightKind.DISTRIBUTED else {}
         if not behind:
             return [Send(peer, p.Ok(msg.req, {"update_id": 0, "world_size": 0, "engines": {}}))]
-        update = self._take_lock(msg, "", now)
-        return self._begin_distributed(peer, msg, update, now, sorted(behind))
+        self._take_lock(msg, "", now)
+        return self._feed(ev.BeginBroadcast(peer, msg, tuple(sorted(behind))), now) + self._advance(now)
 
     def _take_lock(self, msg: p.UpdateWeights, path: str, now: float) -> Update:
         """A new update of ``msg`` holds the weight lock (its id: generation, then a counter)."""
         self._counter += 1
         self.lock = Update(
             (self.core.membership.generation << 32) | self._counter,
-            msg.kind,
+            WeightKind(msg.kind),
             msg.version,
             path,
             msg.session,
             self.core.trainer.client,
             msg.timeout,
             now + msg.timeout,
-            msg.kind,
             seen=now,
         )
         return self.lock
 
-    def _form_group(self, now: float) -> list:
-        """Every agent confirmed its engines: the group is those engines; answer the ``UpdateWeights``."""
-        update = self.lock
-        msg = update.request
-        peer, req = update.waiter
-        members, world_size, identity = self.group(update.confirmed)
-        if not members and update.kind == "catch_up":
-            # Every engine behind came back another way meanwhile (a restart that loaded the version,
-            # an engine that died): nothing to send. The agents asked confirmed none and resumed.
-            self.lock = None
-            reply = p.Ok(req, {"update_id": update.update_id, "world_size": 0, "engines": {}})
-            self._remember((msg.session, req), reply)
-            return [Send(peer, reply)] + self.core.pump(now)
-        if not members:
-            return self.abort(
-                f"weight update {update.update_id:#x} to version {update.version}: no engine is up to receive it "
-                "(no alive agent confirmed an engine: every one is dead, restarting, or still held by a failed update)",
-                now,
-            )
-        update.waiter, update.formed = None, True
+    def _form_group(self, lock: Update):
+        """Every agent answered ``begin``: the group is the engines confirmed (the lock's event for it)."""
+        msg = lock.request
+        members, world_size, identity = self.group(lock.confirmed)
         identity = (identity, msg.session, msg.master_address, msg.backend)
-        out: list = []
-        catch_up = update.kind == "catch_up"
-        init = catch_up or identity != self._last_group  # a catch-up's group is its own, and ends with it
-        update.members, update.world_size, update.step = members, world_size, "group"
-        update.group_name = f"rollfleet-{update.update_id:x}" if init else self._group_name
-        if init:
-            if not catch_up:
-                self._last_group, self._group_name = identity, update.group_name
-            update.step = "init"
-            for agent_id, offsets in members.items():
-                out.append(
-                    self._to(
-                        agent_id,
-                        p.WeightsInitGroup(
-                            update.update_id,
-                            msg.master_address,
-                            msg.master_port,
-                            world_size,
-                            update.group_name,
-                            msg.backend,
-                            dict(offsets),
-                        ),
-                    )
-                )
-                update.init_pending.add(agent_id)
-        result = {
-            "update_id": update.update_id,
-            "world_size": world_size,
-            "group_name": update.group_name,
-            "init": init,
-            "rank_offsets": {k: v for offsets in members.values() for k, v in offsets.items()},
-        }
-        reply = p.Ok(req, result)
-        self._remember((msg.session, req), reply)
-        return out + [Send(peer, reply)]
+        catch_up = lock.kind is WeightKind.CATCH_UP
+        new = catch_up or identity != self._last_group  # a catch-up's group is its own, and ends with it
+        name = f"rollfleet-{lock.update_id:x}" if new else self._group_name
+        if members and new and not catch_up:
+            self._last_group, self._group_name = identity, name
+        return formation(lock, members, world_size, name, new)
 
     def _current(self, peer: bytes, msg: p.Message) -> tuple[Update | None, list]:
         """The distributed update ``msg`` names, or the error to answer."""
@@ -385,28 +290,7 @@ class WeightUpdates:
         lock, err = self._current(peer, msg)
         if lock is None:
             return err
-        if lock.kind not in BROADCASTS or lock.finishing or not lock.formed:
-            return [Send(peer, p.Error("bad_request", f"update {lock.update_id:#x} takes no more buckets", msg.req))]
-        lock.deadline, lock.seen = now + lock.timeout, now
-        if msg.seq in lock.buckets:
-            return [Send(peer, p.Ok(msg.req, {"seq": msg.seq}))]  # resent: forwarded already
-        lock.step = "bucket"
-        lock.buckets[msg.seq] = set(lock.members)
-        out = [
-            self._to(
-                agent_id,
-                p.WeightsBucket(
-                    lock.update_id,
-                    msg.seq,
-                    lock.group_name,
-                    list(msg.names),
-                    list(msg.dtypes),
-                    [list(s) for s in msg.shapes],
-                ),
-            )
-            for agent_id in lock.members
-        ]
-        return out + [Send(peer, p.Ok(msg.req, {"seq": msg.seq}))]
+        return self._feed(ev.Bucket(peer, msg, now), now)
 
     def on_finish(self, peer: bytes, msg: p.FinishWeights, now: float) -> list:
         refused = self._refuse(peer, msg)
@@ -418,15 +302,7 @@ class WeightUpdates:
         lock, err = self._current(peer, msg)
         if lock is None:
             return err
-        if lock.kind not in BROADCASTS:
-            return [Send(peer, p.Error("bad_request", f"update {lock.update_id:#x} is a disk update", msg.req))]
-        if not lock.formed:
-            return [Send(peer, p.Error("bad_request", f"update {lock.update_id:#x} has no group yet", msg.req))]
-        lock.waiter = (peer, msg.req)
-        lock.verify = dict(msg.verify)
-        lock.finishing = True
-        lock.deadline, lock.seen = now + lock.timeout, now
-        return self._advance(now)
+        return self._feed(ev.FinishAsked(peer, msg, now), now) + self._advance(now)
 
     def on_abort_request(self, peer: bytes, msg: p.AbortWeights, now: float) -> list:
         """The trainer's own side of its update failed: end it now, not at its deadline."""
@@ -436,10 +312,7 @@ class WeightUpdates:
         lock = self.lock
         out: list = []
         if lock is not None and lock.update_id == msg.update_id and lock.session == msg.session:
-            why = msg.why or "no detail"
-            out = self.abort(
-                f"weight update {lock.update_id:#x} to version {lock.version} failed in its trainer: {why}", now
-            )
+            out = self._feed(ev.TrainerAborted(msg.why), now)
         return out + [Send(peer, p.Ok(msg.req, {"update_id": msg.update_id}))]
 
     def on_alive(self, peer: bytes, msg: p.WeightsAlive, now: float) -> list:
@@ -456,9 +329,9 @@ class WeightUpdates:
     def trainer_gone(self, session: int, why: str, now: float) -> list:
         """The trainer of ``session`` was fenced or detached: its distributed update cannot finish."""
         lock = self.lock
-        if lock is None or lock.session != session or lock.kind not in BROADCASTS:
+        if lock is None or lock.session != session:
             return []
-        return self.abort(f"weight update {lock.update_id:#x} aborted: {why}", now)
+        return self._feed(ev.TrainerGone(why), now)
 
     # ------------------------------------------------------------------ agents
 
@@ -473,44 +346,23 @@ class WeightUpdates:
         if rec is None:
             return self.core.admission.fence(peer, msg)
         lock = self.lock
-        if lock is None or msg.update_id != lock.update_id or msg.step == "abort":
+        if lock is None or msg.update_id != lock.update_id or msg.step == WeightStep.ABORT:
             return []  # a report of an update already over
-        agent = rec.agent_id
-        if msg.step in ("disk", "finish"):
-            # The agent's serving engines once the update is done there (none: every one died or is
-            # restarting); the answer lists these, never an earlier step's (a paused engine's old version).
-            lock.engines[agent] = dict(msg.engines)
         if msg.ok:  # the status shows an engine's new version now, not at the agent's next heartbeat
             for e in rec.engines:
                 if e.get("name") in msg.engines:
                     e["version"] = msg.engines[e["name"]]
         if not msg.ok:
-            error = msg.error or "no detail"
-            if agent not in error:
-                error = f"agent {agent}: {error}"
-            return self.abort(
-                f"weight update {lock.update_id:#x} to version {lock.version} failed at step {msg.step}: {error}", now
-            )
-        if msg.step == "begin" and not lock.formed:
-            lock.confirmed[agent] = [str(n) for n in msg.members]
-            lock.waiting.discard(agent)
-        elif msg.step in ("disk", "finish"):
-            lock.waiting.discard(agent)
-        elif msg.step == "init":
-            lock.init_pending.discard(agent)
-        elif msg.step == "bucket" and msg.seq in lock.buckets:
-            lock.buckets[msg.seq].discard(agent)
-        return self._advance(now)
+            return self._feed(ev.StepFailed(rec.agent_id, msg.step, msg.error), now)
+        event = ev.Reported(rec.agent_id, msg.step, msg.seq, dict(msg.engines), list(msg.members))
+        return self._feed(event, now) + self._advance(now)
 
     def on_register(self, agent_id: str, now: float) -> list[Send]:
-        """An agent (re)registered during an update: it joins a disk update; a broadcast group loses it."""
-        lock = self.lock
-        if lock is None:
+        """An agent (re)registered during an update: it joins a disk update; a broadcast group loses it
+        (``_lost``), and outside the group it gets ``WeightsFinish``."""
+        if self.lock is None:
             return []
-        if lock.kind == "disk":
-            lock.waiting.add(agent_id)
-            return [self._to(agent_id, p.WeightsFromDisk(lock.update_id, lock.version, lock.path))]
-        return []  # distributed: lost by ``_lost`` if it was a member; outside the group it gets WeightsFinish
+        return self._feed(ev.Registered(agent_id), now)
 
     def note_engines(self, engines: list) -> list:
         """Engines an agent registered with: a version above the log's (an update recorded nowhere, e.g.
@@ -521,10 +373,27 @@ class WeightUpdates:
         top = max(versions, default=-1)
         if top <= self.log.version:
             return []
-        self.log = WeightLog(top, self.log.updates + 1, "distributed", "", self.log.boundaries + (self._lease_hwm(),))
+        self.log = WeightLog(
+            top, self.log.updates + 1, WeightKind.DISTRIBUTED.value, "", self.log.boundaries + (self._lease_hwm(),)
+        )
         return [SetWeights(self.log)]
 
     # ------------------------------------------------------------------ progress
+
+    def _feed(self, event: object, now: float) -> list:
+        """``event`` through the lock's table (coordinator/weight_lock.py); its effects carried out."""
+        out: list = []
+        for effect in transition(self.lock, event):
+            out += self._effects[type(effect)](effect, now)
+        return out
+
+    def _send_agent(self, effect: ev.ToAgent, now: float) -> list:
+        return [self._to(effect.agent, effect.msg)]
+
+    def _answer(self, effect: ev.Answer, now: float) -> list:
+        if effect.key is not None:
+            self._remember(effect.key, effect.msg)
+        return [Send(effect.peer, effect.msg)]
 
     def _lost(self) -> list[str]:
         """Agents sent a step of the update that are dead or registered again since."""
@@ -537,64 +406,39 @@ class WeightUpdates:
         ]
 
     def _advance(self, now: float) -> list:
-        lock = self.lock
-        if lock is None:
-            return []
-        for agent in self._lost():
-            if lock.kind in BROADCASTS and agent in lock.members and lock.formed and lock.step != "finish":
-                return self.abort(
-                    f"weight update {lock.update_id:#x} aborted: agent {agent}, in the group, was lost", now
-                )
-            # A disk update goes on without it: it loads the recorded checkpoint when it registers.
-            lock.sessions.pop(agent, None)
-            lock.waiting.discard(agent)
-            lock.init_pending.discard(agent)
-            for waiting in lock.buckets.values():
-                waiting.discard(agent)
-        if lock.kind in BROADCASTS and not lock.formed:
-            return [] if lock.waiting else self._form_group(now)
-        if lock.kind in BROADCASTS and lock.step != "finish":
-            if not (lock.finishing and not lock.init_pending and not any(lock.buckets.values())):
-                return []
-            lock.step = "finish"
-            # A catch-up finishes on its members only; a version update everywhere (engines outside
-            # the group are behind it now).
-            alive = [r.agent_id for r in self.core.membership.alive()]
-            out = []
-            for agent_id in alive if lock.kind == "distributed" else [a for a in alive if a in lock.members]:
-                out.append(self._to(agent_id, p.WeightsFinish(lock.update_id, lock.version, lock.verify)))
-                lock.waiting.add(agent_id)
-            return out + self._advance(now)
-        if lock.waiting:
-            return []
-        return self._complete(now)
+        """Agents lost meanwhile, then the next step of an update that awaits nothing (until one awaits)."""
+        out: list = []
+        while (lock := self.lock) is not None:
+            for agent in self._lost():
+                out += self._feed(lost(lock, agent), now)
+                if self.lock is None:
+                    return out
+            if not lock.settled:
+                return out
+            alive = tuple(r.agent_id for r in self.core.membership.alive())
+            out += self._feed(self._form_group(lock) if lock.forming else ev.Settled(alive), now)
+        return out
 
     def _lease_hwm(self) -> int:
         return self.core.admission.lease_hwm
 
-    def _complete(self, now: float) -> list:
+    def _release(self, effect: ev.Release, now: float) -> list:
+        self.lock = None
+        return self.core.pump(now)
+
+    def _complete(self, effect: ev.Record, now: float) -> list:
+        """The update is done everywhere: record it, then answer its trainer."""
         lock, self.lock = self.lock, None
-        engines = {f"{a}/{name}": v for a, engs in sorted(lock.engines.items()) for name, v in sorted(engs.items())}
-        if lock.kind == "catch_up":  # the version is the log's already: nothing to record
-            caught = {key for offsets in lock.members.values() for key in offsets}
-            engines = {key: v for key, v in engines.items() if key in caught}
-            reply = p.Ok(lock.waiter[1], {"update_id": lock.update_id, "version": lock.version, "engines": engines})
-            self._remember((lock.session, lock.waiter[1]), reply)
-            return [Send(lock.waiter[0], reply)] + self.core.pump(now)
         self.partial = ""
         log = self.log
         self.log = WeightLog(
             lock.version,
             log.updates + 1,
-            lock.kind,
-            lock.path if lock.kind == "disk" else "",
+            lock.kind.value,
+            lock.path if lock.kind is WeightKind.DISK else "",
             log.boundaries + (self._lease_hwm(),),
         )
-        then = []
-        if lock.waiter is not None:
-            reply = p.Ok(lock.waiter[1], {"update_id": lock.update_id, "version": lock.version, "engines": engines})
-            self._remember((lock.session, lock.waiter[1]), reply)
-            then.append(Send(lock.waiter[0], reply))
+        then = self._answer(effect.answer, now) if effect.answer is not None else []
         return [self.core.persist([SetWeights(self.log)], then)] + self.core.pump(now)
 
     def abort(self, why: str, now: float) -> list:
@@ -602,15 +446,15 @@ class WeightUpdates:
         lock, self.lock = self.lock, None
         if lock is None:
             return []
-        catch_up = lock.kind == "catch_up"
+        catch_up = lock.kind is WeightKind.CATCH_UP
         if not catch_up:
             self._last_group = None  # a catch-up's group was its own: the fleet's stays
-        if (lock.kind == "disk" or lock.buckets) and not catch_up:
+        if (lock.kind is WeightKind.DISK or lock.buckets) and not catch_up:
             self.partial = why
         self._failed[lock.update_id] = why
         while len(self._failed) > REPLIES_KEPT:
             del self._failed[next(iter(self._failed))]
-        path = self.log.path if self.log.kind == "disk" else ""
+        path = self.log.path if self.log.kind == WeightKind.DISK else ""
         out: list = [
             Send(r.agent_id, p.WeightsAbort(lock.update_id, self.log.version, path, catch_up))
             for r in self.core.membership.alive()
@@ -623,27 +467,15 @@ class WeightUpdates:
         return out + self.core.pump(now)
 
     def tick(self, now: float) -> list:
-        """The lock's deadline, and agents lost meanwhile."""
+        """The lock's deadline, its trainer's silence, and agents lost meanwhile."""
         lock = self.lock
         if lock is None:
             return []
         if now > lock.deadline:
-            return self.abort(
-                f"weight update {lock.update_id:#x} to version {lock.version} missed its deadline "
-                f"({lock.timeout:g}s) at step {lock.step}: waiting for {self._pending(lock)}",
-                now,
-            )
+            return self._feed(ev.DeadlinePassed(), now)
         ttl = self.core.liveness.ttl
-        if lock.kind in BROADCASTS and now - lock.seen > ttl:
-            return self.abort(
-                f"weight update {lock.update_id:#x} to version {lock.version} aborted at step {lock.step}: its "
-                f"trainer {lock.holder} was silent for {now - lock.seen:.1f}s (session TTL {ttl:g}s), presumed dead",
-                now,
-            )
+        if now - lock.seen > ttl:
+            out = self._feed(ev.TrainerSilent(now - lock.seen, ttl), now)  # a disk update does not need its trainer
+            if self.lock is None:
+                return out
         return self._advance(now)
-
-    def _pending(self, lock: Update) -> str:
-        agents = set(lock.waiting) | set(lock.init_pending) | {a for w in lock.buckets.values() for a in w}
-        if agents:
-            return "agents " + ", ".join(sorted(agents))
-        return f"the trainer {lock.holder}" if lock.kind in BROADCASTS else "nothing"

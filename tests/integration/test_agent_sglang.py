@@ -161,7 +161,7 @@ async def test_an_older_server_without_sessions_takes_broadcasts_too(tmp_path):
     async with node(tmp_path, sim_args=["--sglang-version", "0.5.15"]) as n:
         done = await broadcast(n, 1, 1, tensors(), verify_values(list(tensors().items())))
         assert done.ok and done.engines == {"sim-0": 1, "sim-1": 1}, done.error
-        assert n.weights.sessions == {} and n.weights._sessionless == {"sim-0", "sim-1"}
+        assert n.weights.engines.sessions == {} and n.weights.broadcast.sessionless == {"sim-0", "sim-1"}
 
 
 # ------------------------------------------------------------------------------------------------ verify
@@ -180,7 +180,7 @@ async def test_a_verified_update_passes_and_a_corrupted_last_tensor_fails_naming
     async with node(tmp_path, engines=1, sim_args=["--architecture", architecture]) as n:
         done = await broadcast(n, 1, 1, named, verify_values(list(named.items())))
         assert done.ok, done.error
-        assert n.weights._read_mode == {"sim-0": "checksum" if architecture.startswith("Qwen") else "values"}
+        assert n.weights.verifier.read_mode == {"sim-0": "checksum" if architecture.startswith("Qwen") else "values"}
     async with node(
         tmp_path / "bad", engines=1, sim_args=["--architecture", architecture, "--corrupt-tensors", last]
     ) as n:
@@ -215,7 +215,7 @@ async def test_a_pause_that_outlives_the_agents_deadline_never_leaves_the_engine
     async with url_engine(*SLOW) as url:
         specs = plan_engines("url", urls=[url])
         async with node(tmp_path, specs=specs) as n:
-            n.weights.confirm_deadline = 0.3
+            n.weights.broadcast.confirm_deadline = 0.3
             n.grant(1)
             await wait_generating(n)
             report = await begin(n, 1, 1)

@@ -62,7 +62,9 @@ class Node:
         self.session = AgentSession(
             agent_id="a1", incarnation=1, payload_address="tcp://a1:1", concurrency_per_engine=8
         )
-        self.weights = WeightsExecutor(supervisor, client, self.handle, agent_id="a1", step_deadline=30)
+        self.weights = WeightsExecutor(
+            supervisor, client, self.handle, fleet=lambda: self.session.weights.current, agent_id="a1", step_deadline=30
+        )
         supervisor.prepare = self.weights.prepare
         self.store = GroupStore(tmp / "store", agent_id="a1", sync=False)
         self.sent: list[p.Message] = []

@@ -62,7 +62,7 @@ async def test_an_aborts_clean_up_does_not_wait_on_a_frozen_engine(tmp_path):
         n.handle(MessageReceived(p.WeightsFromDisk(1, 2, str(tmp_path))))
         assert (await n.wait_report("disk")).ok
         victim = n.supervisor.pids()["sim-1"]
-        n.weights.stale.add("sim-1")  # behind: the abort's sweep re-loads it
+        n.weights.engines.stale.add("sim-1")  # behind: the abort's sweep re-loads it
         with frozen(victim):
             n.handle(MessageReceived(p.WeightsAbort(9, 2, str(tmp_path))))
             report = await n.wait_report("abort")
