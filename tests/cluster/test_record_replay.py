@@ -93,7 +93,7 @@ def test_a_recorded_run_replays_equal_with_no_fleet(make_cluster, tmp_path):
         recorded = trainer_loop(client, STEPS, update_mid_generation)
         again = client.generate(2)  # asked again: the same batch, not written twice
         assert again.groups == recorded[2][0].groups
-    batches = [b for b, _ in (r for r in recorded if not isinstance(r, dict))]
+    batches = [b for b, _ in (r for r in recorded if not isinstance(r, EvalMetrics))]
     names = sorted(os.listdir(records))
     assert names == sorted([f"rollout-{i}.parquet" for i in range(STEPS)] + ["eval-small-1.json", "eval-small-2.json"])
     spans = [len(s.weight_versions) for b in batches for s in b.samples]
