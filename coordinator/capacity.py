@@ -1,9 +1,9 @@
 """Why no batch can come until something changes: no engine left to generate on.
 
-Pure, read from the core's state: every agent is gone (all retired), or every engine that may serve
-is behind the fleet's weights with no update running to bring it back (``all_stale``). Waiting
-batches (coordinator/batches.py) and evaluation passes are answered with the reason instead of
-waiting forever.
+Pure, read from membership and the weight updates: every agent is gone (all retired), or every
+engine that may serve is behind the fleet's weights with no update running to bring it back
+(``all_stale``). Waiting batches (coordinator/batches.py) and evaluation passes are answered with the
+reason instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 from coordinator.membership import RETIRED
 
 if TYPE_CHECKING:
-    from coordinator.core import CoordinatorCore
+    from coordinator.faces import WeightsFace
+    from coordinator.membership import Membership
 
 ALL_STALE = (
     "every engine is behind the fleet's weights (stale after a restart): push a weight update "
@@ -25,30 +26,37 @@ ALL_PARTIAL = (
 )
 
 
-def no_capacity(core: CoordinatorCore) -> str | None:
-    """Why no engine can generate anything until something changes (every agent gone, every engine stale);
-    None while one may."""
-    if core.membership.all_gone():
-        return "no agent with a live engine is left to generate on (all retired)"
-    if all_stale(core):
-        partial = core.weights.partial
-        return ALL_PARTIAL.format(why=partial) if partial else ALL_STALE
-    return None
+class Capacity:
+    """Whether any engine is left to generate on."""
 
+    def __init__(self, membership: Membership, weights: WeightsFace):
+        self._membership = membership
+        self._weights = weights
 
-def all_stale(core: CoordinatorCore) -> bool:
-    """Every engine that may serve is behind the fleet's weights, and no update runs to bring it back.
+    def why_none(self) -> str | None:
+        """Why no engine can generate anything until something changes (every agent gone, every engine stale);
+        None while one may."""
+        if self._membership.all_gone():
+            return "no agent with a live engine is left to generate on (all retired)"
+        if self.all_stale():
+            partial = self._weights.partial
+            return ALL_PARTIAL.format(why=partial) if partial else ALL_STALE
+        return None
 
-    After a broadcast, only a weight update returns a stale engine to the pool (docs/weights.md,
-    failure during an update), and no update starts while the trainer waits in ``generate``. A healthy or starting
-    engine of an agent that may still speak (alive, or dead but not retired) keeps the wait going.
-    """
-    if core.weights.locked or core.weights.log.kind == "disk":
-        return False  # after a disk update, agents reload stale engines from the recorded path themselves
-    if core.membership.find("serving", _may_serve) is not None:
-        return False
-    states = {e.get("state") for r in core.membership.agents.values() if r.status != RETIRED for e in r.engines}
-    return "stale" in states and not states & {"healthy", "starting"}
+    def all_stale(self) -> bool:
+        """Every engine that may serve is behind the fleet's weights, and no update runs to bring it back.
+
+        After a broadcast, only a weight update returns a stale engine to the pool (docs/weights.md,
+        failure during an update), and no update starts while the trainer waits in ``generate``. A healthy or
+        starting engine of an agent that may still speak (alive, or dead but not retired) keeps the wait going.
+        """
+        weights, membership = self._weights, self._membership
+        if weights.locked or weights.log.kind == "disk":
+            return False  # after a disk update, agents reload stale engines from the recorded path themselves
+        if membership.find("serving", _may_serve) is not None:
+            return False
+        states = {e.get("state") for r in membership.agents.values() if r.status != RETIRED for e in r.engines}
+        return "stale" in states and not states & {"healthy", "starting"}
 
 
 def _may_serve(rec) -> bool:

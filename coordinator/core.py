@@ -8,36 +8,55 @@ for the I/O shell to carry out:
     Persist(ops, then)   write ``ops`` to the ledger in one durable
                          transaction, and only after it commits send ``then``
 
-``CoordinatorCore`` owns the shared state (frontier, membership, config) and
-routes; each role lives in its own module:
+``CoordinatorCore`` is started with a validated ``CoreSettings``
+(``coordinator/core_settings.py``), the ledger it resumes from and the time.
+It builds the parts (counters, membership, the mixture's frontier, the lease
+book, the training source, the ready groups, the ranks' shares), hands each
+role, in its constructor, the parts it uses, routes messages to the roles and
+runs the one pump. Parts and roles, each in its own module:
 
-    admission.py   agents: register, heartbeat, receipts, filtered, release,
-                   capacity, lease issuing, TTL and retirement (``tick``)
-    batches.py     ready groups, batch assembly, repair, trimming
-    oversampling.py  over-sampling (stopping the surplus leases) and partial
-                   batches at a ``generate`` deadline
-    trainer.py     trainer sessions: attach, generate, pause/resume,
-                   state dict, consumed, missing, detach
-    starvation.py  the streak of failed groups that stops admission
-    weights.py     weight updates: the weight lock, each update's steps,
-                   the weight log
-    staleness.py   bounded staleness: admission and assembly rules
+    lease_book.py    the leases in flight of every prompt source, lease ids,
+                     leases held for silent agents, the one grant loop
+    sources.py       prompt sources: the interface, the training datasets'
+                     (the mixture's shares, filter verdicts, its starvation record)
+    ready.py         ready groups waiting for a batch
+    rank_shares.py   the attached trainer's ranks and their shares of batches
+    admission.py     agents: register, heartbeat, receipts, filtered, release,
+                     capacity, evaluation results, TTL and retirement (``tick``)
+    batches.py       batch assembly, recorded batches, repair, trimming, demand
+    oversampling.py  over-sampling (stopping the surplus leases)
+    evaluation.py    evaluation passes: a prompt source per dataset
+    trainer.py       trainer sessions: attach, generate, evaluate, pause/resume,
+                     state dict, consumed, missing, detach
+    capacity.py      whether any engine is left to generate on
+    starvation.py    the streak of failed groups that stops admission
+    weights.py       weight updates: the weight lock, each update's steps,
+                     the weight log (it still reads the core itself)
+    staleness.py     bounded staleness: admission and assembly rules
+    prompt_key.py    a prompt's dataset, data epoch and index
+
+A role sees another only through the verbs it was handed (``coordinator/faces.py``
+for the weight updates and the pause); no role module imports this one.
 
 Invariants kept across them:
 - Exactly once: a prompt ``(data_epoch, index)`` is accepted at most once
   and delivered in at most one batch (admission.py, batches.py).
 - Commit before acknowledgement: ReceiptAck, Welcome (with its acks) and
   batch replies travel in ``Persist.then``, after the ledger commit.
-- Write-ahead leases: every ``Persist`` carries the frontier cursors, and a
-  Grant travels in ``Persist.then`` behind the cursor that covers it, so
+- Write-ahead leases: every ``Persist`` the core returns carries the frontier
+  cursors, stamped when it leaves the core (``_stamped``; no role writes them),
+  and a Grant travels in ``Persist.then`` behind the cursor that covers it, so
   after a crash every prompt that may be in flight on an agent is an orphan
   (kept for its agent for a TTL), never a fresh prompt handed to a second
   agent while the first still generates it.
+- Nothing reaches an agent before its Welcome: the Welcome rides in the
+  register's ``Persist``, the grants that fill the new capacity in the pump's,
+  which comes after it.
 - Pause is durable: a restart keeps the trainer's pause (and its drain).
 - Failing user code burns no data: when every recent group failed (a reward
   or filter that raises) the rollout is starved; admission stops, waiting
   ``generate`` calls get ``starved`` with the dominant failure, and the
-  prompts filtered for those failures are pending again (admission.py,
+  prompts filtered for those failures are pending again (sources.py,
   starvation.py). The next ``generate`` starts over.
 - One weight update at a time: while the weight lock is held no prompt is
   leased; versions never move backwards (weights.py).
@@ -58,14 +77,15 @@ The shell delivers the messages for one destination in the order the core
 produced them: a ``Send`` waits behind an earlier ``Persist.then`` message to
 the same destination (e.g. a Control never overtakes the Grant before it).
 
-Turns: the shell may hand the core every message it has read in one go as a
-*turn* (``begin_turn``, ``handle`` for each, ``end_turn``). Within a turn the
-handlers' ``pump`` (assembly and admission) is deferred to ``end_turn``, which
-runs it once: the leases freed by a thousand receipts go out as one Grant per
-agent behind one cursor write, instead of a Grant and a write per receipt.
-Nothing else changes: a pump only ever acts on the state the messages left,
-so running it once after them yields what the last of the per-message pumps
-would have, and messages to one destination still leave in order.
+Turns and the pump: only the core pumps (assembly, then admission). Every
+handler runs in a *turn*, and the pump runs once at its end. The shell may
+hand the core every message it has read in one go as one turn (``begin_turn``,
+``handle`` for each, ``end_turn``); a ``handle`` or ``tick`` outside one is a
+turn of its own. The leases freed by a thousand receipts then go out as one
+Grant per agent behind one cursor write, instead of a Grant and a write per
+receipt. A pump only ever acts on the state the messages left, so running it
+once after them yields what a pump after each would have, and messages to one
+destination still leave in order.
 """
 
 from __future__ import annotations
@@ -74,92 +94,99 @@ from collections.abc import Callable
 from typing import Any
 
 from common import protocol as p
-from common.config import Liveness, RolloutConfig
-from common.mixture import DEFAULT, EPOCH_MASK, SourceSpec
 from coordinator.admission import Admission
 from coordinator.batches import Batches
+from coordinator.capacity import Capacity
+from coordinator.core_settings import CoreSettings
 from coordinator.counters import CoreCounters
 from coordinator.effects import Persist, Send
-from coordinator.evaluation import EvalSpec, Evaluations
+from coordinator.evaluation import Evaluations
+from coordinator.lease_book import LeaseBook
 from coordinator.membership import ALIVE, Membership
 from coordinator.mix_frontier import MixFrontier
 from coordinator.oversampling import OverSampling
-from coordinator.records import AgentStats, CoordinatorStats, LedgerSnapshot, SetCursors, SetMixture
+from coordinator.prompt_key import epoch_of
+from coordinator.rank_shares import RankShares
+from coordinator.ready import ReadyGroups
+from coordinator.records import AgentStats, CoordinatorStats, LedgerSnapshot, SetCursors
+from coordinator.sources import TrainingSource, mixture_schedule
 from coordinator.staleness import Staleness
-from coordinator.starvation import default_starve_after
+from coordinator.starvation import Starvation
 from coordinator.trainer import TrainerSessions
 from coordinator.weights import WeightUpdates
 
-__all__ = ["CoordinatorCore", "Persist", "Send", "range_order"]
-
-
-def range_order(size: int, data_epoch: int):
-    return range(size)
+__all__ = ["CoordinatorCore", "CoreSettings", "Persist", "Send"]
 
 
 class CoordinatorCore:
-    def __init__(
-        self,
-        config: RolloutConfig,
-        liveness: Liveness,
-        *,
-        dataset_size: int,
-        dataset_fingerprint: str,
-        order_for_epoch: Callable[[int, int], Any] = range_order,
-        restored: LedgerSnapshot | None = None,
-        now: float = 0.0,
-        starve_after: int | None = None,
-        starve_after_drops: int | None = None,
-        trainer_keys=(),
-        eval_specs: list[EvalSpec] = (),
-        over_sampling: float = 1.0,
-        source_sizes: list[int] | None = None,
-        source_orders: Callable[[int, int, int], Any] | None = None,
-    ):
-        """``source_sizes``: each training source's prompts, in ``config.mixture``'s order (default: one source
-        of ``dataset_size``); ``source_orders(source, size, data_epoch)``: its order (default ``order_for_epoch``)."""
-        self.config = config
-        self.trainer_keys = list(trainer_keys)
-        """The trainers' CurveZMQ public keys (Z85), handed to agents in the Welcome for their payload endpoints."""
-        self.starve_after = starve_after or default_starve_after(config.rollout_batch_size)
-        """Consecutive failed groups after which the rollout is starved (``coordinator/starvation.py``)."""
-        self.starve_after_drops = starve_after_drops or dataset_size or None
-        """Consecutive filter drops after which the rollout is starved (default: the dataset's size, an epoch)."""
-        self.liveness = liveness
-        self.dataset_size = dataset_size
-        self.dataset_fingerprint = dataset_fingerprint
+    def __init__(self, settings: CoreSettings, restored: LedgerSnapshot | None = None, now: float = 0.0):
+        self.settings = settings
+        config = self.config = settings.config
+        self.liveness = settings.liveness
         restored = restored or LedgerSnapshot()
+        self.now = now
+        """The time of the event being handled."""
         self.counters = CoreCounters()
         """Events for observation (``coordinator/counters.py``); read only at scrape time."""
         self.membership = Membership(restored.generation)
-        self.sources = [SourceSpec.from_dict(d) for d in config.mixture] or [SourceSpec(DEFAULT)]
-        """The training sources (common/mixture.py), in order: a source's number is its place here."""
-        sizes = list(source_sizes) if source_sizes is not None else [dataset_size]
-        if len(sizes) != len(self.sources):
-            raise ValueError(f"{len(sizes)} dataset sizes for {len(self.sources)} training sources")
-        configured = [spec.weight for spec in self.sources]
-        self.mixture_schedule = list(restored.mixture) or [(0, configured)]
-        """``[(from rollout id, weights)]``: the mixture's weights from each rollout id on (``set_mixture``)."""
-        self.start_ops: list = []
-        """Ledger operations this start must write before serving (the shell applies them)."""
-        orders = source_orders or (lambda source, n, e: order_for_epoch(n, e))
-        self.frontier = MixFrontier(sizes, orders)
+        self.frontier = MixFrontier(list(settings.dataset_sizes), settings.order)
+        """The mixture's frontier: each training dataset's data epochs and where every prompt stands."""
         self.staleness = Staleness(config.max_staleness, config.rollout_batch_size)
-        self.oversampling = OverSampling(self, over_sampling)
         self.weights = WeightUpdates(self, restored)
-        self.batches = Batches(self, restored)
-        old = restored.changed.get("mixture", [None])[0]
-        if old and len(old) == len(configured) and not restored.mixture:  # batches so far: the last start's weights
-            self.mixture_schedule[:] = [(0, [float(d.get("weight", 1.0)) for d in old])]
-        if self.mixture_schedule[-1][1] != configured and "mixture" in restored.changed:
-            # The weights on the command line changed at this start (--allow-config-change): from the next batch.
-            self.mixture_schedule.append((self.batches.last_rollout_id + 1, configured))
-            self.start_ops.append(SetMixture(tuple(self.mixture_schedule)))
-        self.trainer = TrainerSessions(self, restored)
-        self.admission = Admission(self, now)
-        self.evaluations = Evaluations(self, list(eval_specs), restored)
-        self.now = now
-        """The time of the event being handled (batch metrics read it)."""
+        self.leases = LeaseBook(self.membership, self.counters, keep_for_silent=not self.staleness.bounded)
+        last_rollout_id = (
+            max(restored.last_rollout_id, *restored.batches) if restored.batches else restored.last_rollout_id
+        )
+        schedule, self.start_ops = mixture_schedule(settings.datasets, restored, last_rollout_id)
+        """``start_ops``: ledger operations this start must write before serving (the shell applies them)."""
+        starvation = Starvation(settings.failures_to_starve, settings.drops_to_starve)
+        self.training = TrainingSource(config, self.frontier, self.leases, starvation, self.counters, schedule)
+        self.leases.add_source(self.training)
+        self.ready = ReadyGroups(len(settings.dataset_sizes), oldest_first=self.staleness.bounded)
+        self.oversampling = OverSampling(
+            settings.over_sampling, self.leases, self.training, self.membership, self.counters
+        )
+        self.capacity = Capacity(self.membership, self.weights)
+        self.batches = Batches(
+            restored,
+            batch_size=config.rollout_batch_size,
+            ready=self.ready,
+            shares=RankShares(self.payload_address),
+            training=self.training,
+            leases=self.leases,
+            frontier=self.frontier,
+            staleness=self.staleness,
+            oversampling=self.oversampling,
+            capacity=self.capacity,
+            counters=self.counters,
+        )
+        self.evaluations = Evaluations(list(settings.eval_specs), restored, self.leases)
+        self.trainer = TrainerSessions(
+            settings,
+            restored,
+            membership=self.membership,
+            leases=self.leases,
+            batches=self.batches,
+            training=self.training,
+            evaluations=self.evaluations,
+            weights=self.weights,
+            counters=self.counters,
+        )
+        self.admission = Admission(
+            settings,
+            now,
+            membership=self.membership,
+            leases=self.leases,
+            frontier=self.frontier,
+            training=self.training,
+            ready=self.ready,
+            batches=self.batches,
+            weights=self.weights,
+            pause=self.trainer,
+            oversampling=self.oversampling,
+            evaluations=self.evaluations,
+            counters=self.counters,
+        )
         self.gateway_stats: Callable[[float], list] | None = None
         """The serving process's gateways, for ``statistics`` (set by coordinator/server.py; none without)."""
         self._beat_round: list[str] = []  # the agents of the heartbeat round in progress (heartbeats)
@@ -174,7 +201,7 @@ class CoordinatorCore:
             p.Release: a.on_release,
             p.Capacity: a.on_capacity,
             p.EvalResult: a.on_eval_result,
-            p.Evaluate: self.evaluations.on_evaluate,
+            p.Evaluate: t.on_evaluate,
             p.Attach: t.on_attach,
             p.Generate: t.on_generate,
             p.Stats: self._on_stats,
@@ -193,25 +220,34 @@ class CoordinatorCore:
             return
         states = {prompt: st.status for prompt, st in restored.prompts.items()}
         self.frontier.restore(restored.cursors, states, now, orphan_delay=self.liveness.ttl)
-        self.batches.restore_ready(restored.prompts)
+        self.ready.restore(restored.prompts)
         # Agents the ledger points at are known from now on, even if they never come
         # back: they are then retired on schedule and their groups replaced.
         for agent_id in self.batches.referenced_agents():
             self.membership.placeholder(agent_id, now)
 
+    @property
+    def dataset_size(self) -> int:
+        """Rows of the training data, every dataset of a mixture together."""
+        return self.settings.dataset_size
+
+    @property
+    def dataset_fingerprint(self) -> str:
+        return self.settings.fingerprint
+
     # ------------------------------------------------------------------ events
 
     def handle(self, peer: bytes, msg: p.Message, now: float) -> list:
-        """Effects of one message from ``peer`` at ``now``."""
+        """Effects of one message from ``peer`` at ``now`` (the pump's too, unless a turn is open)."""
         route = self._routes.get(type(msg))
         if route is None:
             why = f"the coordinator does not accept {msg.TYPE!r} messages"
             return [Send(peer, p.Error("unexpected", why, getattr(msg, "req", 0)))]
         self.now = now
-        return route(peer, msg, now)
+        return self._in_a_turn(lambda: route(peer, msg, now), now)
 
     def begin_turn(self) -> None:
-        """Messages handled from now until ``end_turn`` defer their pump to it."""
+        """Messages handled from now until ``end_turn`` share one pump, run by ``end_turn``."""
         self._in_turn, self._pump_due = True, False
 
     def end_turn(self, now: float) -> list:
@@ -220,13 +256,37 @@ class CoordinatorCore:
         if not self._pump_due:
             return []
         self._pump_due = False
-        return self.pump(now)
+        return self._stamped(self._pump(now))
 
     def tick(self, now: float) -> list:
         """The clock: agents silent past the TTL lose their leases, past ``retire_after`` their groups;
-        a weight update past its deadline is aborted."""
+        a weight update past its deadline is aborted; a batch past its deadline is assembled partial."""
         self.now = now
-        return self.admission.tick(now) + self.weights.tick(now)
+        return self._in_a_turn(lambda: self.admission.tick(now) + self.weights.tick(now), now)
+
+    def _in_a_turn(self, step: Callable[[], list], now: float) -> list:
+        """``step``'s effects, with a pump due: in the open turn, or in a turn of its own, pumped at once."""
+        if self._in_turn:
+            self._pump_due = True
+            return self._stamped(step())
+        self.begin_turn()
+        try:
+            out = self._stamped(step())
+        except BaseException:
+            self._in_turn = False
+            raise
+        self._pump_due = True
+        return out + self.end_turn(now)
+
+    def _stamped(self, effects: list) -> list:
+        """``effects``, each ``Persist`` with the frontier cursors as they stand now (write-ahead for any grant
+        in its ``then``; in one transaction the ledger writes the last)."""
+        stamp = None
+        for e in effects:
+            if type(e) is Persist:
+                stamp = stamp or SetCursors(self.frontier.cursors())
+                e.ops.append(stamp)
+        return effects
 
     def heartbeats(self, part: int = 0, parts: int = 1) -> list[Send]:
         """One heartbeat to each live agent of slice ``part`` of ``parts`` of the round, carrying what
@@ -251,32 +311,36 @@ class CoordinatorCore:
     def _on_stats(self, peer: bytes, msg: p.Stats, now: float) -> list:
         return [Send(peer, p.Ok(msg.req, self.statistics(now).to_dict()))]
 
-    # ------------------------------------------------------------------ shared
+    # ------------------------------------------------------------------ the pump
 
     def persist(self, ops: list, then: list) -> Persist:
-        """A ledger write that also records the frontier cursors (write-ahead for any grant in ``then``)."""
-        ops.append(SetCursors(self.frontier.cursors()))
+        """``Persist(ops, then)``, for coordinator/weights.py until it builds its own (the cursors are stamped
+        on every ``Persist`` as it leaves the core)."""
         return Persist(ops, then)
 
     def pump(self, now: float) -> list:
-        """Assemble what can be assembled, then admit new prompts up to demand + prefetch.
-
-        Inside a turn it only notes that a pump is due (``end_turn`` runs it)."""
+        """For coordinator/weights.py until it leaves the pump to the core: every handler runs in a turn, so this
+        only notes that a pump is due (outside a turn, it pumps)."""
         if self._in_turn:
             self._pump_due = True
             return []
+        return self._stamped(self._pump(now))
+
+    def _pump(self, now: float) -> list:
+        """Assemble what can be assembled, then admit new prompts up to demand + prefetch."""
         self.now = now
-        out = self.batches.pump()
-        if self.trainer.paused:
-            return out + self.trainer.answer_drained()
+        trainer, batches, training, ready = self.trainer, self.batches, self.training, self.ready
+        out = batches.pump(now, trainer.prefetch)
+        if trainer.paused:
+            return out + trainer.answer_drained(now)
         if self.weights.stops_admission:
             return out  # a weight update runs: no lease may start on weights about to change
         out += self._pump_evaluations(now)
-        if self.admission.starvation.starved:
+        if training.starvation.starved:
             return out  # every recent group failed: leasing more prompts would only burn them
-        training, t_next, updates = self.admission.training, self.batches.current_rollout_id, self.weights.log.updates
-        outstanding = self.admission.training_leases + len(self.batches.ready_info)
-        wanted = training.plan(self.batches.wanted(self.trainer.prefetch), self.batches.ready_count)
+        t_next, updates = batches.current_rollout_id, self.weights.log.updates
+        outstanding = self.leases.training_leases + len(ready)
+        wanted = training.plan(batches.wanted(trainer.prefetch), ready.count)
         allowed = self.staleness.budget(outstanding, t_next, updates)
         budget = wanted
         if allowed is not None:
@@ -284,28 +348,15 @@ class CoordinatorCore:
             # Rule 1 by shares (staleness.py): each dataset may have in flight or ready what the batches the bound
             # admits hold of it, so the budget is never spent on a mix those batches cannot be made of.
             allowance = training.allowance(t_next, self.staleness.last_admitted(updates))
-            budget = min(budget, training.limit(allowance, self.batches.ready_count))
+            budget = min(budget, training.limit(allowance, ready.count))
             self.staleness.note_admission(wanted, budget, now)
         if budget <= 0:
             return out
-        granted = self.admission.grant(self.admission.training, budget, self.batches.current_rollout_id, now)
+        granted = self.leases.grant(training, budget, t_next, updates, now)
         if granted:
-            # Write-ahead: the cursor covering these leases is durable before they leave.
-            out.append(self.persist([], granted))
+            # Write-ahead: the cursor covering these leases is durable before they leave (``_stamped``).
+            out.append(Persist([], granted))
         return out
-
-    def update_wait(self) -> str | None:
-        """Why the first waiting batch cannot be completed before a weight update is pushed (``--max-staleness``:
-        ``Staleness.update_wait``), or None. ``statistics()["waiting_for_update"]``, ``coordinator status``."""
-        batches, training = self.batches, self.admission.training
-        if not self.staleness.bounded or not batches.pending or batches.repairs:
-            return None
-        t, updates = batches.pending[0].rollout_id, self.weights.log.updates
-        have = zip(batches.composition(t), batches.ready_count, training.in_flight, strict=True)
-        lacking = [training.names[s] if training.mixed else "" for s, (n, r, f) in enumerate(have) if r + f < n]
-        outstanding = self.admission.training_leases + len(batches.ready_info)
-        budget = self.staleness.budget(outstanding, t, updates)
-        return self.staleness.update_wait(t, updates, lacking, budget, self.admission.training_leases)
 
     def _pump_evaluations(self, now: float) -> list:
         """Evaluation prompts go first to free capacity (a trainer waits on them); a pass nobody can
@@ -313,10 +364,24 @@ class CoordinatorCore:
         evaluations = self.evaluations
         if not evaluations.wanted:
             return []
-        why = self.batches.no_capacity()
+        why = self.capacity.why_none()
         if why is not None:
             return evaluations.answer_waiters("no_capacity", why)
-        return evaluations.grant(now)
+        return evaluations.grant(self.batches.current_rollout_id, self.weights.log.updates, now)
+
+    def update_wait(self) -> str | None:
+        """Why the first waiting batch cannot be completed before a weight update is pushed (``--max-staleness``:
+        ``Staleness.update_wait``), or None. ``statistics()["waiting_for_update"]``, ``coordinator status``."""
+        batches, training, in_flight = self.batches, self.training, self.leases.training_leases
+        if not self.staleness.bounded or not batches.pending or batches.repairs:
+            return None
+        t, updates = batches.pending[0].rollout_id, self.weights.log.updates
+        have = zip(batches.composition(t), self.ready.count, training.in_flight, strict=True)
+        lacking = [training.names[d] if training.mixed else "" for d, (n, r, f) in enumerate(have) if r + f < n]
+        budget = self.staleness.budget(in_flight + len(self.ready), t, updates)
+        return self.staleness.update_wait(t, updates, lacking, budget, in_flight)
+
+    # ------------------------------------------------------------------ views
 
     def peer_of(self, agent_id: str) -> bytes | None:
         """The ZeroMQ peer an agent last spoke from."""
@@ -329,7 +394,7 @@ class CoordinatorCore:
         return rec.payload_address if rec is not None else ""
 
     def statistics(self, now: float | None = None) -> CoordinatorStats:
-        batches, trainer = self.batches, self.trainer
+        batches, trainer, training = self.batches, self.trainer, self.training
         at = self.now if now is None else now
         agents = {
             r.agent_id: AgentStats(
@@ -344,40 +409,40 @@ class CoordinatorCore:
         }
         return CoordinatorStats(
             agents=agents,
-            leased=len(self.admission.leases),
-            ready=len(batches.ready_info),
+            leased=len(self.leases),
+            ready=len(self.ready),
             pending_generates=len(batches.pending),
             batches_in_repair=tuple(sorted(batches.repairs)),
             prefetch=trainer.prefetch,
             paused=trainer.paused,
-            starved=self.admission.starvation.reason,
+            starved=training.starvation.reason,
             trainer=trainer.client if trainer.session else None,
             prompts=self.frontier.counts(),
-            data_epochs=tuple(sorted({key & EPOCH_MASK for key in self.frontier.epochs})),
+            data_epochs=tuple(sorted({epoch_of(key) for key in self.frontier.epochs})),
             last_rollout_id=batches.last_rollout_id,
             trimmed_upto=batches.trimmed_upto,
             consumed_upto=batches.consumed_upto,
-            filtered_total=self.admission.training.filtered_total,
+            filtered_total=training.filtered_total,
             fenced_messages=dict(self.admission.fenced),
-            weights=self.weights.statistics(self.now if now is None else now),
+            weights=self.weights.statistics(at),
             evaluations=self.evaluations.statistics(),
-            sources=self.source_statistics(),
-            held=len(self.admission.held),
+            sources=self.dataset_statistics(),
+            held=len(self.leases.held),
             receipts={"accepted": self.counters.receipts_accepted, "refused": self.counters.receipts_refused},
             gateways=self.gateway_stats(at) if self.gateway_stats is not None else [],
             waiting_for_update=self.update_wait(),
         )
 
-    def source_statistics(self) -> dict:
+    def dataset_statistics(self) -> dict:
         """``CoordinatorStats.sources``: each training dataset's weight, prompts by state, epochs, filtered."""
-        training = self.admission.training
+        training = self.training
         weights = training.weights_at(self.batches.last_rollout_id + 1)
         return {
             name: {
-                "weight": weights[s],
-                "prompts": self.frontier.counts(s),
-                "data_epochs": sorted(self.frontier.parts[s].epochs),
-                "filtered": training.filtered_count[s],
+                "weight": weights[d],
+                "prompts": self.frontier.counts(d),
+                "data_epochs": sorted(self.frontier.parts[d].epochs),
+                "filtered": training.filtered_count[d],
             }
-            for s, name in enumerate(training.names)
+            for d, name in enumerate(training.names)
         }

@@ -48,7 +48,7 @@ from coordinator.frontier import DELIVERED, LEASED, PENDING, EpochFrontier
 from coordinator.records import DropEvalResults, EvalRecord, Lease, LedgerSnapshot, PutEvalResult, SetEvalPass
 
 if TYPE_CHECKING:
-    from coordinator.core import CoordinatorCore
+    from coordinator.lease_book import LeaseBook
 
 EVAL_EPOCH = -1
 """The data epoch of every evaluation lease (no training epoch is negative)."""
@@ -219,6 +219,9 @@ class EvalSource:
     def with_rows(self, rec) -> bool:
         return True  # read from the evaluation file, which agents do not have
 
+    def note_lease(self, lease: Lease, delta: int) -> None:
+        pass  # its pass counts its own leased prompts
+
     def give_back(self, lease: Lease) -> None:
         run = self.run
         if run is not None and 0 <= lease.index < run.spec.size:
@@ -248,12 +251,11 @@ class EvalSource:
 class Evaluations:
     """Every declared evaluation dataset, its current pass, and the trainers waiting on it."""
 
-    def __init__(self, core: CoordinatorCore, specs: list[EvalSpec], restored: LedgerSnapshot):
-        self.core = core
+    def __init__(self, specs: list[EvalSpec], restored: LedgerSnapshot, leases: LeaseBook):
+        """``leases``: the lease book, where each dataset's pass is a prompt source and is granted from."""
+        self._leases = leases
         self.specs = {s.name: s for s in specs}
-        self.sources = [
-            core.admission.add_source(EvalSource(self, s.name)) for s in sorted(specs, key=lambda s: s.name)
-        ]
+        self.sources = [leases.add_source(EvalSource(self, s.name)) for s in sorted(specs, key=lambda s: s.name)]
         """One prompt source per dataset, in name order (the order passes are granted in)."""
         self.records: dict[str, EvalRecord] = {}
         self.passes: dict[str, EvalPass] = {}  # the unfinished ones
@@ -271,13 +273,10 @@ class Evaluations:
 
     # ------------------------------------------------------------------ trainer
 
-    def on_evaluate(self, peer: bytes, msg: p.Evaluate, now: float) -> list:
-        core = self.core
-        err = core.trainer.session_error(peer, msg.session, msg.req)
-        if err:
-            return err
-        spec = self.specs.get(msg.name)
-        if spec is None:
+    def answer_now(self, peer: bytes, msg: p.Evaluate) -> list | None:
+        """The answer an ``evaluate`` call gets at once (an unknown dataset; a resend of a call already answered),
+        or None: it joins the dataset's pass (``join``). Its trainer session was checked (coordinator/trainer.py)."""
+        if msg.name not in self.specs:
             declared = ", ".join(sorted(self.specs)) or "none"
             why = (
                 f"no evaluation dataset {msg.name!r} (declared: {declared}; coordinator serve --eval-dataset NAME=PATH)"
@@ -286,6 +285,11 @@ class Evaluations:
         rec = self.records.get(msg.name)
         if rec is not None and rec.done and msg.token in rec.tokens:
             return [Send(peer, p.Ok(msg.req, dict(rec.metrics)))]  # a resend of a call already answered
+        return None
+
+    def join(self, peer: bytes, msg: p.Evaluate) -> list:
+        """The call waits on its dataset's pass, started if none runs (its record written first)."""
+        spec, rec = self.specs[msg.name], self.records.get(msg.name)
         ops: list = []
         run = self.passes.get(msg.name)
         if run is None:
@@ -299,10 +303,12 @@ class Evaluations:
             ops.append(SetEvalPass(rec))
         if (peer, msg.req) not in run.waiters:
             run.waiters.append((peer, msg.req))
-        # Like generate: a rollout left paused (a trainer that died checkpointing) is resumed.
-        resumed = core.trainer.resume() if core.trainer.paused else []
-        out: list = [Persist(ops, [])] if ops else []
-        return out + resumed + self._finish(run) + core.pump(now)
+        return [Persist(ops, [])] if ops else []
+
+    def finish(self, name: str) -> list:
+        """Dataset ``name``'s running pass, answered if it is complete (a pass of no prompts is at once)."""
+        run = self.passes.get(name)
+        return self._finish(run) if run is not None else []
 
     def answer_waiters(self, code: str, why: str) -> list[Send]:
         """Answer every waiting ``evaluate`` with an error (a newer trainer attached: ``fenced``; no engine
@@ -320,13 +326,13 @@ class Evaluations:
         """Prompts waiting for a lease, over every running pass with a trainer waiting on it."""
         return sum(source.wanted for source in self.sources)
 
-    def grant(self, now: float) -> list:
-        """Lease pending evaluation prompts to agents with free capacity, pass by pass (the lease book's grant)."""
-        core = self.core
+    def grant(self, rollout_id: int, start: int, now: float) -> list:
+        """Lease pending evaluation prompts to agents with free capacity, pass by pass (the lease book's grant);
+        ``rollout_id`` and ``start`` as the lease book's."""
         granted: list[Send] = []
         for source in self.sources:
             if source.wanted:
-                granted += core.admission.grant(source, source.wanted, core.batches.current_rollout_id, now)
+                granted += self._leases.grant(source, source.wanted, rollout_id, start, now)
         return [Persist([], granted)] if granted else []
 
     def fail(self, run: EvalPass, index: int, reason: str) -> list:

@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from common.mixture import EPOCH_BITS, EPOCH_MASK
 from coordinator.membership import ALIVE, DEAD, RETIRED
+from coordinator.prompt_key import dataset_of, epoch_of
 
 if TYPE_CHECKING:
     from coordinator.server import CoordinatorServer
@@ -69,7 +69,7 @@ class CoordinatorCollector:
 
     def collect(self):
         core = self.server.core
-        c, admission, batches, membership = core.counters, core.admission, core.batches, core.membership
+        c, leases, batches, membership = core.counters, core.leases, core.batches, core.membership
         now = time.monotonic()
         yield _labelled(
             CounterMetricFamily,
@@ -88,9 +88,9 @@ class CoordinatorCollector:
         )
         yield _labelled(CounterMetricFamily, "lease_ends", "Leases ended, by how", "reason", c.lease_ends)
         yield CounterMetricFamily("rollfleet_stops_sent", "Over-sampled leases a Stop was sent for", value=c.stops_sent)
-        yield _gauge("leases_in_flight", "Leases held by agents now", len(admission.leases))
-        yield _gauge("leases_held", "Leases kept for agents presumed dead (not retired)", len(admission.held))
-        yield _gauge("groups_ready", "Groups committed on agents, waiting for a batch", len(batches.ready_info))
+        yield _gauge("leases_in_flight", "Leases held by agents now", len(leases))
+        yield _gauge("leases_held", "Leases kept for agents presumed dead (not retired)", len(leases.held))
+        yield _gauge("groups_ready", "Groups committed on agents, waiting for a batch", len(core.ready))
         yield _labelled(CounterMetricFamily, "groups_dropped", "Groups filtered, by reason", "reason", c.drops)
         yield CounterMetricFamily("rollfleet_batches", "Trainer batches assembled", value=c.batches)
         yield CounterMetricFamily(
@@ -124,7 +124,7 @@ class CoordinatorCollector:
         )
         yield _gauge("data_epoch", "The newest open data epoch", max(core.frontier.parts[0].epochs, default=0))
         yield _gauge("dataset_prompts", "Rows in the dataset", core.dataset_size)
-        training = core.admission.training
+        training = core.training
         if training.mixed:  # a mixture: each dataset's weight for the next batch and its prompts by state
             weights = training.weights_at(batches.last_rollout_id + 1)
             yield _labelled(GaugeMetricFamily, "source_weight", "A training dataset's weight", "dataset",
@@ -154,13 +154,13 @@ class CoordinatorCollector:
         yield _gauge("batch_staleness_max", "Largest staleness in the last batch", last.get("rollout/staleness_max", 0))
         yield _gauge("last_rollout_id", "The newest recorded batch", batches.last_rollout_id)
         yield _gauge("paused", "1 while the trainer has admission paused", float(core.trainer.paused))
-        yield _gauge("starved", "1 while the rollout is starved", float(admission.starvation.starved))
+        yield _gauge("starved", "1 while the rollout is starved", float(core.training.starvation.starved))
         yield _labelled(
             CounterMetricFamily,
             "fenced_messages",
             "Agent messages refused for a stale session",
             "type",
-            admission.fenced,
+            core.admission.fenced,
         )
         if gateways := self.server.io.statistics(now):  # none without --gateways
             yield from _gateway_metrics(gateways)
@@ -203,11 +203,11 @@ def status_snapshot(server: CoordinatorServer) -> dict:
         }
         for rec in sorted(core.membership.agents.values(), key=lambda r: r.agent_id)
     ]
-    names = core.admission.training.names
+    names = core.training.names
     epochs = [
         {
-            "dataset": names[key >> EPOCH_BITS],
-            "epoch": key & EPOCH_MASK,
+            "dataset": names[dataset_of(key)],
+            "epoch": epoch_of(key),
             "position": ep.cursor,
             "size": len(ep.order),
             "finished": ep.finished,
@@ -234,10 +234,10 @@ def status_snapshot(server: CoordinatorServer) -> dict:
         "frontier": {
             "epochs": epochs,
             "prompts": core.frontier.counts(),
-            "leases_in_flight": len(core.admission.leases),
-            "leases_held": len(core.admission.held),
-            "groups_ready": len(batches.ready_info),
-            "datasets": core.source_statistics(),  # not the whole statistics(): those build a record per agent
+            "leases_in_flight": len(core.leases),
+            "leases_held": len(core.leases.held),
+            "groups_ready": len(core.ready),
+            "datasets": core.dataset_statistics(),  # not the whole statistics(): those build a record per agent
         },
         "batches": {
             "assembled": c.batches,
@@ -252,7 +252,7 @@ def status_snapshot(server: CoordinatorServer) -> dict:
         "drops": dict(sorted(c.drops.items())),
         "weights": core.weights.statistics(now),
         "paused": core.trainer.paused,
-        "starved": core.admission.starvation.reason,
+        "starved": core.training.starvation.reason,
         "waiting_for_update": core.update_wait(),
         "gateways": server.io.statistics(now),
     }

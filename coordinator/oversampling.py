@@ -13,10 +13,10 @@ whose reason is ``protocol.STOPPED``; their prompts are pending again, first in 
 batch's metrics (``rollout/stopped_groups``) and as ``lease_ends_total{reason="stopped"}``.
 
 Partial batches (``generate(rollout_id, deadline=S)``): if batch ``rollout_id`` is not full ``S``
-seconds after the coordinator first got that ``generate`` (``PendingGenerate.since``, the core's
-clock: ``tick`` evaluates it), it is assembled from the groups ready then, at least one (with none
-ready, as soon as one is), and records its shortfall, ``rollout/deficit``, in its metrics and its
-size in the ledger (``RecordedBatch.size``).
+seconds after the coordinator first got that ``generate`` (``PendingGenerate.since`` and ``due``,
+coordinator/batches.py; the core's clock: ``tick`` evaluates it), it is assembled from the groups
+ready then, at least one (with none ready, as soon as one is), and records its shortfall,
+``rollout/deficit``, in its metrics and its size in the ledger (``RecordedBatch.size``).
 
 Invariants:
 - Nothing is lost, nothing committed is discarded: a stopped lease stays the coordinator's until
@@ -39,14 +39,15 @@ from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
 from common import protocol as p
-from common.errors import ConfigError
-from common.mixture import EPOCH_BITS
 from coordinator.effects import Send
 from coordinator.membership import ALIVE
+from coordinator.prompt_key import dataset_of
 
 if TYPE_CHECKING:
-    from coordinator.batches import PendingGenerate
-    from coordinator.core import CoordinatorCore
+    from coordinator.counters import CoreCounters
+    from coordinator.lease_book import LeaseBook
+    from coordinator.membership import Membership
+    from coordinator.sources import TrainingSource
 
 
 def batch_demand(size: int, factor: float) -> int:
@@ -65,18 +66,24 @@ def select_stops(leases: Iterable[int], skip: Collection[int], n: int) -> list[i
     return heapq.nlargest(n, (lease for lease in leases if lease not in skip))
 
 
-def deadline_due(g: PendingGenerate, now: float) -> bool:
-    """Whether a waiting ``generate`` with a deadline has reached it."""
-    return g.deadline > 0 and now >= g.since + g.deadline
-
-
 class OverSampling:
     """The over-sampling factor, the leases being stopped and the stopped-group count."""
 
-    def __init__(self, core: CoordinatorCore, factor: float = 1.0):
-        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor >= 1.0):
-            raise ConfigError(f"--over-sampling must be a number >= 1.0 (1.0: off), got {factor!r}")
-        self.core = core
+    def __init__(
+        self,
+        factor: float,
+        leases: LeaseBook,
+        training: TrainingSource,
+        membership: Membership,
+        counters: CoreCounters,
+    ):
+        """``factor``: ``--over-sampling`` (checked by the settings, coordinator/core_settings.py); ``leases``: the
+        lease book whose training leases it stops; ``training``: their leases in flight by dataset;
+        ``membership``: the agents holding them."""
+        self._leases = leases
+        self._training = training
+        self._membership = membership
+        self._counters = counters
         self.factor = float(factor)
         self.stopping: set[int] = set()
         """Leases a Stop was sent for, until their Release or Receipt (or expiry) ends them."""
@@ -91,49 +98,48 @@ class OverSampling:
         """Groups wanted for one waiting batch of ``size`` groups."""
         return batch_demand(size, self.factor)
 
-    def stop_excess(self) -> list[Send]:
-        """After an assembly: Stop the newest leases beyond ``demand + prefetch``, one message per agent."""
+    def stop_excess(self, wanted: list[int], ready: list[int]) -> list[Send]:
+        """After an assembly: Stop the newest leases beyond ``demand + prefetch``, one message per agent.
+        ``wanted``: groups wanted in flight or ready by training dataset (``Batches.wanted``); ``ready``: the
+        ready groups by dataset."""
         if not self.on:
             return []
-        core = self.core
-        leases = core.admission.leases
+        leases = self._leases.leases
         self.stopping &= leases.keys()  # ended meanwhile (receipt, filtered, released, failed, lost, expired)
         # Training leases only: an evaluation pass is never stopped and is outside the training bound.
         # Per training dataset: a mixture's dataset short of its share keeps its leases.
-        training, batches = core.admission.training, core.batches
-        stopping = [0] * len(training.in_flight)
+        in_flight = self._training.in_flight
+        stopping = [0] * len(in_flight)
         for lease_id in self.stopping:
-            stopping[leases[lease_id].data_epoch >> EPOCH_BITS] += 1
-        wanted = batches.wanted(core.trainer.prefetch)
-        excess = [training.in_flight[s] - stopping[s] + batches.ready_count[s] - wanted[s] for s in range(len(wanted))]
+            stopping[dataset_of(leases[lease_id].data_epoch)] += 1
+        excess = [in_flight[d] - stopping[d] + ready[d] - wanted[d] for d in range(len(wanted))]
         if max(excess) <= 0:
             return []
-        agents = core.membership.agents
+        agents = self._membership.agents
+        source_of = self._leases.source_of
 
         def reachable(lease_id: int) -> bool:
             lease = leases[lease_id]
             rec = agents.get(lease.agent_id)
-            return (
-                core.admission.source_of(lease).bounded and rec is not None and rec.status == ALIVE and rec.session != 0
-            )
+            return source_of(lease).bounded and rec is not None and rec.status == ALIVE and rec.session != 0
 
         chosen: list[int] = []
-        for s, n in enumerate(excess):
+        for d, n in enumerate(excess):
             if n > 0:
-                mine = (i for i in leases if leases[i].data_epoch >> EPOCH_BITS == s and reachable(i))
+                mine = (i for i in leases if dataset_of(leases[i].data_epoch) == d and reachable(i))
                 chosen += select_stops(mine, self.stopping, n)
         by_agent: dict[str, list[int]] = {}
         for lease_id in chosen:
             by_agent.setdefault(leases[lease_id].agent_id, []).append(lease_id)
         self.stopping.update(chosen)
-        core.counters.stops_sent += len(chosen)
+        self._counters.stops_sent += len(chosen)
         return [Send(agent_id, p.Stop(agents[agent_id].session, ids)) for agent_id, ids in by_agent.items()]
 
     def on_stopped(self, lease_id: int) -> None:
         """A lease ended with a ``Release`` whose reason is ``protocol.STOPPED``."""
         self.stopping.discard(lease_id)
         self.stopped += 1
-        self.core.counters.lease_ended("stopped")
+        self._counters.lease_ended("stopped")
 
     def batch_metrics(self, size: int, groups: int) -> dict[str, float]:
         """The metrics a batch of ``groups`` (of ``rollout_batch_size`` ``size``) adds; resets the stop count."""

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -51,19 +52,21 @@ import zmq
 
 from common import faults
 from common import protocol as p
-from common.config import Liveness, RolloutConfig
+from common.config import LOG_LEVELS, MIN_MAP_SIZE, MIN_MESSAGE_BYTES, Liveness, RolloutConfig
 from common.curve import CoordinatorKeys
 from common.dataset import Dataset
-from common.errors import ProtocolError, StorageFull
+from common.errors import ConfigError, ProtocolError, StorageFull
 from common.gc_tuning import quiet_gc
 from common.lmdb_env import MAP_SIZE
-from common.mixture import EPOCH_BITS
+from common.logs import LOG_FORMATS
 from common.shuffle import SHUFFLE_ORDER, epoch_permutation
-from common.transport import stop_on_signals
-from coordinator.core import CoordinatorCore, Persist, Send
+from common.transport import stop_on_signals, validate_endpoint
+from coordinator.core import CoordinatorCore, CoreSettings, Persist, Send
+from coordinator.core_settings import check_count, check_over_sampling
 from coordinator.evaluation import EvalSpec
 from coordinator.ledger import Ledger
 from coordinator.peer_io import DirectIO, GatewayIO, open_peer_io
+from coordinator.prompt_key import dataset_of
 from coordinator.sources import TRAIN
 
 log = logging.getLogger("rollfleet.coordinator")
@@ -111,6 +114,32 @@ class ServeSettings:
     log_level: str = "INFO"
     log_format: str = "text"
 
+    def __post_init__(self):
+        """Every field is checked here, each error naming its flag, so a ``ServeSettings`` that exists is valid."""
+        if not isinstance(self.data_dir, str) or not self.data_dir:
+            raise ConfigError(f"--data-dir must name a directory, got {self.data_dir!r}")
+        validate_endpoint(self.bind, "--bind")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ConfigError(f"--shuffle-seed must be an integer, got {self.seed!r}")
+        _check_int("--max-message-bytes", self.max_message_bytes, MIN_MESSAGE_BYTES)
+        check_count("--starve-after", self.starve_after)
+        check_count("--starve-after-drops", self.starve_after_drops)
+        if self.metrics_port is not None:
+            _check_int("--metrics-port", self.metrics_port, 0, 65535)
+        _check_int("--map-size", self.map_size, MIN_MAP_SIZE)
+        check_over_sampling(self.over_sampling)
+        _check_int("--gateways", self.gateways, 0, 64)
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"--log-format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+
+
+def _check_int(flag: str, value, low: int, high: float = math.inf) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        bounds = f">= {low}" if high == math.inf else f"from {low} to {high}"
+        raise ConfigError(f"{flag} must be an integer {bounds}, got {value!r}")
+
 
 class CoordinatorServer:
     def __init__(
@@ -133,7 +162,7 @@ class CoordinatorServer:
         """Each prompt source's dataset (coordinator/sources.py), by the key its leases carry."""
         parts = mixture or [(dataset, seed)]
         self.training_datasets = [ds for ds, _ in parts]
-        """Each training source's dataset, by source number (``data_epoch >> 32``: common/mixture.py)."""
+        """Each training dataset, by its number in the mixture (``PromptKey.dataset``: coordinator/prompt_key.py)."""
         self.observe = None  # the /metrics and status page endpoint while serving (coordinator/observe.py)
         # Bind before the ledger is touched: a start that fails (port in use, a refused
         # config) leaves the data dir as it was.
@@ -168,22 +197,19 @@ class CoordinatorServer:
                 self.io.close()
             self.ctx.term()
             raise
-        self.core = CoordinatorCore(
+        core_settings = CoreSettings(
             config,
             liveness,
-            dataset_size=len(dataset),
-            dataset_fingerprint=dataset.fingerprint,
-            order_for_epoch=lambda n, e: epoch_permutation(n, e, seed),
-            source_sizes=[len(ds) for ds, _ in parts],
-            source_orders=lambda source, n, e: epoch_permutation(n, e, parts[source][1]),
-            restored=restored,
-            now=time.monotonic(),
+            dataset_sizes=tuple(len(ds) for ds, _ in parts),
+            fingerprint=dataset.fingerprint,
+            order=lambda d, n, e: epoch_permutation(n, e, parts[d][1]),
             starve_after=s.starve_after,
             starve_after_drops=s.starve_after_drops,
-            trainer_keys=sorted(k.decode("ascii") for k in curve.trainers) if curve else (),
-            eval_specs=[spec for _, spec in (eval_datasets or {}).values()],
             over_sampling=s.over_sampling,
+            trainer_keys=tuple(sorted(k.decode("ascii") for k in curve.trainers)) if curve else (),
+            eval_specs=tuple(spec for _, spec in (eval_datasets or {}).values()),
         )
+        self.core = CoordinatorCore(core_settings, restored, time.monotonic())
         self.core.gateway_stats = self.io.statistics
         if self.core.start_ops:
             self.ledger.apply(self.core.start_ops)
@@ -280,7 +306,7 @@ class CoordinatorServer:
                 leases = []
                 for lease in s.msg.leases:
                     if lease.source == TRAIN:
-                        row = self.training_datasets[lease.data_epoch >> EPOCH_BITS].row(lease.index)
+                        row = self.training_datasets[dataset_of(lease.data_epoch)].row(lease.index)
                     else:
                         row = self.source_datasets[lease.source].row(lease.index)
                     leases.append(replace(lease, prompt=row.prompt, label=row.label, metadata=row.metadata))

@@ -91,8 +91,9 @@ MUTATIONS = [
         "dead-agent-leases-kept",
         "leases held for an agent presumed dead are never reissued, even once it is retired",
         "coordinator/admission.py",
-        "            self.release_held(rec.agent_id)\n            core.batches.retire_agent(rec.agent_id, ops)\n",
-        "            core.batches.retire_agent(rec.agent_id, ops)\n",
+        "            self._leases.release_held(rec.agent_id)\n"
+        "            self._batches.retire_agent(rec.agent_id, ops)\n",
+        "            self._batches.retire_agent(rec.agent_id, ops)\n",
         "tests/unit/test_core.py::test_held_prompts_are_pending_again_when_their_agent_is_retired_or_returns_without_them",
     ),
     Mutation(
@@ -109,7 +110,7 @@ MUTATIONS = [
         "capacity-of-engines-behind",
         "an agent whose engines are all behind the fleet's weights is leased work (a prompt pending again waits there)",
         "coordinator/admission.py",
-        "        if self.core.weights.none_current(engines):\n            return 0\n",
+        "        if self._weights.none_current(engines):\n            return 0\n",
         "",
         "tests/unit/test_core.py::test_a_prompt_pending_again_is_not_parked_on_a_node_whose_engines_are_behind_the_fleets_weights",
     ),
@@ -162,11 +163,11 @@ MUTATIONS = [
         "7",
         "held-back-groups-dropped",
         "a ready group held back by backpressure is dropped from assembly",
-        "coordinator/batches.py",
-        "        prompt = queue.popleft()\n        return prompt, self._take_ready(prompt)",
+        "coordinator/ready.py",
+        "        prompt = queue.popleft()\n        return prompt, self.take(prompt)",
         "        prompt = queue.popleft()\n        if len(queue) >= 5:\n"
-        "            self._take_ready(prompt)\n            prompt = queue.popleft()\n"
-        "        return prompt, self._take_ready(prompt)",
+        "            self.take(prompt)\n            prompt = queue.popleft()\n"
+        "        return prompt, self.take(prompt)",
         "tests/cluster/test_e2e.py::test_trainer_that_stops_pulling_holds_work_at_the_bound",
     ),
     Mutation(
@@ -221,7 +222,7 @@ MUTATIONS = [
         "staleness-budget-not-by-shares",
         "a mixture's staleness budget goes to the dataset that lacks most, not by shares",
         "coordinator/core.py",
-        "            budget = min(budget, training.limit(allowance, self.batches.ready_count))\n",
+        "            budget = min(budget, training.limit(allowance, ready.count))\n",
         "",
         "tests/cluster/test_mixture_staleness.py",
     ),
@@ -331,7 +332,7 @@ MUTATIONS = [
         "coordinator/batches.py",
         "        counts = self.composition(g.rollout_id) if counts is None else counts\n",
         "        counts = self.composition(g.rollout_id) if counts is None else counts\n"
-        "        counts = [sum(counts)] + [0] * (len(counts) - 1) if self.ready_count[0] >= sum(counts) else counts\n",
+        "        counts = [sum(counts)] + [0] * (len(counts) - 1) if self.ready.count[0] >= sum(counts) else counts\n",
         X + "test_three_sources_hold_their_shares_settings_and_epochs_and_set_mixture_survives_a_sigkill",
     ),
     Mutation(
@@ -348,8 +349,8 @@ MUTATIONS = [
         "set-mixture-not-recorded",
         "client.set_mixture changes the weights in memory only: a restarted coordinator forgets it",
         "coordinator/trainer.py",
-        "        return [core.persist([SetMixture(tuple(schedule))], [answer])] + core.pump(now)\n",
-        "        return [core.persist([], [answer])] + core.pump(now)\n",
+        "        return [Persist([SetMixture(tuple(schedule))], [answer])]\n",
+        "        return [Persist([], [answer])]\n",
         X + "test_three_sources_hold_their_shares_settings_and_epochs_and_set_mixture_survives_a_sigkill",
     ),
     Mutation(

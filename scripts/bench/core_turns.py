@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common import protocol as p  # noqa: E402
 from common.config import Liveness, RolloutConfig  # noqa: E402
-from coordinator.core import CoordinatorCore, Persist, Send  # noqa: E402
+from coordinator.core import CoordinatorCore, CoreSettings, Persist, Send  # noqa: E402
 
 GROUP, BATCH, IN_FLIGHT = 8, 1024, 4096
 ENGINES = [{"url": "http://sim", "state": "healthy", "tp": 1}] * 8
@@ -42,9 +42,7 @@ class Fleet:
 
     def __init__(self, agents: int):
         cfg = RolloutConfig(rollout_batch_size=BATCH, n_samples_per_prompt=GROUP, prefetch=IN_FLIGHT + 2 * BATCH)
-        self.core = CoordinatorCore(
-            cfg, Liveness(1.0, 30.0, 60.0), dataset_size=10_000_000, dataset_fingerprint="fp", now=0.0
-        )
+        self.core = CoordinatorCore(CoreSettings(cfg, Liveness(1.0, 30.0, 60.0), (10_000_000,), "fp"), now=0.0)
         self.leases: deque = deque()  # (agent, session, lease) granted and not yet answered
         self.batches: list[int] = []
         self.receipts = 0

@@ -8,7 +8,7 @@ import pytest
 
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
-from coordinator.core import CoordinatorCore, Persist
+from coordinator.core import CoordinatorCore, CoreSettings, Persist
 from coordinator.frontier import DELIVERED, FILTERED, LEASED, PENDING, READY
 from coordinator.records import LedgerSnapshot, PromptState, PutPrompt, SetCursors, SetPaused, WeightLog
 
@@ -17,9 +17,7 @@ N = 4  # samples per prompt
 
 def make_core(size=20, batch=2, prefetch=-1, restored=None, now=0.0, ttl=3.0, retire=10.0):
     cfg = RolloutConfig(rollout_batch_size=batch, n_samples_per_prompt=N, prefetch=prefetch)
-    return CoordinatorCore(
-        cfg, Liveness(0.25, ttl, retire), dataset_size=size, dataset_fingerprint="fp", restored=restored, now=now
-    )
+    return CoordinatorCore(CoreSettings(cfg, Liveness(0.25, ttl, retire), (size,), "fp"), restored, now)
 
 
 def sends(effects, kind=None):
@@ -157,7 +155,7 @@ def test_silent_agent_is_fenced_and_its_leases_are_held_for_it_not_leased_again(
     w1b, eff = register(core, "a", now=4.0, unacked=unacked, in_flight=in_flight)
     assert w1b.acks == [["k", True]] and w1b.cancel == []
     assert core.frontier.state_of(0, leased[0].index) == READY
-    assert core.admission.leases[leased[1].lease].agent_id == "a"
+    assert core.leases.leases[leased[1].lease].agent_id == "a"
     assert leased[1].index not in {g.index for g in grants(eff)}
     _, ack = receipt(core, w1b.session, leased[1], now=4.5)
     assert ack.accepted
@@ -178,7 +176,7 @@ def test_held_prompts_are_pending_again_when_their_agent_is_retired_or_returns_w
     register(core, "a", now=2.0, in_flight=[[first.lease, 0, first.index]])
     assert core.statistics().held == 0
     assert core.frontier.state_of(0, second.index) == PENDING
-    assert core.admission.leases[first.lease].agent_id == "a"
+    assert core.leases.leases[first.lease].agent_id == "a"
     # Silent again, then retired: what is held for it is pending again, first in line.
     for t in [2.5 + 0.5 * i for i in range(11)]:
         core.handle(b"b", p.Heartbeat(w2.session), t)
@@ -262,7 +260,7 @@ def test_a_prompt_pending_again_is_not_parked_on_a_node_whose_engines_are_behind
 
 def test_under_max_staleness_a_silent_agents_leases_are_released_at_once():
     cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=N, prefetch=2, max_staleness=1)
-    core = CoordinatorCore(cfg, Liveness(0.25, 1.0, 10.0), dataset_size=20, dataset_fingerprint="fp")
+    core = CoordinatorCore(CoreSettings(cfg, Liveness(0.25, 1.0, 10.0), (20,), "fp"))
     _, eff = register(core, "a", now=0.0)
     leased = grants(eff)
     w2, _ = register(core, "b", now=0.0)
@@ -291,7 +289,7 @@ def test_heartbeat_reconciles_leases_the_agent_no_longer_has():
     # The agent's Filtered for the first lease was lost: its heartbeat no longer lists it.
     eff = core.handle(b"a", p.Heartbeat(w.session, {}, [leased[1].lease], max(g.lease for g in leased)), 0.5)
     assert core.frontier.state_of(0, leased[0].index) in (PENDING, LEASED)
-    assert len(core.admission.leases) == 2  # released, then granted again (to the same agent)
+    assert len(core.leases.leases) == 2  # released, then granted again (to the same agent)
     assert [g.index for g in grants(eff)] == [leased[0].index]
 
 
@@ -605,7 +603,7 @@ def test_a_prompt_that_keeps_failing_is_filtered_not_retried_forever():
             g = again[0]
     assert core.frontier.state_of(0, g.index) == FILTERED
     # The next batch reports it with the other filter drops.
-    assert core.batches.drops.metrics()["rollout/dynamic_filter/drop_generation_failed"] == 1
+    assert core.training.drops.metrics()["rollout/dynamic_filter/drop_generation_failed"] == 1
 
 
 def test_filtered_report_counts_for_the_leased_prompt_only():
@@ -741,10 +739,10 @@ def test_a_state_dict_while_paused_waits_for_a_lease_an_agent_declared_after_the
     ctl = lambda msg, now: core.handle(b"trainer", msg, now)
     assert sends(ctl(p.Pause(session, 7, drain=True), 0.0), p.Ok) == []  # the lease is in flight
     # The agent goes silent past its TTL: its lease ends, and the drain is answered.
-    assert sends(tick(core, 5.0), p.Ok)[0].msg.req == 7 and not core.admission.leases
+    assert sends(tick(core, 5.0), p.Ok)[0].msg.req == 7 and not core.leases.leases
     # It comes back declaring the group it still works on: the lease is in flight again.
     welcome, _ = register(core, now=5.0, in_flight=[[g.lease, g.data_epoch, g.index]])
-    assert list(core.admission.leases) == [g.lease]
+    assert list(core.leases.leases) == [g.lease]
     eff = ctl(p.StateDict(session, 8, 0), 5.0)
     assert sends(eff, p.Error) == [] and sends(eff, p.Ok) == [], "neither refused nor answered while it runs"
     eff, _ = receipt(core, welcome.session, g, now=5.5)

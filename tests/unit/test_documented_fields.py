@@ -27,7 +27,7 @@ from common.config import Liveness, RolloutConfig
 from common.metrics import DropStats, batch_metrics
 from common.mixture import EPOCH_BITS, SourceSpec
 from common.types import Group, Sample
-from coordinator.core import CoordinatorCore, Persist
+from coordinator.core import CoordinatorCore, CoreSettings, Persist
 from coordinator.packing import count_micro_batches
 from coordinator.staleness import Staleness
 
@@ -245,14 +245,7 @@ def make_core(batch=2, prefetch=0, size=40, eta=None, mixture=None) -> Coordinat
     cfg = RolloutConfig(
         rollout_batch_size=batch, n_samples_per_prompt=N, prefetch=prefetch, max_staleness=eta, mixture=specs
     )
-    sizes = [size] * len(specs) if specs else None
-    return CoordinatorCore(
-        cfg,
-        Liveness(0.25, 3.0, 10.0),
-        dataset_size=size * max(1, len(specs)),
-        dataset_fingerprint="fp",
-        source_sizes=sizes,
-    )
+    return CoordinatorCore(CoreSettings(cfg, Liveness(0.25, 3.0, 10.0), (size,) * max(1, len(specs)), "fp"))
 
 
 def sends(effects, kind=None, to=None) -> list:
@@ -492,7 +485,7 @@ def test_a_running_evaluation_pass_shows_the_results_and_leases_the_test_made_th
 
     spec = EvalSpec("math", size=6, fingerprint="efp", n_samples=2)
     cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=N, prefetch=2)
-    core = CoordinatorCore(cfg, Liveness(0.25, 3.0, 10.0), dataset_size=20, dataset_fingerprint="fp", eval_specs=[spec])
+    core = CoordinatorCore(CoreSettings(cfg, Liveness(0.25, 3.0, 10.0), (20,), "fp", eval_specs=(spec,)))
     eff = core.handle(b"a", p.Register("a", 1, 5 * N, "tcp://a:1", [], [], []), 0.0)  # 5 groups at once
     session = sends(eff, p.Welcome)[0].msg.session
     (ok,) = [s.msg for s in sends(core.handle(b"t", p.Attach(1, "t"), 0.0), p.Ok)]

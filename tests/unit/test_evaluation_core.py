@@ -10,7 +10,7 @@ import pytest
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
 from common.errors import ConfigError
-from coordinator.core import CoordinatorCore, Persist
+from coordinator.core import CoordinatorCore, CoreSettings, Persist
 from coordinator.eval_datasets import parse_eval_dataset
 from coordinator.evaluation import EVAL_EPOCH, EvalSpec, eval_metrics, pass_at_k
 from coordinator.records import LedgerSnapshot, PutEvalResult, SetEvalPass
@@ -23,14 +23,7 @@ SPEC = EvalSpec("math", size=6, fingerprint="efp", n_samples=2, sampling={"tempe
 
 def make_core(restored=None, prefetch=2, specs=(SPEC,)):
     cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=N, prefetch=prefetch)
-    return CoordinatorCore(
-        cfg,
-        Liveness(0.25, 3.0, 10.0),
-        dataset_size=20,
-        dataset_fingerprint="fp",
-        restored=restored,
-        eval_specs=list(specs),
-    )
+    return CoordinatorCore(CoreSettings(cfg, Liveness(0.25, 3.0, 10.0), (20,), "fp", eval_specs=specs), restored)
 
 
 leases = grants  # the Grants' leases, training or evaluation
@@ -127,7 +120,7 @@ def test_released_and_failed_prompts_are_generated_again_then_recorded_failed():
     # The third failure records it as failed; the training rollout is not starved by it.
     assert not again
     assert any(isinstance(op, PutEvalResult) and "failed" in op.result for op in ops(eff))
-    assert core.admission.starvation.reason is None
+    assert core.training.starvation.reason is None
     for x in evals[1:]:
         out = result(core, agent, x)
     assert sends(out, p.Ok)[0].msg.result["failed_prompts"] == 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
 from common.mixture import SourceSpec, epoch_key, split_key
-from coordinator.core import CoordinatorCore
+from coordinator.core import CoordinatorCore, CoreSettings
 from coordinator.frontier import LEASED, READY
 
 N = 4  # samples per prompt
@@ -31,14 +31,7 @@ def make_core(sizes=SIZES, prefetch=12) -> CoordinatorCore:
         prefetch=prefetch,
         mixture=[SourceSpec(name, 1.0).to_dict() for name in NAMES[: len(sizes)]],
     )
-    return CoordinatorCore(
-        cfg,
-        Liveness(0.25, TTL, 100.0),
-        dataset_size=sum(sizes),
-        dataset_fingerprint="fp",
-        source_sizes=sizes,
-        now=0.0,
-    )
+    return CoordinatorCore(CoreSettings(cfg, Liveness(0.25, TTL, 100.0), tuple(sizes), "fp"), now=0.0)
 
 
 def sends(effects, kind):
@@ -97,16 +90,16 @@ def test_held_prompts_of_later_epochs_and_other_datasets_go_to_a_live_agent_befo
     assert {named(g) for g in of_a} == truth and len(of_a) == 6
     for g in of_b:
         assert commit(core, "b", wb.session, g, now=0.1).accepted
-    assert core.batches.ready_count == [2, 2, 2] and core.admission.training.in_flight == [2, 2, 2]
+    assert core.ready.count == [2, 2, 2] and core.training.in_flight == [2, 2, 2]
 
     # a is silent past the TTL; b is not. a's six leases are held for it, and b is handed exactly those.
     handed, t = outlive(core, wb.session)
     assert core.membership.agents["a"].status == "dead"
     assert {named(g) for g in handed} == truth, "b must get a's held prompts, not prompts of a new epoch"
     assert len(handed) == 6 and not {g.lease for g in handed} & {g.lease for g in of_a}
-    assert core.statistics().held == 0 and len(core.admission.held) == 0
+    assert core.statistics().held == 0 and len(core.leases.held) == 0
     # Each lease counts for its own dataset, and no dataset opened an epoch past the held prompts.
-    assert core.admission.training.in_flight == [2, 2, 2]
+    assert core.training.in_flight == [2, 2, 2]
     assert sorted(core.frontier.epochs) == sorted(
         [epoch_key(0, 0), epoch_key(0, 1), epoch_key(1, 0), epoch_key(1, 1), epoch_key(2, 0)]
     )
@@ -133,15 +126,15 @@ def test_a_held_prompt_goes_to_the_dataset_that_lacks_it_not_to_whichever_asks_f
     _, eff = register(core, "a", groups=2, now=0.0)
     assert [named(g) for g in grants(eff, "a")] == [("math", 0, 1), ("code", 0, 1)]  # held oldest first: math's
     handed, t = outlive(core, wb.session)
-    assert handed == [] and len(core.admission.held) == 2  # b is full: both held for a
+    assert handed == [] and len(core.leases.held) == 2  # b is full: both held for a
     # b's filter drops its code group: code lacks 2 (math 1), and b has room for one lease.
-    lease = next(x for x in core.admission.leases.values() if x.agent_id == "b" and split_key(x.data_epoch)[0] == 1)
+    lease = next(x for x in core.leases.leases.values() if x.agent_id == "b" and split_key(x.data_epoch)[0] == 1)
     eff = core.handle(b"b", p.Filtered(wb.session, lease.lease_id, lease.data_epoch, lease.index, "zero_std_1"), t)
     assert [named(g) for g in grants(eff, "b")] == [("code", 0, 1)], "code's share must get code's held prompt"
-    assert core.admission.training.in_flight == [1, 1] and len(core.admission.held) == 1
+    assert core.training.in_flight == [1, 1] and len(core.leases.held) == 1
     # b commits its math group: math lacks one, and gets math's held prompt; neither dataset opened its epoch 1.
-    first = next(x for x in core.admission.leases.values() if x.agent_id == "b" and split_key(x.data_epoch)[0] == 0)
+    first = next(x for x in core.leases.leases.values() if x.agent_id == "b" and split_key(x.data_epoch)[0] == 0)
     receipt = p.Receipt(wb.session, first.lease_id, first.data_epoch, first.index, "b:math", N, {"n_samples": N})
     eff = core.handle(b"b", receipt, t)
     assert [named(g) for g in grants(eff, "b")] == [("math", 0, 1)]
-    assert not core.admission.held and sorted(core.frontier.epochs) == [epoch_key(0, 0), epoch_key(1, 0)]
+    assert not core.leases.held and sorted(core.frontier.epochs) == [epoch_key(0, 0), epoch_key(1, 0)]

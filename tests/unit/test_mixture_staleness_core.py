@@ -18,7 +18,7 @@ import pytest
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
 from common.mixture import EPOCH_BITS, SourceSpec
-from coordinator.core import CoordinatorCore
+from coordinator.core import CoordinatorCore, CoreSettings
 from tests.unit.test_weights_core import attach, disk_update, granted, report, sends
 
 SAMPLES = 4
@@ -35,13 +35,8 @@ def make_core(eta=1, sizes=SIZES, weights=(0.5, 0.3, 0.2), prefetch=-1, batch=10
         max_staleness=eta,
         mixture=mixture[: len(sizes)] if len(sizes) > 1 else [],
     )
-    return CoordinatorCore(
-        cfg,
-        Liveness(0.25, 3.0, 10.0),
-        dataset_size=sum(sizes),
-        dataset_fingerprint="fp",
-        source_sizes=sizes if len(sizes) > 1 else None,
-    )
+    sizes = tuple(sizes) if len(sizes) > 1 else (sum(sizes),)
+    return CoordinatorCore(CoreSettings(cfg, Liveness(0.25, 3.0, 10.0), sizes, "fp"))
 
 
 class Fleet:
@@ -97,7 +92,7 @@ def test_a_trainer_one_step_behind_gets_every_batch_with_its_shares(seed):
     for t in range(8):
         batch = fleet.generate(t)
         assert batch is not None, (
-            f"batch {t} never came: ready by dataset {core.batches.ready_count}, leased {len(core.admission.leases)}"
+            f"batch {t} never came: ready by dataset {core.ready.count}, leased {len(core.leases)}"
         )
         assert composition(batch) == SHARES, (t, composition(batch))
         assert batch.metrics["rollout/staleness_max"] <= 1.0
@@ -112,10 +107,10 @@ def test_batches_up_to_the_bound_complete_before_any_push_and_the_next_one_says_
     fleet = Fleet(core, seed)
     for t in (0, 1):
         batch = fleet.generate(t)
-        assert batch is not None, f"batch {t} never came: ready by dataset {core.batches.ready_count}"
+        assert batch is not None, f"batch {t} never came: ready by dataset {core.ready.count}"
         assert composition(batch) == SHARES
     assert core.statistics().waiting_for_update is None
-    assert fleet.generate(2) is None and not core.admission.leases
+    assert fleet.generate(2) is None and not core.leases
     why = core.statistics().waiting_for_update
     assert why is not None and "rollout 2 waits for 1 more weight update" in why and "--max-staleness 1" in why
     assert "0 update(s) were pushed" in why and "math, code, tool lack their share" in why
@@ -152,7 +147,7 @@ def test_without_a_mixture_a_batch_past_the_bound_waits_and_says_why():
 
 def test_allowance_sums_each_datasets_shares_over_the_mixtures_changes():
     core = make_core()
-    training = core.admission.training
+    training = core.training
     assert training.allowance(0, 1) == [10, 6, 4]
     assert training.allowance(3, 2) == [0, 0, 0]
     training.schedule[:] = [(0, [0.5, 0.3, 0.2]), (2, [0.0, 0.0, 1.0]), (2, [1.0, 0.0, 0.0]), (4, [0.0, 1.0, 0.0])]

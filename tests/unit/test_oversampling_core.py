@@ -10,7 +10,7 @@ from agent.events import AbortRequests, AssignEngine, CancelLease, GenerationEnd
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
 from common.errors import ConfigError, ProtocolError
-from coordinator.core import CoordinatorCore
+from coordinator.core import CoordinatorCore, CoreSettings
 from coordinator.frontier import DELIVERED, LEASED, PENDING, READY
 from coordinator.oversampling import batch_demand, select_stops
 from tests.unit.test_agent_session import commit, join, make_session, of, recv, sent, start
@@ -19,10 +19,7 @@ from tests.unit.test_core import MemLedger, N, attach, grants, receipt, register
 
 def make_core(batch=2, prefetch=0, over=1.0, size=40, restored=None, ttl=30.0, retire=100.0):
     cfg = RolloutConfig(rollout_batch_size=batch, n_samples_per_prompt=N, prefetch=prefetch)
-    return CoordinatorCore(
-        cfg, Liveness(0.25, ttl, retire), dataset_size=size, dataset_fingerprint="fp", restored=restored,
-        over_sampling=over,
-    )  # fmt: skip
+    return CoordinatorCore(CoreSettings(cfg, Liveness(0.25, ttl, retire), (size,), "fp", over_sampling=over), restored)
 
 
 def release(core, session, leases, reason=p.STOPPED, now=0.0, agent=b"a"):
@@ -135,7 +132,7 @@ def test_a_lost_stop_leaks_nothing_the_heartbeat_reconciles_the_leases():
     assert len(sends(eff, p.Stop)[0].msg.leases) == 2
     # The agent never got the Stop and dropped the leases some other way (its Release lost too).
     core.handle(b"a", p.Heartbeat(w.session, {}, [], max_lease=gs[-1].lease), 0.1)
-    assert core.statistics().leased == 0 and not core.oversampling.stopping & core.admission.leases.keys()
+    assert core.statistics().leased == 0 and not core.oversampling.stopping & core.leases.leases.keys()
     assert all(core.frontier.state_of(0, g.index) == PENDING for g in gs[1:])
 
 

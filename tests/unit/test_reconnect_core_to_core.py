@@ -33,7 +33,7 @@ from agent.leases import LeaseState
 from agent.session import AgentSession, Phase
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
-from coordinator.core import CoordinatorCore
+from coordinator.core import CoordinatorCore, CoreSettings
 from coordinator.effects import Persist
 
 N = 4  # samples per prompt
@@ -45,7 +45,7 @@ class Link:
 
     def __init__(self):
         cfg = RolloutConfig(rollout_batch_size=LEASES, n_samples_per_prompt=N, prefetch=LEASES)
-        self.core = CoordinatorCore(cfg, Liveness(0.25, 3.0, 30.0), dataset_size=40, dataset_fingerprint="fp", now=0.0)
+        self.core = CoordinatorCore(CoreSettings(cfg, Liveness(0.25, 3.0, 30.0), (40,), "fp"), now=0.0)
         self.agent = AgentSession(
             agent_id="a1",
             incarnation=1,
@@ -149,14 +149,14 @@ def test_a_reconnect_keeps_a_lease_in_every_state_and_no_prompt_is_made_twice():
     # gives its session up. Nothing the agent holds has moved meanwhile.
     link.cut = True
     link.advance(4.0)
-    assert link.agent.phase is Phase.DISCONNECTED and len(link.core.admission.held) == LEASES
+    assert link.agent.phase is Phase.DISCONNECTED and len(link.core.leases.held) == LEASES
     assert states(link) == expected
     link.cut = False
     link.event(Connected((), ()))
     prompt_of = {lease: [epoch, index] for lease, epoch, index in link.granted}
     assert sorted(link.registers[-1].in_flight) == sorted([lease, *prompt_of[lease]] for lease in expected)
-    assert link.agent.phase is Phase.ACTIVE and not link.core.admission.held
-    assert sorted(link.core.admission.leases) == sorted(expected), "the coordinator kept every lease for it"
+    assert link.agent.phase is Phase.ACTIVE and not link.core.leases.held
+    assert sorted(link.core.leases.leases) == sorted(expected), "the coordinator kept every lease for it"
 
     # The engine comes back; every lease runs to its end, and so does every lease granted after.
     link.event(EngineChanged("e0", "healthy", "http://e0"))

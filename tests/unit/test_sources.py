@@ -29,7 +29,7 @@ def test_training_and_evaluation_sources_implement_every_member_of_the_interface
 
 def test_the_lease_book_counts_leases_by_source_and_only_bounded_ones_in_the_training_bound():
     core, agent, trainer, training = setup()
-    book = core.admission
+    book = core.leases
     assert set(book.sources) == {TRAIN, "eval/math"}
     assert training and all(g.eval == "" and g.source == TRAIN for g in training)
     evaluation = leases(core.handle(b"t", p.Evaluate(trainer, 7, "math", "tok"), 0.5))

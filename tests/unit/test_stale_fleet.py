@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
-from coordinator.core import CoordinatorCore, Persist
+from coordinator.core import CoordinatorCore, CoreSettings, Persist
 
 N = 2  # samples per prompt
 
 
 def make_core():
     cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=N, prefetch=0)
-    return CoordinatorCore(cfg, Liveness(0.25, 3.0, 10.0), dataset_size=40, dataset_fingerprint="fp")
+    return CoordinatorCore(CoreSettings(cfg, Liveness(0.25, 3.0, 10.0), (40,), "fp"))
 
 
 def sends(effects, kind=None, to=None):

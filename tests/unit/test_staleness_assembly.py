@@ -41,7 +41,7 @@ def test_a_batch_waits_rather_than_push_more_old_groups_into_later_batches_than_
     eff = core.handle(b"trainer", p.Generate(session, 5, 0), 0.0) + run_receipts(core, old[:2])
     assert batches_of(eff)[0].metrics["rollout/staleness_max"] == 0.0
     new = granted(one_update(core, session, 1, 6))
-    assert len(new) == 2 and all(core.admission.leases[g.lease].start == 1 for g in new)
+    assert len(new) == 2 and all(core.leases.leases[g.lease].start == 1 for g in new)
 
     eff = core.handle(b"trainer", p.Generate(session, 7, 1), 0.0) + run_receipts(core, old[2:3] + new[:1])
     assert not batches_of(eff), "taking the weights-1 group would leave 3 weights-0 groups for batch 2 alone"
@@ -52,7 +52,7 @@ def test_a_batch_waits_rather_than_push_more_old_groups_into_later_batches_than_
     eff = one_update(core, session, 2, 8)
     eff = core.handle(b"trainer", p.Generate(session, 9, 2), 0.0) + run_receipts(core, old[4:] + new[1:])
     assert batches_of(eff)[0].metrics["rollout/staleness_max"] == 2.0
-    left = [st.start for st in core.batches.ready_info.values()]
+    left = [st.start for st in core.ready.info.values()]
     assert left == [1, 1], "every weights-0 group went into batches 0..2; both weights-1 ones wait"
 
 

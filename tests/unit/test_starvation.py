@@ -10,7 +10,7 @@ import pytest
 
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
-from coordinator.core import CoordinatorCore, Persist
+from coordinator.core import CoordinatorCore, CoreSettings, Persist
 from coordinator.frontier import FILTERED, PENDING
 from coordinator.records import DropPrompt, LedgerSnapshot
 from coordinator.starvation import Starvation, default_starve_after
@@ -22,9 +22,7 @@ BOOM = "reward 'support:boom' raised RuntimeError: boom"
 
 def make_core(size=100, batch=2, prefetch=0, starve_after=AFTER):
     cfg = RolloutConfig(rollout_batch_size=batch, n_samples_per_prompt=N, prefetch=prefetch)
-    return CoordinatorCore(
-        cfg, Liveness(0.25, 3.0, 10.0), dataset_size=size, dataset_fingerprint="fp", starve_after=starve_after
-    )
+    return CoordinatorCore(CoreSettings(cfg, Liveness(0.25, 3.0, 10.0), (size,), "fp", starve_after=starve_after))
 
 
 def sends(effects, kind=None):
@@ -98,7 +96,7 @@ def test_streak_of_errors_starves_with_the_dominant_failure_and_an_ok_resets_it(
 def test_default_window_is_two_batches_and_at_least_64():
     assert default_starve_after(8) == 64
     assert default_starve_after(100) == 200
-    assert make_core(batch=100, starve_after=None).admission.starvation.after == 200
+    assert make_core(batch=100, starve_after=None).training.starvation.after == 200
     with pytest.raises(ValueError):
         Starvation(0)
 
@@ -146,8 +144,8 @@ def test_a_starved_rollout_loses_no_prompt_prompts_filtered_during_the_streak_ar
     assert st.prompts["filtered"] == 0 and st.filtered_total == 0
     assert st.prompts["pending"] == 100
     assert all(core.frontier.state_of(*prompt) == PENDING for prompt in filtered_then_restored)
-    assert core.admission.training.failures == {}, "every prompt gets a fresh start"
-    assert core.batches.drops.dropped == {}, "no drop reported for prompts that are pending again"
+    assert core.training.failures == {}, "every prompt gets a fresh start"
+    assert core.training.drops.dropped == {}, "no drop reported for prompts that are pending again"
     # The ledger agrees: replaying the effects leaves no prompt record behind.
     snap = LedgerSnapshot()
     snap.apply(ledger_ops(eff))
@@ -197,7 +195,7 @@ def test_a_prompt_failing_on_its_own_is_filtered_with_its_failure_kind_and_stays
         else:
             queue += grants(accept(core, agent, g))
     assert core.frontier.state_of(0, 0) == FILTERED
-    assert core.batches.drops.dropped == {"filter_error": 1}
+    assert core.training.drops.dropped == {"filter_error": 1}
     assert core.statistics().filtered_total == 1
     # A later streak that starves the rollout does not take back what an earlier success confirmed.
     fail_everything(core, agent, queue)
@@ -218,7 +216,7 @@ def test_errors_of_leases_granted_before_the_starvation_count_for_nothing():
         assert not grants(eff)
     assert core.frontier.state_of(0, late.index) == PENDING
     assert core.statistics().prompts["filtered"] == 0
-    assert core.admission.training.failures == {}
+    assert core.training.failures == {}
 
 
 def test_a_new_generate_clears_the_starvation_and_admission_resumes_a_resend_does_not():
@@ -284,15 +282,10 @@ def test_a_kept_group_ends_a_streak_of_drops_and_no_limit_means_never():
 
 def test_a_filter_that_drops_every_group_starves_generate_with_the_counts_and_stops_admission():
     core = make_core(size=100)
-    assert core.admission.starvation.drop_after == 100, "the default: one data epoch"
-    core = CoordinatorCore(
-        RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=N, prefetch=0),
-        Liveness(0.25, 3.0, 10.0),
-        dataset_size=100,
-        dataset_fingerprint="fp",
-        starve_after=AFTER,
-        starve_after_drops=20,
-    )
+    assert core.training.starvation.drop_after == 100, "the default: one data epoch"
+    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=N, prefetch=0)
+    settings = CoreSettings(cfg, Liveness(0.25, 3.0, 10.0), (100,), "fp", starve_after=AFTER, starve_after_drops=20)
+    core = CoordinatorCore(settings)
     agent, _ = register(core)
     session = attach(core)
     queue = grants(core.handle(b"trainer", p.Generate(session, 7, 0), 0.0))

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
-from coordinator.core import CoordinatorCore, Persist
+from coordinator.core import CoordinatorCore, CoreSettings, Persist
 from coordinator.records import LedgerSnapshot, SetWeights, WeightLog
 
 N = 2  # samples per prompt
@@ -15,9 +15,7 @@ N = 2  # samples per prompt
 
 def make_core(batch=2, eta=None, restored=None, prefetch=-1, size=40):
     cfg = RolloutConfig(rollout_batch_size=batch, n_samples_per_prompt=N, prefetch=prefetch, max_staleness=eta)
-    return CoordinatorCore(
-        cfg, Liveness(0.25, 3.0, 10.0), dataset_size=size, dataset_fingerprint="fp", restored=restored
-    )
+    return CoordinatorCore(CoreSettings(cfg, Liveness(0.25, 3.0, 10.0), (size,), "fp"), restored)
 
 
 def sends(effects, kind=None, to=None):
@@ -340,7 +338,7 @@ def test_weight_log_and_staleness_state_survive_a_restart():
     eff += report(core, "a", uid, "disk")
     more = core.handle(b"trainer", p.Generate(session, 11, 0), 0.0)
     after = granted(more)
-    assert len(after) == 1 and core.admission.leases[after[0].lease].start == 1
+    assert len(after) == 1 and core.leases.leases[after[0].lease].start == 1
     more += run_receipts(core, before[:1]) + run_receipts(core, after)  # batch 0, then a group on the new weights
     eff += more
     snap = LedgerSnapshot(generation=2)
@@ -360,8 +358,8 @@ def test_weight_log_and_staleness_state_survive_a_restart():
     welcome = sends(restarted.handle(b"a", msg, 0.0), p.Welcome)[0].msg
     assert welcome.config["weights"] == {"version": 5, "kind": "disk", "path": "/ckpt"}
     # A lease granted before the update keeps its start across the restart, and so does a ready group.
-    assert {i: lease.start for i, lease in restarted.admission.leases.items()} == {before[1].lease: 0}
-    assert [st.start for st in restarted.batches.ready_info.values()] == [1]
+    assert {i: lease.start for i, lease in restarted.leases.leases.items()} == {before[1].lease: 0}
+    assert [st.start for st in restarted.ready.info.values()] == [1]
     assert restarted.statistics().weights["updates"] == 1
 
 
@@ -411,7 +409,7 @@ def test_staleness_eta_0_admits_one_batch_per_update():
     assert not granted(eff), "no admission for rollout 1 before the update"
     eff = one_update(core, session, 1, 6)
     assert len(granted(eff)) == 2
-    assert all(lease.start == 1 for lease in core.admission.leases.values())
+    assert all(lease.start == 1 for lease in core.leases.leases.values())
 
 
 def test_staleness_eta_1_keeps_oldest_first_and_holds_a_batch_for_a_lease_that_must_join_it():
@@ -424,7 +422,7 @@ def test_staleness_eta_1_keeps_oldest_first_and_holds_a_batch_for_a_lease_that_m
     assert [s.msg for s in sends(eff, p.BatchRefs)][0].metrics["rollout/staleness_max"] == 0.0
     eff = one_update(core, session, 1, 6)  # updates = 1: rule 1 allows (1 + 2) * 2 - 2 delivered - 2 leased
     new = granted(eff)
-    assert len(new) == 2 and all(core.admission.leases[g.lease].start == 1 for g in new)
+    assert len(new) == 2 and all(core.leases.leases[g.lease].start == 1 for g in new)
     # The new leases finish first, but batch 1 must take the old ones (start 0 <= 1 - 1): it waits for them.
     eff = core.handle(b"trainer", p.Generate(session, 7, 1), 0.0) + run_receipts(core, new)
     assert not sends(eff, p.BatchRefs)
@@ -539,5 +537,5 @@ def test_no_capacity_names_a_partial_update_not_a_restart():
     hb = p.Heartbeat(rec.session)
     core.handle(b"a", hb, 0.1)
     rec.engines = engines("e0", state="stale")  # what the agent reports after the abort
-    why = core.batches.no_capacity()
+    why = core.capacity.why_none()
     assert why is not None and "part of a failed weight update" in why and "boom" in why and "restart" not in why
