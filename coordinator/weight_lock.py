@@ -273,22 +273,20 @@ def _forward(u: Update, e: ev.Bucket) -> list:
     return out + [ok]
 
 
-def _no_more_buckets(u: Update, e: ev.Bucket) -> list:
-    return [ev.Answer(e.peer, p.Error("bad_request", f"update {u.update_id:#x} takes no more buckets", e.msg.req))]
-
-
 def _finish_asked(u: Update, e: ev.FinishAsked) -> list:
     u.waiter, u.verify = (e.peer, e.msg.req), dict(e.msg.verify)
     u.deadline, u.seen = e.now + u.timeout, e.now
     return []
 
 
-def _not_broadcast(u: Update, e: ev.FinishAsked) -> list:
-    return [ev.Answer(e.peer, p.Error("bad_request", f"update {u.update_id:#x} is a disk update", e.msg.req))]
+def _refused(why: str) -> Callable[[Update, ev.Bucket | ev.FinishAsked], list]:
+    """A trainer request the phase cannot take: answered ``bad_request``, saying ``why``."""
+    return lambda u, e: [ev.Answer(e.peer, p.Error("bad_request", f"update {u.update_id:#x} {why}", e.msg.req))]
 
 
-def _no_group_yet(u: Update, e: ev.FinishAsked) -> list:
-    return [ev.Answer(e.peer, p.Error("bad_request", f"update {u.update_id:#x} has no group yet", e.msg.req))]
+_no_more_buckets = _refused("takes no more buckets")
+_not_broadcast = _refused("is a disk update")
+_no_group_yet = _refused("has no group yet")
 
 
 def _send_finish(u: Update, e: ev.Settled) -> list:
