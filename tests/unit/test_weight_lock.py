@@ -83,12 +83,8 @@ def example(event_type: type, u: Update):
     }[event_type]()
 
 
-EVENTS = [
-    t
-    for t in vars(ev).values()
-    if isinstance(t, type) and t.__module__ == ev.__name__ and t not in (ev.ToAgent, ev.Answer, ev.Record)
-    if t not in (ev.Release, ev.Abort)
-]
+EFFECTS = (ev.ToAgent, ev.Answer, ev.Record, ev.Release, ev.Abort)
+EVENTS = [t for t in vars(ev).values() if isinstance(t, type) and t.__module__ == ev.__name__ and t not in EFFECTS]
 ROWS = [(phase, event) for phase, rows in TABLE.items() for event in rows]
 MISSING = [(phase, event) for phase in Phase for event in EVENTS if event not in TABLE.get(phase, {})]
 
