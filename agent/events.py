@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from common import protocol as p
 from common.config import RolloutConfig
+from common.engine_info import EngineState
 
 # --------------------------------------------------------------------------- records
 
@@ -55,22 +56,9 @@ class PendingReceipt:
         return p.Receipt(session, self.lease, self.data_epoch, self.index, self.key, self.n_samples, self.stats)
 
 
-@dataclass(frozen=True, slots=True)
-class WeightsRecord:
-    """The fleet's weights as this agent knows them: ``version`` and how it was reached.
-
-    ``kind`` is ``disk`` (``path`` is the checkpoint every engine loaded), ``distributed`` (a broadcast;
-    an engine that missed it cannot get it back) or ``""`` (the launch weights, version 0).
-    """
-
-    version: int = 0
-    kind: str = ""
-    path: str = ""
-
-    @classmethod
-    def from_dict(cls, d: dict) -> WeightsRecord:
-        """From the Welcome config's ``weights`` entry; KeyError/TypeError/ValueError for a malformed one."""
-        return cls(int(d["version"]), str(d.get("kind") or ""), str(d.get("path") or ""))
+WeightsRecord = p.FleetWeights
+"""The fleet's weights as this agent knows them: the Welcome's ``weights``, or what the last update left
+(``version``, and ``kind``/``path``: how it was reached)."""
 
 
 # --------------------------------------------------------------------------- events
@@ -113,10 +101,10 @@ class EnginesStarted:
 
 @dataclass(frozen=True, slots=True)
 class EngineChanged:
-    """The supervisor moved an engine to ``state`` (``healthy``, ``down``, ``retired``, ...)."""
+    """The supervisor moved an engine to ``state``."""
 
     name: str
-    state: str
+    state: EngineState
     url: str | None = None
     all_retired: bool = False
     """Every engine of the node is retired: nothing here will ever generate again."""
@@ -169,7 +157,7 @@ class LeaseEvaluated:
     lease: int
     name: str
     eval_pass: int
-    result: dict
+    result: p.EvalOutcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,14 +170,13 @@ class LeaseCommitted:
 
 @dataclass(frozen=True, slots=True)
 class LeaseFailed:
-    """The lease failed for a reason of its own (reward code, a rejected request, a bad row).
+    """The lease failed for a reason of its own (reward code, a rejected request, a bad row): ``failure``
+    says at which step and why, and the coordinator counts it as one of the prompt's failed attempts.
 
-    ``counted`` False: not the prompt's fault (the agent's store is full); it is given back without
-    counting as one of the prompt's failed attempts."""
+    ``failure`` None: not the prompt's fault (the agent's store is full); it is given back uncounted."""
 
     lease: int
-    error: str
-    counted: bool = True
+    failure: p.Failure | None
 
 
 @dataclass(frozen=True, slots=True)

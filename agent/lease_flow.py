@@ -28,10 +28,10 @@ from agent.leases import (
     ABORT_PAUSE,
     ABORT_SHUTDOWN,
     ABORT_STOP,
+    NO_ENGINE,
     NOT_ON_ENGINE,
     LeaseRecord,
     LeaseState,
-    abort_no_engine,
     group_size,
 )
 from common import protocol as p
@@ -99,7 +99,7 @@ class LeaseFlow:
         if assignment is not None:
             out.append(assignment)
         elif self.leases.all_retired:
-            self._release(rec, abort_no_engine(self.agent_id), out)
+            self._release(rec, NO_ENGINE, out)
         else:
             rec.state = LeaseState.WAITING
 
@@ -156,11 +156,13 @@ class LeaseFlow:
         rec = self.leases.pop(ev.lease)
         if rec is None:
             return
-        # "failed" tells the coordinator to count it: a prompt that keeps failing is filtered.
-        reason = f"failed: {ev.error}" if ev.counted else f"not committed: {ev.error}"
-        self._send(p.Release(self.session, [rec.lease], reason), out)
+        # A failure tells the coordinator to count it: a prompt that keeps failing is filtered.
+        if ev.failure is not None:
+            self._send(p.Release(self.session, [rec.lease], p.ReleaseReason.FAILED, ev.failure), out)
+        else:
+            self._send(p.Release(self.session, [rec.lease], p.ReleaseReason.NOT_COMMITTED), out)
 
-    def _release(self, rec: LeaseRecord, reason: str, out: list) -> None:
+    def _release(self, rec: LeaseRecord, reason: p.ReleaseReason, out: list) -> None:
         """Give an unfinished lease back to the coordinator and stop its runner."""
         self._forget(rec.lease, out)
         self.counters.groups_released += 1

@@ -78,7 +78,6 @@ from common.errors import (
 from common.filters import FilterError, load_filter
 from common.generation import RolloutTask
 from common.mixture import DEFAULT, EPOCH_MASK
-from common.protocol import failure_reason
 from common.rewards import RewardError, load_reward
 from common.types import Group, Sample
 
@@ -87,15 +86,15 @@ _ONE = array("b", [1])
 log = logging.getLogger("rollfleet.agent")
 
 
-def _failure_kind(exc: RolloutError) -> str:
-    """The step that failed, as ``common.protocol.FAILURE_KINDS`` names it."""
+def _failure_kind(exc: RolloutError) -> p.FailureKind:
+    """The step that failed."""
     if isinstance(exc, RewardError):
-        return "reward_error"
+        return p.FailureKind.REWARD_ERROR
     if isinstance(exc, FilterError):
-        return "filter_error"
+        return p.FailureKind.FILTER_ERROR
     if isinstance(exc, custom_rollout.GenerateError):
-        return "generate_error"
-    return "generation_failed"
+        return p.FailureKind.GENERATE_ERROR
+    return p.FailureKind.GENERATION_FAILED
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,21 +172,21 @@ class LeaseRunner:
             await self._run()
         except asyncio.CancelledError:
             raise
-        except StorageFull as exc:
-            # The agent stops for it (agent/worker.py); the prompt is not to blame.
-            self._dispatch(LeaseFailed(self.lease, str(exc), counted=False))
+        except StorageFull:
+            # The agent stops for it (agent/worker.py); the prompt is not to blame: given back uncounted.
+            self._dispatch(LeaseFailed(self.lease, failure=None))
         except RolloutError as exc:
             # Bad reward/filter code or a rejected request: give the prompt back and
             # say why, tagged by step (the coordinator filters a prompt that keeps
             # failing, and stops admission when every group fails); the agent keeps serving.
             log.error("lease %x (index %d) failed: %s", self.lease, grant.index, exc)
-            self._dispatch(LeaseFailed(self.lease, failure_reason(_failure_kind(exc), str(exc))))
+            self._dispatch(LeaseFailed(self.lease, p.Failure.of(_failure_kind(exc), str(exc))))
         except Exception as exc:
             # Anything else (a chat template that rejects a row, a store error) is a
             # failure of this one prompt, not of the agent.
             log.exception("lease %x (index %d) failed unexpectedly", self.lease, grant.index)
             detail = f"{type(exc).__name__}: {exc}"
-            self._dispatch(LeaseFailed(self.lease, failure_reason("generation_failed", detail)))
+            self._dispatch(LeaseFailed(self.lease, p.Failure.of(p.FailureKind.GENERATION_FAILED, detail)))
 
     async def _run(self) -> None:
         ctx, grant, lease = self.ctx, self.grant, self.lease
@@ -216,12 +215,12 @@ class LeaseRunner:
             sample.reward = float(reward if own is None else own)
         if grant.eval:  # an evaluation prompt: no filter, nothing stored (coordinator/evaluation.py)
             self._dispatch(LeaseScored(lease, len(samples)))
-            result = {
-                "rewards": [s.reward for s in samples],
-                "lengths": [len(s.response_tokens) for s in samples],
-                "truncated": sum(s.status == "truncated" for s in samples),
-                "versions": sorted({s.weight_version for s in samples}),
-            }
+            result = p.EvalOutcome(
+                rewards=[s.reward for s in samples],
+                lengths=[len(s.response_tokens) for s in samples],
+                truncated=sum(s.status == "truncated" for s in samples),
+                versions=sorted({s.weight_version for s in samples}),
+            )
             self._dispatch(LeaseEvaluated(lease, grant.eval, grant.eval_pass, result))
             return
         verdict = await ctx.filter_for(grant.filter).check(samples)

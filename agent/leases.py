@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from agent.events import AssignEngine
 from agent.pool import GenerationPool
 from common import protocol as p
+from common.engine_info import EngineInfo, EngineState
 
 
 class LeaseState(enum.Enum):
@@ -36,17 +37,14 @@ class LeaseState(enum.Enum):
 NOT_ON_ENGINE = (LeaseState.STARTING, LeaseState.WAITING, LeaseState.RETRYING)
 
 
-ABORT_PAUSE = "aborted by pause"
+ABORT_PAUSE = p.ReleaseReason.PAUSED
 """A pause (with abort, or arriving before the lease reached an engine) gave the lease back."""
-ABORT_STOP = p.STOPPED
+ABORT_STOP = p.ReleaseReason.STOPPED
 """The coordinator stopped the lease (over-sampling: the batch was full)."""
-ABORT_SHUTDOWN = "agent shutting down"
+ABORT_SHUTDOWN = p.ReleaseReason.SHUTDOWN
 """The agent is stopping: leases still generating or just granted are given back."""
-
-
-def abort_no_engine(agent_id: str) -> str:
-    """Every engine of the agent is retired (its restart budget spent): the lease cannot run here."""
-    return f"no engine left on agent {agent_id}"
+NO_ENGINE = p.ReleaseReason.NO_ENGINE
+"""Every engine of the agent is retired (its restart budget spent): the lease cannot run here."""
 
 
 @dataclass(slots=True)
@@ -62,7 +60,7 @@ class LeaseRecord:
     request_ids: tuple[str, ...] = ()
     samples: int = 0  # pool slots held on ``engine``
     attempts: int = 0  # engine assignments so far (they name the request ids)
-    abort: str | None = None
+    abort: p.ReleaseReason | None = None
     """Why its requests were aborted (``ABORT_PAUSE``, ``ABORT_STOP``): given back with it once they end."""
     epoch: int = 0  # weight updates begun when it was last put on an engine
     resume: bool = False  # a weight update interrupted it: the next assignment keeps what it generated
@@ -77,8 +75,8 @@ def group_size(grant: p.LeaseGrant, default: int) -> int:
 class LeaseTable:
     def __init__(self, concurrency_per_engine: int):
         self.pool = GenerationPool(concurrency_per_engine)
-        self.engine_states: dict[str, str] = {}
-        self.engine_info: dict[str, dict] = {}  # name -> {"tp", "version"} for Register/heartbeat entries
+        self.engine_states: dict[str, EngineState] = {}
+        self.engine_layout: dict[str, tuple[int, int | None]] = {}  # name -> (tp, weight version) for EngineInfo
         self.all_retired = False
         self._records: dict[int, LeaseRecord] = {}
 
@@ -116,10 +114,10 @@ class LeaseTable:
 
     # ---------------------------------------------------------------- engines
 
-    def set_engine(self, name: str, state: str, url: str | None = None) -> bool:
+    def set_engine(self, name: str, state: EngineState, url: str | None = None) -> bool:
         """Record an engine's state; True if the node's capacity changed."""
-        self.engine_states[name] = state
-        return self.pool.set_engine(name, url, state == "healthy")
+        self.engine_states[name] = state = EngineState(state)
+        return self.pool.set_engine(name, url, state == EngineState.HEALTHY)
 
     def mark_failed(self, name: str) -> bool:
         """The request path saw ``name`` fail: no more groups go there until it is reported healthy."""
@@ -128,12 +126,15 @@ class LeaseTable:
     def capacity(self) -> int:
         return self.pool.capacity()
 
-    def engines(self) -> list[dict]:
-        """Each engine's entry: name, url, state, in_flight, tp (1 unless known) and weight version (None: unknown)."""
-        entries = self.pool.describe({name: self.engine_states.get(name, "healthy") for name in self.pool.engines})
-        for entry in entries:
-            entry.update(self.engine_info.get(entry["name"]) or {"tp": 1, "version": None})
-        return entries
+    def engines(self) -> list[EngineInfo]:
+        """Each engine as the coordinator is told (Register, Capacity, heartbeats): its state as the supervisor
+        last reported it, its samples in flight, tp 1 and weight version None until known."""
+        out = []
+        for slot in self.pool.engines.values():
+            state = self.engine_states.get(slot.name, EngineState.HEALTHY)
+            tp, version = self.engine_layout.get(slot.name, (1, None))
+            out.append(EngineInfo(slot.name, state, slot.url, slot.in_flight, tp, version))
+        return out
 
     def assign(self, rec: LeaseRecord, n: int, epoch: int = 0) -> AssignEngine | None:
         """Put the lease's ``n`` samples on the least-loaded healthy engine; None if none is healthy."""

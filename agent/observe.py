@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from agent.session import Phase
-from agent.supervisor import STATES
+from common.engine_info import EngineState
 
 if TYPE_CHECKING:
     from agent.worker import Agent
@@ -57,16 +57,15 @@ class AgentCollector:
         tok = self._family(CounterMetricFamily, "engine_generated_tokens", "Completion tokens answered", "engine")
         ver = self._family(GaugeMetricFamily, "engine_weight_version", "Weight version the engine serves", "engine")
         for e in engines:
-            name = str(e.get("name"))
-            current = str(e.get("state"))
-            up.add_metric([me, name], float(current == "healthy"))
-            for s in STATES:
-                state.add_metric([me, name, s], float(current == s))
+            name = e.name
+            up.add_metric([me, name], float(e.serving))
+            for s in EngineState:
+                state.add_metric([me, name, s.value], float(e.state is s))
             rst.add_metric([me, name], restarts.get(name, 0))
-            inflight.add_metric([me, name], e.get("in_flight") or 0)
+            inflight.add_metric([me, name], e.in_flight)
             tok.add_metric([me, name], tokens.get(name, 0))
-            if isinstance(e.get("version"), int):
-                ver.add_metric([me, name], e["version"])
+            if e.version is not None:
+                ver.add_metric([me, name], e.version)
         yield from (up, state, rst, inflight, tok, ver)
         total = self._family(CounterMetricFamily, "generated_tokens", "Completion tokens answered, all engines")
         total.add_metric([me], sum(tokens.values()))

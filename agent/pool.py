@@ -68,15 +68,3 @@ class GenerationPool:
 
     def finish(self, slot: EngineSlot, samples: int) -> None:
         slot.in_flight = max(0, slot.in_flight - samples)
-
-    def describe(self, states: dict[str, str] | None = None) -> list[dict]:
-        states = states or {}
-        return [
-            {
-                "name": e.name,
-                "url": e.url,
-                "state": states.get(e.name, "healthy" if e.healthy else "down"),
-                "in_flight": e.in_flight,
-            }
-            for e in self.engines.values()
-        ]

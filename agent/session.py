@@ -42,7 +42,7 @@ Invariants:
 - Pause gives back at once every lease not on an engine (a drain must not wait
   for them); leases on an engine finish, unless the pause aborts them.
 - Stop (over-sampling, coordinator/oversampling.py) gives a lease back the same
-  way (reason ``protocol.STOPPED``): at once if it is not on an engine, once its
+  way (reason ``stopped``): at once if it is not on an engine, once its
   aborted requests come back if it is; a lease past generation completes and
   reports as usual (never discard a finished group). Ignored while paused.
 - Shutdown: capacity 0; every lease not yet past scoring is cancelled and
@@ -95,6 +95,7 @@ from agent.outbox import Outbox
 from agent.weight_state import OPENS, WeightState
 from common import protocol as p
 from common.config import RolloutConfig
+from common.engine_info import EngineInfo, EngineState
 
 REFUSALS = ("dataset_mismatch", "too_small", "bad_register")
 """Error codes that answer a Register for good: the agent exits instead of retrying."""
@@ -207,7 +208,7 @@ class AgentSession(LeaseFlow):
         """Samples this node can generate at once (what the coordinator leases against)."""
         return 0 if self.stopping else self.leases.capacity()
 
-    def engines(self) -> list[dict]:
+    def engines(self) -> list[EngineInfo]:
         return self.leases.engines()
 
     def awaiting_acks(self, now: float) -> bool:
@@ -277,8 +278,8 @@ class AgentSession(LeaseFlow):
         if self.phase is not Phase.ACTIVE:
             return
         if now >= self.next_beat:
-            stats = {**self.stats(ev.stored_groups), "engines": self.engines()}
-            out.append(Send(p.Heartbeat(self.session, stats, list(self.leases), self.max_lease)))
+            stats = self.stats(ev.stored_groups)
+            out.append(Send(p.Heartbeat(self.session, stats, list(self.leases), self.max_lease, self.engines())))
             self.next_beat = now + self.heartbeat_interval
             for receipt in self.outbox.due(now, self.ttl):  # a lost ReceiptAck
                 out.append(Send(receipt.to_message(self.session)))
@@ -311,9 +312,7 @@ class AgentSession(LeaseFlow):
         # A second Welcome (an answer to a resent Register) is ignored: our session is the first one's.
 
     def _on_welcome(self, msg: p.Welcome, now: float, out: list) -> None:
-        raw = dict(msg.config)
-        weights = raw.pop("weights", None)
-        config = RolloutConfig.from_dict(raw)
+        config = RolloutConfig.from_dict(msg.config)
         if config != self.config:
             out.append(Configure(config))
             self.config = config
@@ -339,7 +338,7 @@ class AgentSession(LeaseFlow):
         for lease in msg.cancel:
             self._forget(lease, out)
         self._set_paused(msg.paused, False, out)
-        self.weights.on_welcome(weights, out)
+        self.weights.on_welcome(msg.weights, out)
         out.append(
             Log(
                 logging.INFO,
@@ -369,10 +368,9 @@ class AgentSession(LeaseFlow):
             return
         # Repairs a lost Grant (our next heartbeat lists what we hold, so grants
         # we never saw are released) and a lost pause/resume.
-        self.max_lease = max(self.max_lease, int(msg.stats.get("max_lease", 0) or 0))
-        paused = bool(msg.stats.get("paused", self.paused))
-        if paused != self.paused:
-            self._set_paused(paused, False, out)
+        self.max_lease = max(self.max_lease, msg.max_lease)
+        if msg.paused is not None and msg.paused != self.paused:
+            self._set_paused(msg.paused, False, out)
 
     def _on_fence(self, msg: p.Fence, now: float, out: list) -> None:
         self._end_session(f"fenced: {msg.reason}", out)
@@ -395,7 +393,7 @@ class AgentSession(LeaseFlow):
 
     def _on_engines_started(self, ev: EnginesStarted, now: float, out: list) -> None:
         for name, url in ev.engines:
-            self.leases.set_engine(name, "healthy", url)
+            self.leases.set_engine(name, EngineState.HEALTHY, url)
 
     def _on_weights_step(self, msg: p.Message, now: float, out: list) -> None:
         self.weights.on_step(msg, out)
@@ -406,19 +404,19 @@ class AgentSession(LeaseFlow):
                 self._next_engine(rec, out)
 
     def _on_engine_version(self, ev: EngineVersion, now: float, out: list) -> None:
-        self.leases.engine_info[ev.name] = {"tp": ev.tp, "version": ev.version}
+        self.leases.engine_layout[ev.name] = (ev.tp, ev.version)
 
     def _on_engine_changed(self, ev: EngineChanged, now: float, out: list) -> None:
         self.leases.all_retired = ev.all_retired
         changed = self.leases.set_engine(ev.name, ev.state, ev.url)
         out.append(
             Log(
-                logging.INFO if ev.state == "healthy" else logging.WARNING,
+                logging.INFO if ev.state == EngineState.HEALTHY else logging.WARNING,
                 f"agent {self.agent_id}: engine {ev.name} is {ev.state} "
                 f"(capacity now {self.leases.capacity()} samples)",
             )
         )
-        if changed or ev.state == "retired":
+        if changed or ev.state == EngineState.RETIRED:
             self._send(p.Capacity(self.session, self.capacity(), self.engines()), out)
         for rec in self.leases.records(LeaseState.WAITING):
             self._next_engine(rec, out)

@@ -69,7 +69,7 @@ class WeightState:
         """A new session: the Welcome says which weights the fleet is on; an update we were in is over."""
         if raw is not None:
             try:
-                record = WeightsRecord.from_dict(raw)
+                record = raw if isinstance(raw, WeightsRecord) else WeightsRecord.from_dict(raw)
             except (KeyError, TypeError, ValueError):
                 out.append(Log(logging.ERROR, f"malformed weights entry in the Welcome: {raw!r}"))
                 record = self.current

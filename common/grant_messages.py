@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any
 
-from common.wire import Message, message, record
+from common.wire import Message, Record, message, record
 
 TRAIN_SOURCE = "train"
 """``LeaseGrant.source`` of a training prompt."""
@@ -18,7 +18,7 @@ EVAL_SOURCE = "eval/"
 
 
 @record
-class LeaseGrant:
+class LeaseGrant(Record):
     """One lease of a ``Grant``: the prompt, where it comes from and how to generate it."""
 
     lease: int

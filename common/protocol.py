@@ -19,16 +19,49 @@ replies echo it. Every trainer request is idempotent by what it asks
 they set), so a resent request is harmless; a resent ``attach`` is recognised
 by ``(client_id, req)`` and gets the same session, and a resent ``register`` by
 ``(agent_id, incarnation, req)`` gets the same session too (one registration per outage).
+
+Typed vocabulary: what fields carry is declared as records and enums (``EngineInfo`` with its
+``EngineState``, ``FleetWeights``, ``ReleaseReason`` and ``Failure``, ``EvalOutcome``, ``LeaseGrant``),
+checked as the message is decoded; a map field (``stats``, ``config``, ``metrics``) is one the receiver
+only passes on or shows. ``PROTOCOL_VERSION`` and its history are in common/wire.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import field
 
+from common.engine_info import EngineInfo, EngineState  # noqa: F401  (re-exported)
 from common.grant_messages import EVAL_SOURCE, TRAIN_SOURCE, Grant, LeaseGrant  # noqa: F401  (re-exported)
+from common.lease_outcomes import (  # noqa: F401  (re-exported: part of the protocol)
+    FAILURE_KINDS,
+    MAX_FAILURE_DETAIL,
+    EvalOutcome,
+    Failure,
+    FailureKind,
+    ReleaseReason,
+)
+from common.trainer_messages import (  # noqa: F401  (re-exported: part of the protocol)
+    TRAINER_REQUESTS,
+    Attach,
+    BatchRefs,
+    Consumed,
+    Detach,
+    Evaluate,
+    Fetch,
+    Generate,
+    LoadStateDict,
+    Missing,
+    Pause,
+    Payloads,
+    Resume,
+    SetMixture,
+    StateDict,
+    Stats,
+)
 from common.weight_messages import (  # noqa: F401  (re-exported: part of the protocol)
     AbortWeights,
     FinishWeights,
+    FleetWeights,
     UpdateWeights,
     WeightBucket,
     WeightsAbort,
@@ -44,6 +77,7 @@ from common.wire import (  # noqa: F401  (re-exported: the protocol's public sur
     DEFAULT_MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     Message,
+    Record,
     decode,
     encode,
     message,
@@ -98,7 +132,7 @@ class Register(Message):
     incarnation: int
     capacity: int
     payload_address: str
-    engines: list
+    engines: list[EngineInfo]
     unacked: list
     in_flight: list
     dataset_fingerprint: str = ""
@@ -117,13 +151,20 @@ class Heartbeat(Message):
     highest lease id it has seen granted, ``max_lease``: the coordinator
     releases leases it believes the agent holds that are <= ``max_lease`` and
     not listed (a lost Filtered/Release message must not leak capacity).
+    From the coordinator it repairs a lost Grant or Control: ``max_lease`` is the
+    highest lease granted to the agent's session, ``paused`` the trainer's pause.
     """
 
     TYPE = "heartbeat"
     session: int
     stats: dict = field(default_factory=dict)
+    """The agent's counters (groups by outcome, samples, leases in flight, stored groups), shown in the status."""
     leases: list[int] = field(default_factory=list)
     max_lease: int = 0
+    engines: list[EngineInfo] | None = None
+    """The agent's engines now (states, tp, weight versions); None from the coordinator."""
+    paused: bool | None = None
+    """The coordinator's: admission is paused; None from an agent."""
 
 
 @message
@@ -157,8 +198,7 @@ class Filtered(Message):
 class EvalResult(Message):
     """agent -> coordinator: one evaluation prompt's group was generated and scored (coordinator/evaluation.py).
 
-    ``result`` is ``{"rewards": [float], "lengths": [int], "truncated": int, "versions": [str]}``,
-    one entry per sample; nothing is stored on the agent and no ack comes back."""
+    Nothing is stored on the agent and no ack comes back."""
 
     TYPE = "eval_result"
     session: int
@@ -166,61 +206,27 @@ class EvalResult(Message):
     name: str
     eval_pass: int
     index: int
-    result: dict
+    result: EvalOutcome
 
 
 @message
 class Release(Message):
-    """agent -> coordinator: leases given back unfinished (pause with abort, no engine, a failure).
+    """agent -> coordinator: leases given back unfinished (a pause, a Stop, no engine left, a failure).
 
-    ``reason`` is free text, except for a lease whose group *failed*: then it is
-    ``failed: <kind>: <detail>`` (see ``failure_reason``/``parse_failure``), and the
-    coordinator counts the failure against the prompt and the rollout's health.
+    ``failure`` comes with reason ``failed`` and only then: the coordinator counts it against the
+    prompt and the rollout's health.
     """
 
     TYPE = "release"
     session: int
     leases: list[int]
-    reason: str
+    reason: ReleaseReason
+    failure: Failure | None = None
 
-
-STOPPED = "stopped: the batch was full (over-sampling)"
-"""The ``Release`` reason of leases an agent gave back because the coordinator sent ``Stop`` for them."""
-
-
-FAILURE_KINDS = ("reward_error", "filter_error", "generation_failed", "generate_error")
-"""Why a group failed: its reward raised (or returned a non-number), its filter raised (or returned a
-non-verdict), its custom generate function raised (or returned no trajectory), or anything else
-(a prompt the engine rejects, a chat template that fails). These are also the reasons a prompt
-that keeps failing is filtered with, so they are metric-name safe."""
-
-MAX_FAILURE_DETAIL = 300
-"""Characters of a failure's detail (spec and exception) kept on the wire: a message, not a log."""
-
-
-def failure_reason(kind: str, detail: str) -> str:
-    """What an agent puts after ``failed: `` in a ``Release`` for a failed group: ``<kind>: <detail>``."""
-    if kind not in FAILURE_KINDS:
-        raise ValueError(f"unknown failure kind {kind!r}; one of {FAILURE_KINDS}")
-    detail = " ".join(str(detail).split())
-    if len(detail) > MAX_FAILURE_DETAIL:
-        detail = detail[: MAX_FAILURE_DETAIL - 3] + "..."
-    return f"{kind}: {detail}"
-
-
-def parse_failure(reason: str) -> tuple[str, str] | None:
-    """``(kind, detail)`` of a ``Release`` reason for a failed group; None for any other release.
-
-    A reason from an agent that does not tag its failures (``failed: <text>``) is a
-    ``generation_failed`` with that text.
-    """
-    if not reason.startswith("failed"):
-        return None
-    rest = reason[len("failed") :].lstrip(":").strip()
-    kind, sep, detail = rest.partition(": ")
-    if not (sep and kind in FAILURE_KINDS):
-        kind, detail = "generation_failed", rest
-    return kind, detail[:MAX_FAILURE_DETAIL]
+    def problem(self) -> str:
+        if (self.reason is ReleaseReason.FAILED) != (self.failure is not None):
+            return f"reason {self.reason.value!r} with failure {self.failure!r}: a failure comes with 'failed' only"
+        return ""
 
 
 @message
@@ -230,7 +236,7 @@ class Capacity(Message):
     TYPE = "capacity"
     session: int
     capacity: int
-    engines: list
+    engines: list[EngineInfo]
 
 
 # --------------------------------------------------------------------------
@@ -240,11 +246,12 @@ class Capacity(Message):
 
 @message
 class Welcome(Message):
-    """coordinator -> agent: registration accepted; carries the rollout configuration."""
+    """coordinator -> agent: registration accepted; carries the rollout configuration and the fleet's weights."""
 
     TYPE = "welcome"
     session: int
     config: dict
+    """``RolloutConfig.to_dict()``."""
     heartbeat_interval: float
     ttl: float
     acks: list
@@ -254,6 +261,8 @@ class Welcome(Message):
     paused: bool = False
     trainer_keys: list[str] = field(default_factory=list)
     """CurveZMQ public keys (Z85) the agent's payload endpoint accepts; empty when the fleet runs without keys."""
+    weights: FleetWeights | None = None
+    """The weights every engine must serve (the coordinator always names them; None: keep what the agent holds)."""
 
 
 @message
@@ -281,7 +290,7 @@ class Control(Message):
 class Stop(Message):
     """coordinator -> agent: over-sampled leases no batch needs now; abort them and give them back.
 
-    The agent aborts their engine requests and answers with a ``Release`` (reason ``STOPPED``).
+    The agent aborts their engine requests and answers with a ``Release`` (reason ``stopped``).
     A lease it no longer holds, or one already past generation, is left alone (its Receipt or
     Filtered answers for it); a paused agent ignores the message. Losing it loses nothing: the
     groups simply complete.
@@ -306,201 +315,3 @@ class Fence(Message):
 
     TYPE = "fence"
     reason: str
-
-
-# --------------------------------------------------------------------------
-# Trainer -> coordinator
-# --------------------------------------------------------------------------
-
-
-@message
-class Attach(Message):
-    """trainer -> coordinator: open a trainer session; fences any previous trainer."""
-
-    TYPE = "attach"
-    req: int
-    client_id: str
-    config_check: dict = field(default_factory=dict)
-    rank: int = 0
-    """This process's rank in a trainer of ``world_size`` processes: 0 leads (opens the session, fencing any
-    other trainer); a rank above 0 joins the leader's session as a member (``no_leader`` if no leader is
-    attached, ``other_leader`` if the one attached has another ``run`` or ``world_size``)."""
-    world_size: int = 1
-    run: str = ""
-    """The launch the ranks belong to (torchrun's run id and restart count): members join only its leader."""
-    balance: str = "tokens"
-    """The leader's: shares of balanced tokens (``tokens``) or of equal group counts (``groups``)."""
-
-
-@message
-class Generate(Message):
-    """trainer -> coordinator: the batch for ``rollout_id`` (same id, same batch)."""
-
-    TYPE = "generate"
-    session: int
-    req: int
-    rollout_id: int
-    prefetch: int = -1
-    deadline: float = 0.0
-    """Seconds after the coordinator first got this ``generate`` at which it returns a partial batch
-    of the groups ready (at least one); 0: none, wait for the full batch."""
-    rank: int = 0
-    """The asking rank: it gets its share of the batch (coordinator/shares.py)."""
-
-
-@message
-class BatchRefs(Message):
-    """coordinator -> trainer: a batch as references to group payloads on agents.
-
-    ``groups`` entries are ``[data_epoch, index, agent_id, key, payload_address]``
-    (``coordinator.records.GroupRef`` in wire form).
-    """
-
-    TYPE = "batch"
-    req: int
-    rollout_id: int
-    groups: list[list]
-    metrics: dict
-    share: dict = field(default_factory=dict)
-    """For a trainer of several processes: ``{"rank", "world_size", "lengths"}``, ``groups`` being that rank's
-    share and ``lengths`` every rank's sample lengths, one little-endian int32 array (bytes) per rank (None in a
-    batch recorded without them); ``metrics`` are the whole batch's. Empty for a trainer of one process."""
-
-
-@message
-class Pause(Message):
-    """trainer -> coordinator: stop admission (durably); ``abort`` in-flight work or let it finish.
-
-    With ``drain`` the ``Ok`` comes once no lease is in flight (results durable).
-    """
-
-    TYPE = "pause"
-    session: int
-    req: int
-    drain: bool = True
-    abort: bool = False
-
-
-@message
-class Resume(Message):
-    """trainer -> coordinator: admission on again (durably)."""
-
-    TYPE = "resume"
-    session: int
-    req: int
-
-
-@message
-class SetMixture(Message):
-    """trainer -> coordinator: the training datasets' weights from the next batch not yet recorded on (durably)."""
-
-    TYPE = "set_mixture"
-    session: int
-    req: int
-    weights: dict
-
-
-@message
-class StateDict(Message):
-    """trainer -> coordinator: checkpoint the stream at ``consumed`` (highest batch trained on).
-
-    Only while paused and drained; trims what is behind the previous checkpoint.
-    """
-
-    TYPE = "state_dict"
-    session: int
-    req: int
-    consumed: int
-
-
-@message
-class LoadStateDict(Message):
-    """trainer -> coordinator: check that a checkpoint taken by ``StateDict`` can be resumed here."""
-
-    TYPE = "load_state_dict"
-    session: int
-    req: int
-    state: dict
-
-
-@message
-class Consumed(Message):
-    """trainer -> coordinator: batch ``rollout_id`` was fetched completely; its prompts count as trained."""
-
-    TYPE = "consumed"
-    session: int
-    req: int
-    rollout_id: int
-    rank: int = 0
-    """The rank that holds its share now: the batch is consumed once every rank does."""
-
-
-@message
-class Missing(Message):
-    """trainer -> coordinator: an agent that is up no longer holds these groups of a batch; replace them."""
-
-    TYPE = "missing"
-    session: int
-    req: int
-    rollout_id: int
-    keys: list[str]
-
-
-@message
-class Detach(Message):
-    """trainer -> coordinator: leave the fleet to the next trainer (only the current session may)."""
-
-    TYPE = "detach"
-    session: int
-    req: int
-
-
-@message
-class Stats(Message):
-    """trainer (or ``coordinator status``) -> coordinator: the coordinator's statistics; needs no session."""
-
-    TYPE = "stats"
-    req: int
-
-
-@message
-class Evaluate(Message):
-    """trainer -> coordinator: one pass over evaluation dataset ``name``; answered with its metrics when done.
-
-    ``token`` names the call: a resend (or the same call after a restart) joins the same pass."""
-
-    TYPE = "evaluate"
-    session: int
-    req: int
-    name: str
-    token: str
-
-
-TRAINER_REQUESTS = (Pause, Resume, SetMixture, StateDict, LoadStateDict, Consumed, Missing, Detach)
-"""Trainer requests that carry a session and are refused for any but the current trainer's."""
-
-
-# --------------------------------------------------------------------------
-# Trainer -> agent (data plane)
-# --------------------------------------------------------------------------
-
-
-@message
-class Fetch(Message):
-    """trainer -> agent: send these group payloads."""
-
-    TYPE = "fetch"
-    req: int
-    keys: list[str]
-    requester: str = ""
-    """Who asks (the trainer's client id, with its rank): the agent's debug log of what it served to whom."""
-
-
-@message
-class Payloads(Message):
-    """agent -> trainer: ``found`` keys, in order, followed by one raw frame per found key."""
-
-    TYPE = "payloads"
-    req: int
-    found: list[str]
-    missing: list[str]

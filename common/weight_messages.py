@@ -8,7 +8,28 @@ from __future__ import annotations
 
 from dataclasses import field
 
-from common.wire import Message, message
+from common.wire import Message, Record, message, record
+
+
+@record
+class FleetWeights(Record):
+    """The fleet's weights (``Welcome.weights``): what every engine must serve, and how the fleet got there.
+
+    ``kind`` is ``disk`` (``path`` is the checkpoint every engine loaded, so an engine that restarts re-loads
+    it), ``distributed`` (a broadcast: an engine that missed it needs an update to serve again) or ``""``
+    (the launch weights, version 0)."""
+
+    version: int = 0
+    """The version every engine serves (0: the launch weights)."""
+    kind: str = ""
+    """How the fleet reached it: ``disk``, ``distributed`` or ``""``."""
+    path: str = ""
+    """The checkpoint of a ``disk`` update ("" otherwise)."""
+
+    @classmethod
+    def from_dict(cls, d: dict) -> FleetWeights:
+        """From its map form (``{"version", "kind", "path"}``); KeyError/TypeError/ValueError for a malformed one."""
+        return cls(int(d["version"]), str(d.get("kind") or ""), str(d.get("path") or ""))
 
 
 @message

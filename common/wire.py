@@ -5,11 +5,20 @@ a map. ``decode`` checks the size limit, the msgpack encoding, the version, the 
 field's type against the message's annotations; anything wrong raises a ``ProtocolError``
 subclass whose text says what was wrong. The messages themselves are declared in
 ``common.protocol``, which is what the rest of the code imports.
+
+Field types a message (or a record) may declare, besides the plain msgpack ones: a ``Record``
+(a map on the wire, its fields checked like a message's), a list of records, an ``enum.Enum`` of
+strings (its value on the wire; any other string is refused naming the allowed ones), and either
+of those or ``None``. ``decode`` builds the records and enum members, ``encode`` writes their
+plain forms; a message's ``problem()`` then judges the fields together (a ``Release`` that says
+``failed`` carries its failure).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import types
 import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -18,7 +27,7 @@ import msgpack
 
 from common.errors import MessageTooLarge, ProtocolError, VersionMismatch
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """2: one message type per trainer request (was ``trainer_control``); ``BatchRefs`` refs in
 ``GroupRef`` order. 3: weight updates (``UpdateWeights`` ... ``WeightsReport``). 4: over-sampling
 (``Stop``, coordinator -> agent) and ``Generate.deadline`` (partial batches). 5: ``Register.req``
@@ -28,32 +37,52 @@ for a broadcast group). 6: catch-up updates (``UpdateWeights.kind`` ``catch_up``
 ``WeightsBegin.catch_up``, ``WeightsAbort.catch_up``). 7: ``Grant.leases`` are typed records
 (``LeaseGrant``: the lease's prompt source, ``source``, instead of an ``eval`` key). 8: mixtures (``SetMixture``;
 ``LeaseGrant.dataset``, reward and filter per dataset). 9: trainer ranks
-(``Attach.rank``/``world_size``/``run``, ``Generate.rank``, ``Consumed.rank``, ``BatchRefs.share``)."""
+(``Attach.rank``/``world_size``/``run``/``balance``, ``Generate.rank``, ``Consumed.rank``, ``BatchRefs.share``
+with every rank's sample lengths as int32 bytes; ``no_leader``/``other_leader`` error codes). 10: a typed
+vocabulary: engines are ``EngineInfo`` records with an ``EngineState`` in ``Register``, ``Capacity`` and the
+agent's ``Heartbeat.engines`` (were maps, the heartbeat's inside ``stats``); the fleet's weights are
+``Welcome.weights`` (a ``FleetWeights``, was ``config["weights"]``); the coordinator's ``Heartbeat`` has typed
+``paused`` and ``max_lease`` (were ``stats`` keys); ``Release.reason`` is a ``ReleaseReason`` with a typed
+``Release.failure`` (was free text, ``failed: <kind>: <detail>``); ``EvalResult.result`` is an ``EvalOutcome``."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """Application limit. Larger messages get a clear error reply. The ZeroMQ
 socket limit (MAXMSGSIZE) is set above it so the peer is not silently cut."""
 
 _REGISTRY: dict[str, type[Message]] = {}
+_UNIONS = (typing.Union, types.UnionType)
+
+
+class _Typed:
+    """Fields compiled once per class (decoding is the coordinator's per-message cost)."""
+
+    _FIELDS: ClassVar[dict]
+    _NAMES: ClassVar[tuple]
+    _CHECKS: ClassVar[tuple]
+    """``(name, hint, required, check, decode)``: ``check`` None passes any value; ``decode`` None keeps it."""
+    _ENCODERS: ClassVar[tuple]
+    """``(name, encode)`` of the fields whose value is not its own wire form (records, enums)."""
+
+    def to_body(self) -> dict:
+        body = {name: getattr(self, name) for name in self._NAMES}
+        for name, enc in self._ENCODERS:
+            body[name] = enc(body[name])
+        return body
 
 
 def _typed(cls) -> None:
-    """Compile ``cls``'s field checks once (decoding is the coordinator's per-message cost)."""
     hints = typing.get_type_hints(cls)
     cls._FIELDS = {
         f.name: (hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
         for f in dataclasses.fields(cls)
     }
     cls._NAMES = tuple(cls._FIELDS)
-    cls._CHECKS = tuple((name, hint, required, _compile(hint)) for name, (hint, required) in cls._FIELDS.items())
-    # Fields holding a list of records: decoded from maps into the record class, encoded back to maps.
-    cls._RECORD_LISTS = {
-        name: item
-        for name, (hint, _) in cls._FIELDS.items()
-        if typing.get_origin(hint) is list
-        for item in typing.get_args(hint)
-        if getattr(item, "_IS_RECORD", False)
-    }
+    codecs = {name: _codec(hint) for name, (hint, _) in cls._FIELDS.items()}
+    cls._CHECKS = tuple(
+        (name, hint, required, _compile(hint), codecs[name][1] if codecs[name] else None)
+        for name, (hint, required) in cls._FIELDS.items()
+    )
+    cls._ENCODERS = tuple((name, codec[0]) for name, codec in codecs.items() if codec is not None)
 
 
 def message(cls):
@@ -67,33 +96,45 @@ def message(cls):
 
 
 def record(cls):
-    """A typed record a message field carries as ``list[Record]``: on the wire a map whose fields are checked
-    like a message's (unknown, missing or mistyped ones refused with the message's name)."""
+    """A typed record a message field carries (alone, in a list, or ``| None``): on the wire a map whose fields
+    are checked like a message's (unknown, missing or mistyped ones refused with the message's name)."""
+    if not issubclass(cls, Record):
+        raise TypeError(f"record {cls.__name__} must subclass common.wire.Record")
     cls = dataclass(frozen=True)(cls)
-    cls._IS_RECORD = True
     _typed(cls)
     return cls
 
 
-class Message:
-    TYPE: ClassVar[str] = ""
-    _FIELDS: ClassVar[dict]
-    _NAMES: ClassVar[tuple]
-    _CHECKS: ClassVar[tuple]
-    _RECORD_LISTS: ClassVar[dict]
+class Record(_Typed):
+    """Base of the records ``record`` declares: immutable, compared by value, ``to_body()`` their wire map."""
 
-    def to_body(self) -> dict:
-        body = {name: getattr(self, name) for name in self._NAMES}
-        for name in self._RECORD_LISTS:
-            body[name] = [{k: getattr(r, k) for k in r._NAMES} for r in body[name]]
-        return body
+    _IS_RECORD: ClassVar[bool] = True
+
+
+class Message(_Typed):
+    TYPE: ClassVar[str] = ""
+
+    def problem(self) -> str:
+        """What is wrong with the fields taken together ("" if nothing): ``decode`` refuses the message with it."""
+        return ""
+
+
+def _is_enum(hint: Any) -> bool:
+    return isinstance(hint, type) and issubclass(hint, enum.Enum)
+
+
+def _enum_values(hint: type[enum.Enum]) -> frozenset:
+    values = frozenset(m.value for m in hint)
+    if not all(isinstance(v, str) for v in values):
+        raise TypeError(f"{hint.__name__}: only enums of strings travel on the wire")
+    return values
 
 
 def _check(value: Any, hint: Any) -> bool:
     origin = typing.get_origin(hint)
     if hint is Any:
         return True
-    if origin is typing.Union or str(origin) == "types.UnionType":
+    if origin in _UNIONS:
         return any(_check(value, h) for h in typing.get_args(hint))
     if hint is type(None):
         return value is None
@@ -101,6 +142,10 @@ def _check(value: Any, hint: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
+    if getattr(hint, "_IS_RECORD", False):
+        return isinstance(value, dict)
+    if _is_enum(hint):
+        return isinstance(value, str) and value in _enum_values(hint)
     if origin is list:
         if not isinstance(value, list):
             return False
@@ -126,7 +171,7 @@ def _compile(hint: Any):
     origin = typing.get_origin(hint)
     if hint is Any:
         return None
-    if origin is typing.Union or str(origin) == "types.UnionType":
+    if origin in _UNIONS:
         subs = [_compile(h) for h in typing.get_args(hint)]
         if any(c is None for c in subs):
             return None
@@ -139,6 +184,9 @@ def _compile(hint: Any):
         return _is_int
     if getattr(hint, "_IS_RECORD", False):
         return lambda v: isinstance(v, dict)  # its fields are checked as it is decoded (``_decode_fields``)
+    if _is_enum(hint):
+        values = _enum_values(hint)
+        return lambda v: isinstance(v, str) and v in values
     if origin is list:
         (item,) = typing.get_args(hint) or (Any,)
         each = _compile(item)
@@ -148,6 +196,40 @@ def _compile(hint: Any):
     if origin is dict:
         return lambda v: isinstance(v, dict)
     return lambda v: isinstance(v, hint)
+
+
+def _codec(hint: Any):
+    """``(encode, decode)`` for a field whose value is not its own wire form (a record, an enum, a list or an
+    optional one of those), or None. ``decode(value, what)`` takes a value that passed the field's check;
+    ``what`` names the field in errors."""
+    origin = typing.get_origin(hint)
+    if getattr(hint, "_IS_RECORD", False):
+        return (lambda r: r.to_body()), (lambda v, what: hint(**_decode_fields(hint, v, what)))
+    if _is_enum(hint):
+        return (lambda m: m.value if isinstance(m, enum.Enum) else m), (lambda v, what: hint(v))
+    if origin is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        inner = _codec(item)
+        if inner is None:
+            return None
+        enc, dec = inner
+        return (lambda xs: [enc(x) for x in xs]), (lambda vs, what: [dec(v, f"{what}[{i}]") for i, v in enumerate(vs)])
+    if origin in _UNIONS:
+        args = [h for h in typing.get_args(hint) if h is not type(None)]
+        inner = _codec(args[0]) if len(args) == 1 else None
+        if inner is None:
+            return None
+        enc, dec = inner
+        return (lambda x: None if x is None else enc(x)), (lambda v, what: None if v is None else dec(v, what))
+    return None
+
+
+def _expected(value: Any, hint: Any) -> str:
+    """How a refused field is described: its type against the hint, or the values an enum allows."""
+    for h in (hint, *typing.get_args(hint)):
+        if _is_enum(h) and isinstance(value, str):
+            return f"is {value!r}, expected one of {sorted(_enum_values(h))}"
+    return f"has type {type(value).__name__}, expected {hint}"
 
 
 def encode(msg: Message, version: int = PROTOCOL_VERSION) -> bytes:
@@ -177,7 +259,11 @@ def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Messa
         raise ProtocolError(f"unknown message type {mtype!r}")
     if not isinstance(body, dict):
         raise ProtocolError(f"malformed {mtype}: body must be a map")
-    return cls(**_decode_fields(cls, body, mtype))
+    msg = cls(**_decode_fields(cls, body, mtype))
+    why = msg.problem()
+    if why:
+        raise ProtocolError(f"malformed {mtype}: {why}")
+    return msg
 
 
 def _decode_fields(cls, body: dict, what: str) -> dict:
@@ -185,18 +271,15 @@ def _decode_fields(cls, body: dict, what: str) -> dict:
     if unknown:
         raise ProtocolError(f"malformed {what}: unknown field(s) {sorted(unknown)}")
     kwargs = {}
-    for name, hint, required, check in cls._CHECKS:
+    for name, hint, required, check, dec in cls._CHECKS:
         if name not in body:
             if required:
                 raise ProtocolError(f"malformed {what}: missing field {name!r}")
             continue
         value = body[name]
         if check is not None and not check(value):
-            raise ProtocolError(f"malformed {what}: field {name!r} has type {type(value).__name__}, expected {hint}")
-        item = cls._RECORD_LISTS.get(name)
-        if item is not None:
-            value = [item(**_decode_fields(item, v, f"{what}.{name}[{i}]")) for i, v in enumerate(value)]
-        kwargs[name] = value
+            raise ProtocolError(f"malformed {what}: field {name!r} {_expected(value, hint)}")
+        kwargs[name] = value if dec is None else dec(value, f"{what}.{name}")
     return kwargs
 
 

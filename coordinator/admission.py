@@ -38,10 +38,10 @@ Invariants kept here:
   launch weights) has capacity 0 until its ``Capacity`` names one that does (``_capacity``). Otherwise
   a prompt pending again, first in line, would wait there for a re-load while others take fresh ones.
 - A lease given back after a ``Stop`` (over-sampling: a ``Release`` with
-  reason ``protocol.STOPPED``) is pending again, first in line, and counted
+  reason ``ReleaseReason.STOPPED``) is pending again, first in line, and counted
   for the next batch (``coordinator/oversampling.py``); it is not a failure.
-- Failing user code loses no data: a group whose reward or filter raised (a ``Release`` tagged
-  ``failed: <kind>: <detail>``) is an error outcome, not a filter verdict; its source decides
+- Failing user code loses no data: a group whose reward or filter raised (a ``Release`` with
+  reason ``failed`` and its ``Failure``) is an error outcome, not a filter verdict; its source decides
   (coordinator/sources.py: retried, filtered after ``MAX_FAILURES``, starvation).
 """
 
@@ -156,7 +156,7 @@ class Admission:
                     stale.append(item[0])
         if old is not None:
             self._counters.lease_ended("reregistered", leases.release_agent(old, keep=set(reported)))
-        engines = [e for e in msg.engines if isinstance(e, dict)]
+        engines = list(msg.engines)
         ops: list = weights.note_engines(engines)  # before the Welcome, which names the weights
         capacity = self._capacity(msg.capacity, engines)  # none while no engine holds the fleet's weights
         rec = membership.register(msg.agent_id, msg.incarnation, peer, capacity, msg.payload_address, engines, now)
@@ -190,13 +190,14 @@ class Admission:
         leases.release_held(msg.agent_id)
         welcome = p.Welcome(
             session=rec.session,
-            config={**settings.config.to_dict(), "weights": weights.log.entry()},
+            config=settings.config.to_dict(),
             heartbeat_interval=settings.liveness.heartbeat_interval,
             ttl=settings.liveness.ttl,
             acks=acks,
             cancel=cancel,
             paused=self._pause.paused,
             trainer_keys=list(settings.trainer_keys),
+            weights=p.FleetWeights.from_dict(weights.log.entry()),
         )
         rec.register_req, rec.welcome = msg.req, welcome
         self._counters.registrations += 1
@@ -216,8 +217,8 @@ class Admission:
         with the first answer; this Send waits behind its ledger write), today's pause and weights."""
         rec.last_seen, rec.peer = now, peer
         self._counters.registers_resent += 1
-        config = {**rec.welcome.config, "weights": self._weights.log.entry()}
-        welcome = dataclasses.replace(rec.welcome, config=config, paused=self._pause.paused)
+        weights = p.FleetWeights.from_dict(self._weights.log.entry())
+        welcome = dataclasses.replace(rec.welcome, weights=weights, paused=self._pause.paused)
         return [Send(rec.agent_id, welcome)]
 
     def session_agent(self, peer: bytes, session: int, now: float) -> AgentRecord | None:
@@ -237,9 +238,8 @@ class Admission:
         rec = self.session_agent(peer, msg.session, now)
         if rec is None:
             return self.fence(peer, msg)
-        engines = msg.stats.get("engines")
-        if isinstance(engines, list):  # states, tp and weight versions (docs/weights.md: the update group)
-            rec.engines = [e for e in engines if isinstance(e, dict)]
+        if msg.engines is not None:  # states, tp and weight versions (docs/weights.md: the update group)
+            rec.engines = list(msg.engines)
         held = set(msg.leases)
         lost = [lease_id for lease_id in rec.leases if lease_id <= msg.max_lease and lease_id not in held]
         for lease_id in lost:
@@ -334,21 +334,22 @@ class Admission:
         rec = self.session_agent(peer, msg.session, now)
         if rec is None:
             return self.fence(peer, msg)
-        failure = p.parse_failure(msg.reason)
+        failure = msg.failure if msg.reason == p.ReleaseReason.FAILED else None
         out: list = []
         leases = self._leases
         for lease_id in msg.leases:
             lease = leases.of_agent(lease_id, rec.agent_id)
             if lease is not None:
                 leases.end(lease_id)
-                if msg.reason == p.STOPPED:
+                if msg.reason == p.ReleaseReason.STOPPED:
                     self._oversampling.on_stopped(lease_id)  # over-sampled: pending again, counted
                 else:
                     self._counters.lease_ended("released" if failure is None else "failed")
                 if failure is None:
                     leases.give_back(lease)
                 else:
-                    out += leases.source_of(lease).failed(lease, rec.agent_id, *failure)
+                    detail = failure.detail[: p.MAX_FAILURE_DETAIL]
+                    out += leases.source_of(lease).failed(lease, rec.agent_id, str(failure.kind), detail)
         return out
 
     def _capacity(self, samples: int, engines: list) -> int:
@@ -368,7 +369,7 @@ class Admission:
         rec = self.session_agent(peer, msg.session, now)
         if rec is None:
             return self.fence(peer, msg)
-        rec.engines = [e for e in msg.engines if isinstance(e, dict)]
+        rec.engines = list(msg.engines)
         rec.capacity = self._capacity(msg.capacity, rec.engines)
         self._membership.note_room(rec)
         return []

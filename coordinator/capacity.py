@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from common.engine_info import EngineState
 from coordinator.membership import RETIRED
 
 if TYPE_CHECKING:
@@ -55,10 +56,10 @@ class Capacity:
             return False  # after a disk update, agents reload stale engines from the recorded path themselves
         if membership.find("serving", _may_serve) is not None:
             return False
-        states = {e.get("state") for r in membership.agents.values() if r.status != RETIRED for e in r.engines}
-        return "stale" in states and not states & {"healthy", "starting"}
+        states = {e.state for r in membership.agents.values() if r.status != RETIRED for e in r.engines}
+        return EngineState.STALE in states and not any(s.may_serve for s in states)
 
 
 def _may_serve(rec) -> bool:
     """A not-retired agent with an engine that is healthy or starting."""
-    return rec.status != RETIRED and any(e.get("state") in ("healthy", "starting") for e in rec.engines)
+    return rec.status != RETIRED and any(e.state.may_serve for e in rec.engines)

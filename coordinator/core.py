@@ -305,7 +305,7 @@ class CoordinatorCore:
         for agent_id in self._beat_round[part::parts]:
             r = agents.get(agent_id)
             if r is not None and r.status == ALIVE:
-                out.append(Send(r.agent_id, p.Heartbeat(r.session, {"paused": paused, "max_lease": r.max_granted})))
+                out.append(Send(r.agent_id, p.Heartbeat(r.session, max_lease=r.max_granted, paused=paused)))
         return out
 
     def _on_stats(self, peer: bytes, msg: p.Stats, now: float) -> list:
@@ -401,7 +401,7 @@ class CoordinatorCore:
                 r.status,
                 r.capacity,
                 len(r.leases),
-                tuple(dict(e) for e in r.engines),
+                tuple(e.to_dict() for e in r.engines),
                 r.session,
                 round(max(0.0, at - r.last_seen), 3),
             )

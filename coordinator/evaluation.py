@@ -347,12 +347,10 @@ class Evaluations:
         run = self.passes.get(msg.name)
         if run is None or run.record.pass_id != msg.eval_pass or not 0 <= msg.index < run.spec.size:
             return []  # a pass that ended, or another one: nothing to count
-        why = check_result(msg.result, run.spec.n_samples)
+        result = msg.result.to_dict()
+        why = check_result(result, run.spec.n_samples)
         if why:  # generated again, a bounded number of times (a reward that returns NaN on this row)
             return self.fail(run, msg.index, f"bad_result: {why}")
-        result = {
-            k: msg.result[k] for k in ("rewards", "lengths", "truncated", "versions", "failed") if k in msg.result
-        }
         return self._record(run, msg.index, result)
 
     def _record(self, run: EvalPass, index: int, result: dict) -> list:

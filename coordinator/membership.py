@@ -15,15 +15,21 @@ Sessions are fencing tokens: ``generation << 32 | counter``, where the
 generation is bumped (durably) at every coordinator start, so a session
 issued before a restart can never match one issued after it.
 
+Each agent's engines are the typed records it last reported (``EngineInfo``: Register,
+Capacity, heartbeats); the status shows them as they came.
+
 Pure: no I/O; time is passed in.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
+
+from common.engine_info import EngineInfo, EngineState
 
 ALIVE, DEAD, RETIRED = "alive", "dead", "retired"
 
@@ -36,7 +42,8 @@ class AgentRecord:
     peer: bytes
     capacity: int
     payload_address: str
-    engines: list
+    engines: list[EngineInfo]
+    """As the agent last reported them."""
     last_seen: float
     status: str = ALIVE
     leases: set[int] = field(default_factory=set)
@@ -68,7 +75,14 @@ class AgentRecord:
         """Alive with at least one engine that is not retired."""
         if self.status != ALIVE:
             return False
-        return any(e.get("state") != "retired" for e in self.engines) if self.engines else self.capacity > 0
+        return any(e.state is not EngineState.RETIRED for e in self.engines) if self.engines else self.capacity > 0
+
+    def note_versions(self, versions: dict) -> None:
+        """Engines (by name) now serving these weight versions, as a weight update's report says: the status shows
+        the new version at once, not at the agent's next heartbeat."""
+        self.engines = [
+            dataclasses.replace(e, version=versions[e.name]) if e.name in versions else e for e in self.engines
+        ]
 
 
 class Membership:
@@ -97,7 +111,7 @@ class Membership:
         peer: bytes,
         capacity: int,
         payload_address: str,
-        engines: list,
+        engines: list[EngineInfo],
         now: float,
     ) -> AgentRecord:
         old = self.agents.get(agent_id)

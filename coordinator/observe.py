@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from common.engine_info import EngineState
 from coordinator.membership import ALIVE, DEAD, RETIRED
 from coordinator.prompt_key import dataset_of, epoch_of
 
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from coordinator.server import CoordinatorServer
 
 AGENT_STATUSES = (ALIVE, DEAD, RETIRED)
-ENGINE_STATES = ("starting", "healthy", "stale", "down", "retired")
+ENGINE_STATES = tuple(s.value for s in EngineState)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -114,8 +115,7 @@ class CoordinatorCollector:
             if rec.status == ALIVE:
                 capacity += rec.capacity
                 for e in rec.engines:
-                    state = str(e.get("state", "unknown"))
-                    engines[state] = engines.get(state, 0) + 1
+                    engines[e.state.value] += 1
         yield _labelled(GaugeMetricFamily, "agents", "Agents known, by status", "status", statuses)
         yield _labelled(GaugeMetricFamily, "engines", "Engines of the alive agents, by state", "state", engines)
         yield _gauge("fleet_capacity_groups", "Groups the alive agents may generate at once", capacity)
@@ -196,9 +196,8 @@ def status_snapshot(server: CoordinatorServer) -> dict:
             "leases": len(rec.leases),
             "seen_s_ago": round(max(0.0, now - rec.last_seen), 1),
             "engines": [
-                {k: e.get(k) for k in ("name", "state", "in_flight", "version", "tp")}
+                {k: e.to_dict()[k] for k in ("name", "state", "in_flight", "version", "tp")}
                 for e in rec.engines
-                if isinstance(e, dict)
             ],
         }
         for rec in sorted(core.membership.agents.values(), key=lambda r: r.agent_id)

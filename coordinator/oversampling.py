@@ -8,7 +8,7 @@ groups that finish first and the long tail of slow ones no longer holds the trai
 is assembled, the leases beyond the normal bound (``leased + ready > demand + prefetch``) are
 *stopped* (``stop_excess``): the newest first, as they have made the least progress, one ``Stop``
 per holding agent. The agent aborts their engine requests and gives them back with a ``Release``
-whose reason is ``protocol.STOPPED``; their prompts are pending again, first in line
+whose reason is ``ReleaseReason.STOPPED``; their prompts are pending again, first in line
 (``Frontier.release``), and are generated again later. Stopped groups are counted in the next
 batch's metrics (``rollout/stopped_groups``) and as ``lease_ends_total{reason="stopped"}``.
 
@@ -136,7 +136,7 @@ class OverSampling:
         return [Send(agent_id, p.Stop(agents[agent_id].session, ids)) for agent_id, ids in by_agent.items()]
 
     def on_stopped(self, lease_id: int) -> None:
-        """A lease ended with a ``Release`` whose reason is ``protocol.STOPPED``."""
+        """A lease ended with a ``Release`` whose reason is ``ReleaseReason.STOPPED``."""
         self.stopping.discard(lease_id)
         self.stopped += 1
         self._counters.lease_ended("stopped")

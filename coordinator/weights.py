@@ -112,7 +112,7 @@ class WeightUpdates:
         granted on such a capacity cannot start. An engine of unknown version, or at or above the log's
         (an update not recorded yet), may serve.
         """
-        serving = [e.get("version") for e in engines if isinstance(e, dict) and e.get("state", "healthy") == "healthy"]
+        serving = [e.version for e in engines if e.serving]
         known = [v for v in serving if isinstance(v, int) and not isinstance(v, bool)]
         return bool(serving) and len(known) == len(serving) and max(known) < self.log.version
 
@@ -349,9 +349,7 @@ class WeightUpdates:
         if lock is None or msg.update_id != lock.update_id or msg.step == WeightStep.ABORT:
             return []  # a report of an update already over
         if msg.ok:  # the status shows an engine's new version now, not at the agent's next heartbeat
-            for e in rec.engines:
-                if e.get("name") in msg.engines:
-                    e["version"] = msg.engines[e["name"]]
+            rec.note_versions(msg.engines)
         if not msg.ok:
             return self._feed(ev.StepFailed(rec.agent_id, msg.step, msg.error), now)
         event = ev.Reported(rec.agent_id, msg.step, msg.seq, dict(msg.engines), list(msg.members))

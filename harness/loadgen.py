@@ -130,7 +130,7 @@ class LoadWorker:
         self.res = WorkerResult()
         self.measuring = False
         self._seen: dict[int, int] = {}
-        self.engines = [{"url": f"http://sim:{i}", "state": "healthy", "tp": 1} for i in range(8)]
+        self.engines = [p.EngineInfo(f"e{i}", p.EngineState.HEALTHY, f"http://sim:{i}") for i in range(8)]
         pid = os.getpid()
         keys = None
         if cfg.curve_secret:
@@ -185,9 +185,8 @@ class LoadWorker:
             "in_flight": len(agent.leases),
             "capacity": self.cfg.capacity_groups * self.cfg.n_samples,
             "stored_groups": 0,
-            "engines": self.engines,
         }
-        self._send(agent, p.Heartbeat(agent.session, stats, list(agent.leases), agent.max_lease))
+        self._send(agent, p.Heartbeat(agent.session, stats, list(agent.leases), agent.max_lease, self.engines))
         self.res.heartbeats += 1
 
     def _report(self, agent: SimAgent, lease_id: int) -> None:
@@ -214,7 +213,7 @@ class LoadWorker:
             self._send(agent, p.Filtered(agent.session, lease_id, epoch, index, "zero_std", stats))
             kind = "filtered"
         elif r < cfg.filtered_rate + cfg.release_rate:
-            self._send(agent, p.Release(agent.session, [lease_id], "engine lost"))
+            self._send(agent, p.Release(agent.session, [lease_id], p.ReleaseReason.NO_ENGINE))
             kind = "released"
         else:
             key = f"{epoch}:{index}:{lease_id:x}"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import enum
 import inspect
 import os
 import re
@@ -238,6 +239,20 @@ def _field_docs(node: ast.ClassDef) -> dict[str, str]:
     return docs
 
 
+def _member_docs(node: ast.ClassDef) -> dict[str, str]:
+    """An enum's member docstrings: a string expression right after a member's assignment."""
+    body = node.body
+    return {
+        stmt.targets[0].id: inspect.cleandoc(nxt.value.value)
+        for stmt, nxt in zip(body, body[1:], strict=False)
+        if isinstance(stmt, ast.Assign)
+        and isinstance(stmt.targets[0], ast.Name)
+        and isinstance(nxt, ast.Expr)
+        and isinstance(nxt.value, ast.Constant)
+        and isinstance(nxt.value.value, str)
+    }
+
+
 def _field_default(f: dataclasses.Field) -> str:
     if f.default is not dataclasses.MISSING:
         return _code(repr(f.default))
@@ -280,7 +295,8 @@ def protocol_page() -> str:
 
     types = p.message_types()
     classes = list(types.values()) if isinstance(types, dict) else [p.decode.__globals__["_REGISTRY"][t] for t in types]
-    files = ["common/protocol.py", "common/grant_messages.py", "common/weight_messages.py"]
+    files = ["common/protocol.py", "common/trainer_messages.py"]
+    files += ["common/grant_messages.py", "common/weight_messages.py"]
 
     def position(cls):
         path = Path(inspect.getsourcefile(cls)).resolve().relative_to(ROOT).as_posix()
@@ -288,13 +304,16 @@ def protocol_page() -> str:
         return order, _class_node(cls).lineno
 
     classes.sort(key=position)
-    records = []
-    for cls in classes:
-        for f in dataclasses.fields(cls):
+    records, enums, pending = [], [], list(classes)  # the records and enums fields name, records' fields too
+    while pending:
+        for f in dataclasses.fields(pending.pop(0)):
             for name in re.findall(r"\b[A-Z]\w+\b", f.type if isinstance(f.type, str) else ""):
-                rec = getattr(p, name, None)
-                if getattr(rec, "_IS_RECORD", False) and rec not in records:
-                    records.append(rec)
+                found = getattr(p, name, None)
+                if getattr(found, "_IS_RECORD", False) and found not in records:
+                    records.append(found)
+                    pending.append(found)
+                elif isinstance(found, type) and issubclass(found, enum.Enum) and found not in enums:
+                    enums.append(found)
     version, history = _wire_history()
     module_doc = _md(p.__doc__)
     groups: dict[str, list] = {}
@@ -302,7 +321,10 @@ def protocol_page() -> str:
         direction, _ = _direction(inspect.cleandoc(cls.__doc__ or ""))
         groups.setdefault(direction, []).append(cls)
     lines = [
-        _banner("common/protocol.py (with common/grant_messages.py, common/weight_messages.py) and common/wire.py"),
+        _banner(
+            "common/protocol.py (with common/trainer_messages.py, common/grant_messages.py, "
+            "common/weight_messages.py, common/engine_info.py, common/lease_outcomes.py) and common/wire.py"
+        ),
         "# Protocol messages",
         "",
         f"Protocol version **{version}** (`common/wire.py`, `PROTOCOL_VERSION`): a peer speaking another version is",
@@ -342,6 +364,12 @@ def protocol_page() -> str:
         lines += ["", f"## Record `{rec.__name__}`", "", _md(inspect.cleandoc(rec.__doc__ or "")), ""]
         lines += ["A typed record carried in a message field; its fields are checked like a message's.", ""]
         lines += _fields_table(rec, node)
+    for en in enums:
+        docs = _member_docs(_class_node(en))
+        lines += ["", f"## Enum `{en.__name__}`", "", _md(inspect.cleandoc(en.__doc__ or "")), ""]
+        lines += ["On the wire as its value; any other string is refused, naming the values allowed.", ""]
+        lines += ["| value | meaning |", "| --- | --- |"]
+        lines += [f"| `{m.value}` | {_cell(_md(docs.get(m.name)))} |" for m in en]
     lines += ["", "## Version history", "", f"The current version is {version}. Earlier changes:", ""]
     for entry in re.split(r"(?<=[.)])\s+(?=\d+: )", " ".join(history.split())):
         lines.append(f"- {_md(entry)}")

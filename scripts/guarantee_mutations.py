@@ -101,8 +101,8 @@ MUTATIONS = [
         "lost-grant-never-released",
         "leases the agent never received are never given back",
         "coordinator/core.py",
-        '{"paused": paused, "max_lease": r.max_granted}',
-        '{"paused": paused, "max_lease": 0}',
+        "p.Heartbeat(r.session, max_lease=r.max_granted, paused=paused)",
+        "p.Heartbeat(r.session, max_lease=0, paused=paused)",
         G + "test_a_lost_grant_is_released_by_heartbeat_reconciliation_and_its_prompts_generated",
     ),
     Mutation(
@@ -249,8 +249,8 @@ MUTATIONS = [
         "full-store-charged-to-prompt",
         "a group whose commit found the disk full counts as a failure of its prompt (filtered after a few)",
         "agent/lease_runner.py",
-        "            self._dispatch(LeaseFailed(self.lease, str(exc), counted=False))\n",
-        "            self._dispatch(LeaseFailed(self.lease, str(exc), counted=True))\n",
+        "            self._dispatch(LeaseFailed(self.lease, failure=None))\n",
+        "            self._dispatch(LeaseFailed(self.lease, failure=p.Failure.of('generation_failed', 'x')))\n",
         S + "test_a_full_disk_under_the_agent_store_is_charged_to_no_prompt_and_loses_nothing[checked]",
     ),
     Mutation(

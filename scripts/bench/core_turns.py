@@ -34,7 +34,7 @@ from common.config import Liveness, RolloutConfig  # noqa: E402
 from coordinator.core import CoordinatorCore, CoreSettings, Persist, Send  # noqa: E402
 
 GROUP, BATCH, IN_FLIGHT = 8, 1024, 4096
-ENGINES = [{"url": "http://sim", "state": "healthy", "tp": 1}] * 8
+ENGINES = [p.EngineInfo(f"e{i}", p.EngineState.HEALTHY, "http://sim") for i in range(8)]
 
 
 class Fleet:

@@ -207,7 +207,7 @@ async def test_a_disk_update_changes_every_engines_version(tmp_path):
         assert await versions(n) == {"sim-0": "3", "sim-1": "3"}
         assert n.weights.current.version == 3 and n.session.weights.current.path == str(tmp_path)
         assert not n.session.weights.updating
-        assert [e["version"] for e in n.session.engines()] == [3, 3]
+        assert [e.version for e in n.session.engines()] == [3, 3]
 
 
 @pytest.mark.parametrize("partial", [True, False])
@@ -319,12 +319,12 @@ async def test_a_restarted_engine_reloads_the_current_disk_version_before_it_ser
 
 async def test_a_welcome_after_a_broadcast_keeps_engines_behind_out_of_the_pool(tmp_path):
     async with node(tmp_path, engines=1) as n:
-        config = dict(n.config.to_dict(), weights={"version": 6, "kind": "distributed", "path": ""})
+        weights = p.FleetWeights(6, "distributed", "")
         n.handle(Connected())
-        n.handle(MessageReceived(p.Welcome(8, config, 1.0, 30.0, [], [])))
+        n.handle(MessageReceived(p.Welcome(8, n.config.to_dict(), 1.0, 30.0, [], [], weights=weights)))
         await wait_for_async(lambda: n.supervisor.state("sim-0") == "stale", 20, "the engine marked stale")
         assert n.session.capacity() == 0
-        assert [e["state"] for e in n.session.engines()] == ["stale"]
+        assert [e.state for e in n.session.engines()] == ["stale"]
 
 
 # ---------------------------------------------------------------------------- broadcast

@@ -38,6 +38,11 @@ from agent.events import (
 from agent.session import AgentSession, LeaseState, Phase
 from common import protocol as p
 from common.config import RolloutConfig
+from common.engine_info import EngineState
+
+failure = p.Failure.of
+GENERATION_FAILED = p.FailureKind.GENERATION_FAILED
+PAUSED = p.ReleaseReason.PAUSED
 
 N = 4  # samples per prompt
 SLOTS = 2 * N  # concurrency per engine: two groups
@@ -124,7 +129,7 @@ def test_connecting_sends_a_register_that_describes_the_node_and_its_store():
     [reg] = sent(out, p.Register)
     assert (reg.agent_id, reg.incarnation, reg.payload_address) == ("a1", 3, "tcp://a1:7000")
     assert reg.capacity == 2 * SLOTS
-    assert [e["name"] for e in reg.engines] == ["e0", "e1"] and all(e["state"] == "healthy" for e in reg.engines)
+    assert [e.name for e in reg.engines] == ["e0", "e1"] and all(e.state is EngineState.HEALTHY for e in reg.engines)
     assert reg.unacked == [receipt(1).to_dict()] and reg.stored == ["0:1:1", "0:2:2"] and reg.in_flight == []
     assert (reg.dataset_fingerprint, reg.dataset_size) == ("fp", 100)
     assert s.phase is Phase.REGISTERING and s.session == 0
@@ -162,7 +167,7 @@ def test_while_registering_only_a_welcome_or_an_error_is_heard():
         p.Control("pause", abort=True),
         p.Fence("stale"),
         p.Trim(["k"]),
-        p.Heartbeat(0, {"paused": True}),
+        p.Heartbeat(0, paused=True),
         None,
     ):
         assert recv(s, msg) == [], msg
@@ -256,9 +261,10 @@ def test_heartbeats_go_out_at_once_then_every_interval_and_list_the_leases_held(
     s = make_session()
     join(s)
     start(s, 3)
-    recv(s, p.Heartbeat(7, {"max_lease": 9}), 0.0)
+    recv(s, p.Heartbeat(7, max_lease=9), 0.0)
     hb = heartbeat(s, 0.0)
-    assert (hb.session, hb.leases, hb.max_lease) == (7, [3], 9)
+    assert (hb.session, hb.leases, hb.max_lease, hb.paused) == (7, [3], 9, None)
+    assert [(e.name, e.state, e.in_flight) for e in hb.engines] == [("e0", EngineState.HEALTHY, N)]
     assert hb.stats["in_flight"] == 1 and hb.stats["capacity"] == SLOTS and hb.stats["stored_groups"] == 5
     assert s.handle(Tick(), 0.5) == [] and s.next_tick_at == 1.0
     assert heartbeat(s, 1.0).leases == [3]
@@ -300,7 +306,7 @@ def test_messages_of_a_stale_session_change_nothing():
     s = make_session()
     join(s, session=8)
     assert recv(s, p.Grant(7, [grant(1)])) == [] and not s.leases
-    assert recv(s, p.Heartbeat(7, {"paused": True, "max_lease": 50})) == []
+    assert recv(s, p.Heartbeat(7, max_lease=50, paused=True)) == []
     assert not s.paused and s.max_lease == 0
 
 
@@ -311,7 +317,8 @@ def test_outcomes_while_disconnected_are_not_sent_and_their_receipts_wait_for_th
     recv(s, p.Fence("stale"), 1.0)
     assert commit(s, 1, 1.1) == []
     s.handle(GenerationEnded(2), 1.2)
-    assert s.handle(LeaseFailed(2, "boom"), 1.2) == [], "a Release without a session would only be fenced"
+    failed = LeaseFailed(2, failure(GENERATION_FAILED, "boom"))
+    assert s.handle(failed, 1.2) == [], "a Release without a session would only be fenced"
     s.handle(Connected((), ()), 1.5)
     out = recv(s, welcome(8), 2.0)
     assert sent(out, p.Receipt) == [receipt(1).to_message(8)] and not sent(out, p.Release)
@@ -356,9 +363,9 @@ def test_max_lease_follows_grants_and_the_coordinators_heartbeat():
     s = make_session()
     join(s)
     start(s, 4)
-    recv(s, p.Heartbeat(7, {"max_lease": 2}))
+    recv(s, p.Heartbeat(7, max_lease=2))
     assert s.max_lease == 4
-    recv(s, p.Heartbeat(7, {"max_lease": 11}))
+    recv(s, p.Heartbeat(7, max_lease=11))
     assert heartbeat(s, 0.0).max_lease == 11
 
 
@@ -430,9 +437,18 @@ def test_a_failed_lease_is_released_as_failed_and_its_slots_freed():
     s = make_session()
     join(s)
     start(s, 1)
-    out = s.handle(LeaseFailed(1, "EngineError: HTTP 400"), 0.0)
-    assert sent(out) == [p.Release(7, [1], "failed: EngineError: HTTP 400")]
+    why = failure(GENERATION_FAILED, "EngineError: HTTP 400")
+    out = s.handle(LeaseFailed(1, why), 0.0)
+    assert sent(out) == [p.Release(7, [1], p.ReleaseReason.FAILED, why)]
     assert in_flight(s) == 0 and not s.leases and s.counters.groups_released == 0
+
+
+def test_a_group_the_full_store_could_not_commit_is_given_back_uncounted():
+    s = make_session()
+    join(s)
+    start(s, 1)
+    out = s.handle(LeaseFailed(1, None), 0.0)
+    assert sent(out) == [p.Release(7, [1], p.ReleaseReason.NOT_COMMITTED)] and 1 not in s.leases
 
 
 def test_trim_deletes_the_named_groups():
@@ -450,7 +466,7 @@ def test_events_for_leases_no_longer_held_are_ignored():
         EngineFailed(5, "x"),
         LeaseScored(5, N),
         LeaseFiltered(5, "r"),
-        LeaseFailed(5, "x"),
+        LeaseFailed(5, failure(GENERATION_FAILED, "x")),
     ):
         assert s.handle(event, 0.0) == [], event
 
@@ -464,7 +480,7 @@ def test_pause_lets_groups_on_an_engine_finish_and_gives_back_the_rest_at_once()
     start(s, 1)
     recv(s, p.Grant(7, [grant(2)]))  # its runner has not asked for an engine yet
     out = recv(s, p.Control("pause"))
-    assert sent(out) == [p.Release(7, [2], "aborted by pause")] and of(out, CancelLease) == [CancelLease(2)]
+    assert sent(out) == [p.Release(7, [2], PAUSED)] and of(out, CancelLease) == [CancelLease(2)]
     assert not of(out, AbortRequests) and list(s.leases) == [1]
     assert sent(commit(s, 1), p.Receipt), "the group on an engine completes and reports"
 
@@ -476,7 +492,7 @@ def test_pause_with_abort_aborts_the_requests_on_engines_and_releases_their_leas
     out = recv(s, p.Control("pause", abort=True))
     assert out == [AbortRequests("http://e0", assign.request_ids)]
     out = s.handle(GenerationEnded(1, aborted=True), 0.1)
-    assert sent(out) == [p.Release(7, [1], "aborted by pause")] and CancelLease(1) in out
+    assert sent(out) == [p.Release(7, [1], PAUSED)] and CancelLease(1) in out
     assert in_flight(s) == 0 and s.counters.groups_released == 1
 
 
@@ -487,7 +503,7 @@ def test_a_group_aborted_by_a_pause_is_given_back_even_if_resumed_before_it_came
     recv(s, p.Control("pause", abort=True))
     recv(s, p.Control("resume"))
     out = s.handle(GenerationEnded(1, aborted=True), 0.1)
-    assert sent(out) == [p.Release(7, [1], "aborted by pause")] and not of(out, AssignEngine)
+    assert sent(out) == [p.Release(7, [1], PAUSED)] and not of(out, AssignEngine)
 
 
 def test_an_abort_that_came_too_late_lets_the_finished_group_commit():
@@ -512,7 +528,7 @@ def test_a_grant_while_paused_is_given_back_and_resume_lets_grants_run_again():
     join(s)
     recv(s, p.Control("pause"))
     out = recv(s, p.Grant(7, [grant(1), grant(2)]))
-    assert sent(out) == [p.Release(7, [1], "aborted by pause"), p.Release(7, [2], "aborted by pause")]
+    assert sent(out) == [p.Release(7, [1], PAUSED), p.Release(7, [2], PAUSED)]
     assert not s.leases and s.max_lease == 2
     recv(s, p.Control("resume"))
     assert len(start(s, 3)) == 1
@@ -521,11 +537,11 @@ def test_a_grant_while_paused_is_given_back_and_resume_lets_grants_run_again():
 def test_the_coordinators_heartbeat_repairs_a_lost_pause_or_resume():
     s = make_session()
     join(s)
-    recv(s, p.Heartbeat(7, {"paused": True}))
+    recv(s, p.Heartbeat(7, paused=True))
     assert s.paused
-    recv(s, p.Heartbeat(7, {}))
+    recv(s, p.Heartbeat(7))
     assert s.paused, "a heartbeat that says nothing about pause changes nothing"
-    recv(s, p.Heartbeat(7, {"paused": False}))
+    recv(s, p.Heartbeat(7, paused=False))
     assert not s.paused
 
 
@@ -542,7 +558,7 @@ def test_a_runner_retrying_after_an_engine_failure_is_given_back_when_paused():
     start(s, 1)
     s.handle(EngineFailed(1, "connection reset"), 0.1)
     out = recv(s, p.Control("pause"), 0.15)
-    assert sent(out, p.Release) == [p.Release(7, [1], "aborted by pause")] and CancelLease(1) in out
+    assert sent(out, p.Release) == [p.Release(7, [1], PAUSED)] and CancelLease(1) in out
 
 
 # ---------------------------------------------------------------------------- engines and capacity
@@ -567,7 +583,7 @@ def test_engine_changes_are_logged_and_reported_to_the_coordinator():
     out = s.handle(EngineChanged("e0", "down"), 1.0)
     assert sent(out) == [p.Capacity(7, SLOTS, s.engines())]
     assert "engine e0 is down (capacity now 8 samples)" in logs(out) and of(out, Log)[0].level == logging.WARNING
-    assert [e["state"] for e in s.engines()] == ["down", "healthy"]
+    assert [e.state for e in s.engines()] == [EngineState.DOWN, EngineState.HEALTHY]
     out = s.handle(EngineChanged("e0", "healthy", "http://e0:2"), 2.0)
     assert sent(out)[0].capacity == 2 * SLOTS and s.leases.pool.engines["e0"].url == "http://e0:2"
     assert "engine e0 is healthy (capacity now 16 samples)" in logs(out)
@@ -600,8 +616,8 @@ def test_losing_the_last_engine_gives_every_waiting_lease_back():
     recv(s, p.Grant(7, [grant(2)]))
     out = s.handle(EngineChanged("e0", "retired", None, all_retired=True), 1.0)
     assert sent(out, p.Capacity) == [p.Capacity(7, 0, s.engines())], "retirement is always reported"
-    assert sent(out, p.Release) == [p.Release(7, [1], "no engine left on agent a1")]
-    assert sent(s.handle(EngineWanted(2), 1.1), p.Release) == [p.Release(7, [2], "no engine left on agent a1")]
+    assert sent(out, p.Release) == [p.Release(7, [1], p.ReleaseReason.NO_ENGINE)]
+    assert sent(s.handle(EngineWanted(2), 1.1), p.Release) == [p.Release(7, [2], p.ReleaseReason.NO_ENGINE)]
     assert not s.leases and s.counters.groups_released == 2
 
 
@@ -618,7 +634,7 @@ def test_shutdown_stops_grants_releases_unfinished_leases_at_once_and_lets_commi
     out = s.handle(ShutdownRequested(), 1.0)
     capacity, release = sent(out)
     assert isinstance(capacity, p.Capacity) and capacity.capacity == 0, "no new grants"
-    assert release == p.Release(7, [1, 2], "agent shutting down")
+    assert release == p.Release(7, [1, 2], p.ReleaseReason.SHUTDOWN)
     assert of(out, CancelLease) == [CancelLease(1), CancelLease(2)] and list(s.leases) == [3]
     assert s.capacity() == 0 and s.counters.groups_released == 0
     assert sent(s.handle(LeaseCommitted(3, receipt(3)), 1.1), p.Receipt)
@@ -629,7 +645,7 @@ def test_grants_that_arrive_during_shutdown_are_given_back_in_one_release():
     join(s)
     s.handle(ShutdownRequested(), 1.0)
     out = recv(s, p.Grant(7, [grant(4), grant(5)]), 1.1)
-    assert out == [Send(p.Release(7, [4, 5], "agent shutting down"))] and s.max_lease == 5 and not s.leases
+    assert out == [Send(p.Release(7, [4, 5], p.ReleaseReason.SHUTDOWN))] and s.max_lease == 5 and not s.leases
 
 
 def test_shutdown_waits_for_acks_only_while_the_coordinator_still_talks():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from agent.engine_client import _message, parse_version
 from agent.engine_plan import plan_engines, sglang_command
 from agent.events import (
@@ -107,8 +109,7 @@ def test_a_pause_with_abort_during_an_update_still_gives_the_lease_back():
 def test_the_welcome_says_which_weights_the_fleet_is_on_and_ends_an_update_of_the_old_session():
     s = make_session()
     s.handle(Connected(), 0.0)
-    msg = welcome()
-    msg.config["weights"] = {"version": 7, "kind": "disk", "path": "/ckpt/7"}
+    msg = dataclasses.replace(welcome(), weights=p.FleetWeights(7, "disk", "/ckpt/7"))
     out = recv(s, msg)
     assert of(out, SetWeights) == [SetWeights(WeightsRecord(7, "disk", "/ckpt/7"))]
     recv(s, p.WeightsBegin(2, 8))
@@ -126,9 +127,9 @@ def test_engine_entries_carry_tp_and_version_in_register_and_heartbeat():
     s = make_session()
     s.handle(EngineVersion("e0", 3, tp=2), 0.0)
     [reg] = sent(s.handle(Connected(), 0.0), p.Register)
-    assert reg.engines[0]["tp"] == 2 and reg.engines[0]["version"] == 3
+    assert (reg.engines[0].tp, reg.engines[0].version) == (2, 3)
     recv(s, welcome())
-    assert heartbeat(s, 0.0).stats["engines"][0]["version"] == 3
+    assert heartbeat(s, 0.0).engines[0].version == 3
 
 
 def test_grants_during_an_update_start_their_runners():

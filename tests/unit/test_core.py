@@ -221,7 +221,7 @@ def test_a_prompt_pending_again_is_not_parked_on_a_node_whose_engines_are_behind
     core = make_core(size=40, batch=2, prefetch=4, restored=restored, ttl=1.0, retire=100.0)
 
     def engine(version):
-        return [{"name": "e0", "url": "http://e0", "state": "healthy", "tp": 1, "version": version}]
+        return [p.EngineInfo("e0", p.EngineState.HEALTHY, "http://e0", version=version)]
 
     def join(agent, incarnation, version, now):
         msg = p.Register(agent, incarnation, 2 * N, f"tcp://{agent}:1", engine(version), [], [])
@@ -376,7 +376,7 @@ def test_restore_keeps_accounted_prompts_and_delays_orphans():
     assert 3 not in indices and 4 not in indices, "orphans wait a TTL for their agents to come back"
     assert 5 in indices
     # After the grace period, released work is reissued with the orphans first.
-    eff = core.handle(b"a", p.Release(w.session, [g.lease for g in first[:2]], "test"), 104.0)
+    eff = core.handle(b"a", p.Release(w.session, [g.lease for g in first[:2]], p.ReleaseReason.PAUSED), 104.0)
     assert sorted(g.index for g in grants(eff)) == [3, 4]
 
 
@@ -596,7 +596,8 @@ def test_a_prompt_that_keeps_failing_is_filtered_not_retried_forever():
     w, eff = register(core)
     g = grants(eff)[0]
     for attempt in range(3):
-        eff = core.handle(b"a", p.Release(w.session, [g.lease], "failed: reward raised ValueError"), 0.0)
+        failure = p.Failure.of(p.FailureKind.GENERATION_FAILED, "reward raised ValueError")
+        eff = core.handle(b"a", p.Release(w.session, [g.lease], p.ReleaseReason.FAILED, failure), 0.0)
         again = [x for x in grants(eff) if x.index == g.index]
         if attempt < 2:
             assert again, "a failed prompt is retried"
@@ -623,14 +624,16 @@ def test_malformed_register_fields_are_ignored_not_fatal():
             1,
             4 * N,
             "tcp://a:1",
-            ["not a dict", {"state": "healthy"}],
+            [p.EngineInfo("e0", p.EngineState.HEALTHY)],
             [{"lease": "x"}, 5],
             [["l", "e", 1], [1, 0, 10_000]],
         ),
         0.0,
     )
     assert sends(eff, p.Welcome)
-    assert core.statistics().agents["a"].engines == ({"state": "healthy"},)
+    assert core.statistics().agents["a"].engines == (
+        {"name": "e0", "url": "", "state": "healthy", "in_flight": 0, "tp": 1, "version": None},
+    )
     assert len(grants(eff)) == 2
 
 

@@ -267,7 +267,7 @@ class Driver:
         self.granted: dict[str, int] = dict.fromkeys(agents, 0)
         self.batches: dict[int, p.BatchRefs] = {}
         self.answers: list = []
-        self.engines = {a: [{"name": "e0", "state": "healthy", "version": 0, "tp": 1}] for a in agents}
+        self.engines = {a: [p.EngineInfo("e0", p.EngineState.HEALTHY, version=0)] for a in agents}
         for agent, groups in agents.items():
             msg = p.Register(agent, 1, groups * N, f"tcp://{agent}:1", self.engines[agent], [], [])
             self.note(core.handle(agent.encode(), msg, now))
@@ -422,8 +422,8 @@ def test_statistics_and_answers_are_what_the_test_did():
     d = Driver(core, {"a": 3, "b": 2})
     st = core.statistics()
     assert {a: (r.status, r.capacity, r.leases, list(r.engines)) for a, r in st.agents.items()} == {
-        "a": ("alive", 3, 0, d.engines["a"]),
-        "b": ("alive", 2, 0, d.engines["b"]),
+        "a": ("alive", 3, 0, [e.to_dict() for e in d.engines["a"]]),
+        "b": ("alive", 2, 0, [e.to_dict() for e in d.engines["b"]]),
     }
     assert st.trainer == "trainer-x" and st.paused is False and st.prefetch == 0 and st.held == 0
     d.trainer(lambda s, r: p.Generate(s, r, 0, 3))  # prefetch 3: 2 + 3 leases, all the fleet's capacity
@@ -505,7 +505,7 @@ def test_a_running_evaluation_pass_shows_the_results_and_leases_the_test_made_th
         assert running == {"running": True, "pass": 1, "prompts": 6, "finished": finished, "leased": len(in_flight),
                            "waiting": 1}  # fmt: skip
         g = in_flight.pop(min(in_flight))
-        res = {"rewards": [1.0, 0.0], "lengths": [3, 5], "truncated": 1, "versions": ["0"]}
+        res = p.EvalOutcome(rewards=[1.0, 0.0], lengths=[3, 5], truncated=1, versions=["0"])
         answers += note(core.handle(b"a", p.EvalResult(session, g.lease, g.eval, g.eval_pass, g.index, res), 1.0))
         finished += 1
     assert finished == 6 and len(answers) == 1

@@ -39,7 +39,7 @@ def setup(restored=None, slots=8 * N, prefetch=2):
 
 
 def result(core, session, g, rewards=(1.0, 0.0)):
-    res = {"rewards": list(rewards), "lengths": [3] * len(rewards), "truncated": 1, "versions": ["v0"]}
+    res = p.EvalOutcome(list(rewards), [3] * len(rewards), 1, ["v0"])
     return core.handle(b"a", p.EvalResult(session, g.lease, g.eval, g.eval_pass, g.index, res), 1.0)
 
 
@@ -111,11 +111,12 @@ def test_released_and_failed_prompts_are_generated_again_then_recorded_failed():
     core, agent, trainer, _ = setup()
     evals = leases(core.handle(b"t", p.Evaluate(trainer, 1, "math", "tok"), 0.0))
     g = evals[0]
-    again = leases(core.handle(b"a", p.Release(agent, [g.lease], "aborted by pause"), 0.0))
+    again = leases(core.handle(b"a", p.Release(agent, [g.lease], p.ReleaseReason.PAUSED), 0.0))
     assert [x.index for x in again] == [g.index]
     for _ in range(3):
         g = again[0]
-        eff = core.handle(b"a", p.Release(agent, [g.lease], "failed: reward_error: boom"), 0.0)
+        failure = p.Failure.of("reward_error", "boom")
+        eff = core.handle(b"a", p.Release(agent, [g.lease], p.ReleaseReason.FAILED, failure), 0.0)
         again = leases(eff)
     # The third failure records it as failed; the training rollout is not starved by it.
     assert not again

@@ -44,7 +44,8 @@ class Fleet:
 
     def __init__(self, core: CoordinatorCore, seed: int, slots: int = 32):
         self.core, self.rng = core, random.Random(seed)
-        eff = core.handle(b"a", p.Register("a", 1, slots, "tcp://a:1", [{"name": "e0", "state": "healthy"}], [], []), 0)
+        engines = [p.EngineInfo("e0", p.EngineState.HEALTHY)]
+        eff = core.handle(b"a", p.Register("a", 1, slots, "tcp://a:1", engines, [], []), 0)
         self.in_flight = {g.lease: g for g in granted(eff)}
         self.session, _ = attach(core)
         self.req = 100

@@ -22,7 +22,7 @@ def make_core(batch=2, prefetch=0, over=1.0, size=40, restored=None, ttl=30.0, r
     return CoordinatorCore(CoreSettings(cfg, Liveness(0.25, ttl, retire), (size,), "fp", over_sampling=over), restored)
 
 
-def release(core, session, leases, reason=p.STOPPED, now=0.0, agent=b"a"):
+def release(core, session, leases, reason=p.ReleaseReason.STOPPED, now=0.0, agent=b"a"):
     return core.handle(agent, p.Release(session, list(leases), reason), now)
 
 
@@ -248,7 +248,7 @@ def test_the_agent_aborts_a_stopped_generation_and_gives_the_lease_back_when_it_
     out = recv(s, p.Stop(7, [1]))
     assert out == [AbortRequests("http://e0", assign.request_ids)]
     out = s.handle(GenerationEnded(1, aborted=True), 0.1)
-    assert sent(out) == [p.Release(7, [1], p.STOPPED)] and CancelLease(1) in out
+    assert sent(out) == [p.Release(7, [1], p.ReleaseReason.STOPPED)] and CancelLease(1) in out
     assert not s.leases and not of(out, AssignEngine)
 
 
@@ -257,7 +257,7 @@ def test_the_agent_gives_back_a_stopped_lease_not_on_an_engine_at_once():
     join(s)
     recv(s, p.Grant(7, [p.LeaseGrant(4, 0, 4, 0)]))  # not on an engine yet
     out = recv(s, p.Stop(7, [4]))
-    assert sent(out) == [p.Release(7, [4], p.STOPPED)] and CancelLease(4) in out
+    assert sent(out) == [p.Release(7, [4], p.ReleaseReason.STOPPED)] and CancelLease(4) in out
 
 
 def test_a_stop_too_late_lets_the_finished_group_commit():

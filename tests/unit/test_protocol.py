@@ -139,3 +139,32 @@ def test_a_grant_carries_typed_lease_records_and_a_malformed_one_is_refused_nami
         frame = msgpack.packb([p.PROTOCOL_VERSION, "grant", {"session": 3, "leases": [lease]}])
         with pytest.raises(ProtocolError, match=re.escape(why)):
             p.decode(frame)
+
+
+def test_the_vocabulary_travels_typed_and_a_malformed_entry_is_refused_naming_it():
+    engines = [p.EngineInfo("e0", p.EngineState.STALE, "http://e0", 3, 2, 7), p.EngineInfo("e1", "retired")]
+    for msg in (
+        p.Register("a", 1, 8, "tcp://a:1", engines, [], []),
+        p.Capacity(5, 8, engines),
+        p.Heartbeat(5, {"in_flight": 1}, [1], 1, engines),
+        p.Heartbeat(5, max_lease=9, paused=True),
+        p.Welcome(5, {}, 1.0, 5.0, [], [], weights=p.FleetWeights(3, "disk", "/ckpt/3")),
+        p.Release(5, [1], p.ReleaseReason.STOPPED),
+        p.EvalResult(5, 1, "math", 0, 2, p.EvalOutcome([1.0, 0], [3, 4], 1, ["3"])),
+    ):
+        back = p.decode(p.encode(msg))
+        assert back == msg and type(back.to_body()) is dict
+    back = p.decode(p.encode(p.Capacity(5, 8, engines)))
+    assert back.engines[1].state is p.EngineState.RETIRED and back.engines[0].to_dict()["state"] == "stale"
+    register = p.Register("a", 1, 8, "tcp://a:1", [], [], []).to_body()
+    for entry, why in (
+        ({"name": "e0", "state": "up"}, "register.engines[0]: field 'state' is 'up', expected one of"),
+        ({"name": "e0"}, "register.engines[0]: missing field 'state'"),
+        ({"name": "e0", "state": "healthy", "tp": "2"}, "register.engines[0]: field 'tp' has type str"),
+        ("e0", "register: field 'engines' has type list"),
+    ):
+        frame = msgpack.packb([V, "register", {**register, "engines": [entry]}])
+        with pytest.raises(ProtocolError, match=re.escape(why)):
+            p.decode(frame)
+    with pytest.raises(ProtocolError, match=re.escape("field 'reason' is 'aborted by pause', expected one of")):
+        p.decode(msgpack.packb([V, "release", {"session": 1, "leases": [1], "reason": "aborted by pause"}]))

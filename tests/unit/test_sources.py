@@ -39,6 +39,6 @@ def test_the_lease_book_counts_leases_by_source_and_only_bounded_ones_in_the_tra
     assert {lease.source for lease in book.bounded_leases()} == {TRAIN}
     # A lease given back goes to its own source: the evaluation prompt is granted again, from its pass.
     first = evaluation[0]
-    again = leases(core.handle(b"a", p.Release(agent, [first.lease], "aborted by pause"), 1.0))
+    again = leases(core.handle(b"a", p.Release(agent, [first.lease], p.ReleaseReason.PAUSED), 1.0))
     assert [(g.eval, g.index) for g in again] == [("math", first.index)]
     assert book.in_flight == {TRAIN: len(training), "eval/math": len(evaluation)}

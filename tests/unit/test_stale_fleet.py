@@ -28,7 +28,7 @@ def sends(effects, kind=None, to=None):
 
 
 def engines(state, version=0):
-    return [{"name": "e0", "url": "http://e0", "state": state, "tp": 1, "version": version}]
+    return [p.EngineInfo("e0", p.EngineState(state), "http://e0", version=version)]
 
 
 def register(core, agent, state="healthy", now=0.0):

@@ -10,6 +10,7 @@ import pytest
 
 from common import protocol as p
 from common.config import Liveness, RolloutConfig
+from common.errors import ProtocolError
 from coordinator.core import CoordinatorCore, CoreSettings, Persist
 from coordinator.frontier import FILTERED, PENDING
 from coordinator.records import DropPrompt, LedgerSnapshot
@@ -53,8 +54,8 @@ def attach(core):
 
 def fail(core, session, g, kind="reward_error", detail=BOOM, agent=b"a"):
     """The agent reports that ``g``'s group failed in ``kind``."""
-    reason = "failed: " + p.failure_reason(kind, detail)
-    return core.handle(agent, p.Release(session, [g.lease], reason), 0.0)
+    failure = p.Failure.of(kind, detail)
+    return core.handle(agent, p.Release(session, [g.lease], p.ReleaseReason.FAILED, failure), 0.0)
 
 
 def accept(core, session, g, agent=b"a"):
@@ -101,16 +102,17 @@ def test_default_window_is_two_batches_and_at_least_64():
         Starvation(0)
 
 
-def test_failure_reasons_are_tagged_bounded_and_parsed():
-    reason = "failed: " + p.failure_reason("filter_error", "filter 'm:f' raised KeyError:\n 'x'" + "y" * 1000)
-    kind, detail = p.parse_failure(reason)
-    assert kind == "filter_error" and detail.startswith("filter 'm:f' raised KeyError: 'x'")
-    assert len(detail) <= p.MAX_FAILURE_DETAIL
-    # An agent that does not tag its failures: a generation failure with its text.
-    assert p.parse_failure("failed: reward raised ValueError") == ("generation_failed", "reward raised ValueError")
-    assert p.parse_failure("aborted by pause") is None
+def test_failures_are_typed_bounded_and_come_with_reason_failed_only():
+    failure = p.Failure.of("filter_error", "filter 'm:f' raised KeyError:\n 'x'" + "y" * 1000)
+    assert failure.kind is p.FailureKind.FILTER_ERROR and failure.detail.startswith("filter 'm:f' raised KeyError: 'x'")
+    assert len(failure.detail) <= p.MAX_FAILURE_DETAIL
+    released = p.Release(1, [2], p.ReleaseReason.FAILED, failure)
+    assert p.decode(p.encode(released)) == released
+    for reason, with_failure in ((p.ReleaseReason.FAILED, None), (p.ReleaseReason.PAUSED, failure)):
+        with pytest.raises(ProtocolError, match="a failure comes with 'failed' only"):
+            p.decode(p.encode(p.Release(1, [2], reason, with_failure)))
     with pytest.raises(ValueError):
-        p.failure_reason("reward_error_42", "x")
+        p.Failure.of("reward_error_42", "x")
 
 
 # ---------------------------------------------------------------------- in the core

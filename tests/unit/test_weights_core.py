@@ -31,7 +31,7 @@ def ops(effects):
 
 
 def engines(*names, tp=1, version=0, state="healthy"):
-    return [{"name": n, "url": f"http://{n}", "state": state, "tp": tp, "version": version} for n in names]
+    return [p.EngineInfo(n, p.EngineState(state), f"http://{n}", tp=tp, version=version) for n in names]
 
 
 def register(core, agent, engs=None, slots=8 * N, now=0.0):
@@ -163,7 +163,7 @@ def test_an_agent_registering_during_a_disk_update_joins_it_and_a_lost_one_is_le
     eff = tick(core, 3.5)  # b is silent past its TTL: the update is recorded without it
     assert reply(eff).result["version"] == 4
     welcome, _ = register(core, "b", now=4.0)
-    assert welcome.config["weights"] == {"version": 4, "kind": "disk", "path": "/ckpt"}
+    assert welcome.weights == p.FleetWeights(4, "disk", "/ckpt")
 
 
 # ---------------------------------------------------------------------- broadcasts
@@ -356,7 +356,7 @@ def test_weight_log_and_staleness_state_survive_a_restart():
         [[g.lease, g.data_epoch, g.index] for g in before[1:]],
     )
     welcome = sends(restarted.handle(b"a", msg, 0.0), p.Welcome)[0].msg
-    assert welcome.config["weights"] == {"version": 5, "kind": "disk", "path": "/ckpt"}
+    assert welcome.weights == p.FleetWeights(5, "disk", "/ckpt")
     # A lease granted before the update keeps its start across the restart, and so does a ready group.
     assert {i: lease.start for i, lease in restarted.leases.leases.items()} == {before[1].lease: 0}
     assert [st.start for st in restarted.ready.info.values()] == [1]
@@ -366,7 +366,7 @@ def test_weight_log_and_staleness_state_survive_a_restart():
 def test_engines_ahead_of_the_log_raise_it_at_registration():
     core = make_core(restored=LedgerSnapshot(weights=WeightLog(3, 2, "disk", "/c3")))
     welcome, eff = register(core, "a", engines("e0", version=4))
-    assert core.weights.log.version == 4 and welcome.config["weights"]["version"] == 4
+    assert core.weights.log.version == 4 and welcome.weights.version == 4
     assert any(isinstance(op, SetWeights) for op in ops(eff))
     _, eff = register(core, "b", engines("e0", version=3))
     assert core.weights.log.version == 4
