@@ -321,6 +321,7 @@ def _check_payload_bind(bind: str) -> None:
 
 def join(args) -> int:
     from agent.engine_plan import plan_engines
+    from agent.settings import AgentSettings, SupervisorSettings
     from agent.worker import Agent
     from common.tokenizer import check_tokenizer
 
@@ -372,29 +373,30 @@ def join(args) -> int:
         from common.dataset import Dataset
 
         dataset = Dataset(args.dataset, input_key=args.input_key, label_key=args.label_key)
-    agent = Agent(
-        dataset=dataset,
+    settings = AgentSettings(
         coordinator=args.coordinator,
         data_dir=args.data_dir,
-        engine_specs=specs,
-        concurrency=args.concurrency,
+        engines=tuple(specs),
         payload_bind=args.payload_bind,
         advertise_host=advertise,
+        concurrency=args.concurrency,
+        supervisor=SupervisorSettings(
+            start_timeout=args.engine_start_timeout,
+            health_interval=args.health_interval,
+            health_timeout=args.health_timeout,
+            max_restarts=args.max_restarts,
+            api_key=api_key,  # the supervisor's probes and the agent's EngineClient send it (agent/worker.py)
+        ),
         agent_id=args.agent_id,
         tokenizer=args.tokenizer,
+        dataset=dataset,
         sync=not args.no_sync,
         map_size=args.map_size,
-        supervisor_options={
-            "start_timeout": args.engine_start_timeout,
-            "health_interval": args.health_interval,
-            "health_timeout": args.health_timeout,
-            "max_restarts": args.max_restarts,
-            "api_key": api_key,  # the supervisor's; the agent's EngineClient sends it too (agent/worker.py)
-        },
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         curve=curve,
     )
+    agent = Agent(settings)
     if exposed:
         logging.getLogger("rollfleet.agent").warning("%s", exposed)
     if api_key and not args.engine_api_key:

@@ -31,7 +31,6 @@ import asyncio
 import functools
 import logging
 import time
-from pathlib import Path
 
 import zmq.asyncio
 
@@ -67,15 +66,16 @@ from agent.link import AgentExit, CoordinatorLink
 from agent.openai_server import OpenAIServer
 from agent.payload_server import PayloadServer
 from agent.session import AgentSession
+from agent.settings import AgentSettings
 from agent.store import GroupStore
 from agent.supervisor import EngineSupervisor
 from agent.weights import WeightsExecutor
 from common import protocol as p
-from common.curve import ClientKeys, with_server_key
+from common.curve import with_server_key
+from common.engine_info import EngineState
 from common.errors import EngineError, StorageFull
 from common.filters import load_filter
 from common.gc_tuning import quiet_gc
-from common.lmdb_env import MAP_SIZE
 from common.rewards import load_reward
 from common.tokenizer import BYTE_TOKENIZER_NAME, check_tokenizer, load_tokenizer
 from common.transport import stop_on_signals
@@ -92,41 +92,34 @@ __all__ = ["Agent", "AgentExit"]
 
 
 class Agent:
-    def __init__(
-        self,
-        *,
-        coordinator: str,
-        data_dir: str,
-        engine_specs: list,
-        concurrency: int,
-        payload_bind: str,
-        advertise_host: str,
-        agent_id: str | None = None,
-        tokenizer: str | None = None,
-        dataset=None,
-        sync: bool = True,
-        supervisor_options: dict | None = None,
-        metrics_host: str = "127.0.0.1",
-        metrics_port: int | None = None,
-        map_size: int = MAP_SIZE,
-        curve: ClientKeys | None = None,
-        openai_host: str = "127.0.0.1",
-        openai_port: int = 0,
-    ):
-        """``curve``: this agent's key pair and the coordinator's public key (docs/operate/keys.md); the
-        payload endpoint is then a CURVE server with the same pair, its public key in the address."""
+    def __init__(self, settings: AgentSettings):
+        """``settings`` are checked already (agent/settings.py); ``curve`` there makes the payload endpoint a
+        CURVE server with the agent's key pair, its public key in the address (docs/operate/keys.md)."""
+        self.settings = settings
+        coordinator, curve, dataset = settings.coordinator, settings.curve, settings.dataset
         self.coordinator = coordinator
-        self.metrics_host, self.metrics_port = metrics_host, metrics_port
+        self.metrics_host, self.metrics_port = settings.metrics_host, settings.metrics_port
         self.observe = None  # the /metrics endpoint while running (agent/observe.py)
-        self.store = GroupStore(data_dir, agent_id=agent_id, sync=sync, map_size=map_size)
+        self.store = GroupStore(
+            settings.data_dir, agent_id=settings.agent_id, sync=settings.sync, map_size=settings.map_size
+        )
         self.store.on_full = self._store_full
         self._stop: asyncio.Event | None = None
         self._fatal: StorageFull | None = None
-        options = {"log_dir": Path(data_dir) / "logs", **(supervisor_options or {})}
+        watch = settings.supervisor
         # One HTTP client to the engines: generation, aborts and the supervisor's health probes.
-        self.client = EngineClient(api_key=options.get("api_key", ""))
+        self.client = EngineClient(api_key=watch.api_key)
         self.supervisor = EngineSupervisor(
-            engine_specs, on_change=self._on_engine_change, client=self.client, **options
+            settings.engines,
+            log_dir=settings.data_dir / "logs",
+            start_timeout=watch.start_timeout,
+            health_interval=watch.health_interval,
+            health_timeout=watch.health_timeout,
+            max_restarts=watch.max_restarts,
+            restart_window=watch.restart_window,
+            on_change=self._on_engine_change,
+            client=self.client,
+            api_key=watch.api_key,
         )
         self.agent_id = self.store.agent_id
         # Weight updates (agent/weights.py); it also brings every (re)started engine to the fleet's weights.
@@ -142,17 +135,19 @@ class Agent:
         self.live_rids = LiveRids()
         self._engine_urls: dict[str, str] = {}  # each engine's last URL (a down engine has none in the supervisor)
         self.ctx = zmq.asyncio.Context()
-        self.payloads = PayloadServer(self.ctx, self.store, payload_bind, curve=curve.pair if curve else None)
+        bind = settings.payload_bind
+        self.payloads = PayloadServer(self.ctx, self.store, bind, curve=curve.pair if curve else None)
         port = self.payloads.endpoint.rsplit(":", 1)[1]
-        self.payload_address = with_server_key(f"tcp://{advertise_host}:{port}", curve.pair.public if curve else None)
+        address = f"tcp://{settings.advertise_host}:{port}"
+        self.payload_address = with_server_key(address, curve.pair.public if curve else None)
         self.dataset = dataset
         # Generate functions' OpenAI-compatible endpoint (agent/openai_server.py): loopback, any port.
-        self.openai = OpenAIServer(openai_host, openai_port)
+        self.openai = OpenAIServer(settings.openai_host, settings.openai_port)
         self.session = AgentSession(
             agent_id=self.agent_id,
             incarnation=self.store.incarnation,
             payload_address=self.payload_address,
-            concurrency_per_engine=concurrency,
+            concurrency_per_engine=settings.concurrency,
             coordinator=coordinator,
             dataset_fingerprint=dataset.fingerprint if dataset else "",
             dataset_size=len(dataset) if dataset else -1,
@@ -166,7 +161,7 @@ class Agent:
             dispatch=self.handle,
             curve=curve,
         )
-        self._tokenizer_name = tokenizer
+        self._tokenizer_name = settings.tokenizer
         self.tokenizer = None
         self.runners: dict[int, LeaseRunner] = {}
         self.tokens: dict[str, int] = {}  # generated per engine, shared by every LeaseContext (agent/observe.py)
@@ -329,12 +324,12 @@ class Agent:
             return
         log.info("agent %s: tokenizer %s", self.agent_id, name)
 
-    def _on_engine_change(self, name: str, state: str) -> None:
+    def _on_engine_change(self, name: str, state: EngineState) -> None:
         # A restarted engine may come back stale (behind the fleet's weights): it has a new URL all the same.
         url = self.supervisor.urls().get(name)
         if url is not None:
             self._engine_urls[name] = url
-        elif state in ("down", "retired") and name in self._engine_urls:
+        elif state.gone and name in self._engine_urls:
             # Its samples in flight go elsewhere now: a hung engine would hold them (and its leases) forever.
             dropped = self.client.drop(self._engine_urls[name], f"engine {name} is {state}")
             if dropped:
