@@ -152,8 +152,8 @@ class CoordinatorServer:
         eval_datasets: dict[str, tuple[Dataset, EvalSpec]] | None = None,
         mixture: list[tuple[Dataset, int | None]] | None = None,
     ):
-        """``mixture``: each training source's dataset and shuffle seed, in ``config.mixture``'s order (then
-        ``dataset`` is their combination, ``training_fingerprint``); None: ``dataset`` is the one source."""
+        """``mixture``: each training dataset and its shuffle seed, in ``config.mixture``'s order (then
+        ``dataset`` is their combination, ``MixtureDatasets``); None: ``dataset`` is the one training dataset."""
         s = self.settings = settings
         data_dir, seed, curve = s.data_dir, s.seed, s.curve
         self.dataset = dataset
@@ -184,7 +184,7 @@ class CoordinatorServer:
             order = SHUFFLE_ORDER if seed is not None else None
             shape = {**config.batch_shape(), "shuffle_seed": seed, "shuffle_order": order}
             if mixture:
-                shape["dataset_seeds"] = [source_seed for _, source_seed in mixture]
+                shape["dataset_seeds"] = [dataset_seed for _, dataset_seed in mixture]
                 order = order or (SHUFFLE_ORDER if any(x is not None for _, x in mixture) else None)
                 shape["shuffle_order"] = order
             restored = self.ledger.open_run(
