@@ -328,7 +328,7 @@ MUTATIONS = [
     Mutation(
         "11",
         "mix-by-total-not-shares",
-        "a batch takes the first ready groups of any source, not each source's share",
+        "a batch takes the first ready groups of any dataset, not each dataset's share",
         "coordinator/batches.py",
         "        counts = self.composition(g.rollout_id) if counts is None else counts\n",
         "        counts = self.composition(g.rollout_id) if counts is None else counts\n"
