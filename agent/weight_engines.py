@@ -23,6 +23,7 @@ from agent.engine_client import parse_version
 from agent.events import EngineVersion, WeightsRecord
 from agent.supervisor import EngineSupervisor
 from agent.weight_calls import EngineCalls
+from common.engine_info import EngineState
 from common.errors import EngineError
 
 log = logging.getLogger("rollfleet.agent.weights")
@@ -79,7 +80,7 @@ class WeightEngines:
 
     def set_serving(self, name: str, serving: bool) -> None:
         (self.stale.discard if serving else self.stale.add)(name)
-        self.supervisor.mark(name, "healthy" if serving else "stale")
+        self.supervisor.mark(name, EngineState.HEALTHY if serving else EngineState.STALE)
 
     async def verify(self, name: str, url: str, version: int) -> None:
         """``/model_info`` must say ``str(version)``; EngineError naming the engine otherwise."""

@@ -51,6 +51,7 @@ from agent.weight_disk import DiskPath
 from agent.weight_engines import WeightEngines
 from agent.weight_verify import Verifier
 from common import protocol as p
+from common.engine_info import EngineState
 from common.errors import EngineError
 from common.weight_step import WeightKind, WeightStep
 
@@ -187,7 +188,7 @@ class WeightsExecutor:
             else:
                 task.result()
 
-    async def prepare(self, name: str, url: str) -> str:
+    async def prepare(self, name: str, url: str) -> EngineState:
         """The supervisor's hook for an engine that (re)started: ``healthy`` once it holds the fleet's weights."""
         engines = self.engines
         engines.restarted(name)
@@ -207,8 +208,8 @@ class WeightsExecutor:
             engines.versions[name] = None
         self._dispatch(EngineVersion(name, engines.versions[name], self.supervisor.tp(name)))
         if engines.versions[name] == engines.fleet().version:
-            return "healthy"
-        return "healthy" if await self.disk.bring_up(name, url, mark=False) else "stale"
+            return EngineState.HEALTHY
+        return EngineState.HEALTHY if await self.disk.bring_up(name, url, mark=False) else EngineState.STALE
 
     # ------------------------------------------------------------------ steps
 
@@ -223,7 +224,7 @@ class WeightsExecutor:
 
     def _done(self, ins: RunWeightsStep, ok: bool, error: str, record: WeightsRecord | None = None) -> None:
         msg = ins.msg
-        serving = {name: self.engines.versions.get(name) for name in self.supervisor.urls("healthy")}
+        serving = {name: self.engines.versions.get(name) for name in self.supervisor.urls(EngineState.HEALTHY)}
         step = STEPS[type(msg)]
         members = list(self.broadcast.members) if step is WeightStep.BEGIN and ok else []
         self._dispatch(
