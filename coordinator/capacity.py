@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from common.engine_info import EngineState
+from common.weight_step import WeightKind
 from coordinator.membership import RETIRED
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ class Capacity:
         starting engine of an agent that may still speak (alive, or dead but not retired) keeps the wait going.
         """
         weights, membership = self._weights, self._membership
-        if weights.locked or weights.log.kind == "disk":
+        if weights.locked or weights.log.kind == WeightKind.DISK:
             return False  # after a disk update, agents reload stale engines from the recorded path themselves
         if membership.find("serving", _may_serve) is not None:
             return False

@@ -30,6 +30,7 @@ import logging
 from collections.abc import Callable
 
 from common import protocol as p
+from common.weight_step import WeightKind
 from coordinator.recorded_run import RecordedRun
 from coordinator.trainer import config_differences
 
@@ -293,13 +294,13 @@ class ReplayCore:
 
     def _update_weights(self, msg: p.UpdateWeights) -> list[Reply]:
         self._update_id += 1
-        if msg.kind == "catch_up":
+        if msg.kind == WeightKind.CATCH_UP:
             return self._ok(msg, {"update_id": self._update_id, "world_size": 0, "group_name": "", "init": False})
         refused = self._check_version(msg, msg.version)
         if refused:
             return refused
-        if msg.kind == "disk":
-            self._apply(msg.version, "disk", msg.path)
+        if msg.kind == WeightKind.DISK:
+            self._apply(msg.version, WeightKind.DISK, msg.path)
             return self._ok(msg, {"update_id": self._update_id, "version": msg.version, "engines": {}})
         init, self._group_formed = not self._group_formed, True
         self._pending_update[self._update_id] = {"version": msg.version}
@@ -316,7 +317,7 @@ class ReplayCore:
         if refused:
             self._group_formed = False  # the trainer destroys its group on an error answer
             return refused
-        self._apply(pending["version"], "distributed", "")
+        self._apply(pending["version"], WeightKind.DISTRIBUTED, "")
         return self._ok(msg, {"update_id": msg.update_id, "version": pending["version"], "engines": {}})
 
     def _abort_weights(self, msg: p.AbortWeights) -> list[Reply]:
