@@ -110,11 +110,6 @@ class Admission:
         self.fenced: dict[str, int] = {}  # messages refused for a stale session, by type
         self._last_tick = now
 
-    @property
-    def lease_hwm(self) -> int:
-        """The lease book's highest lease id (coordinator/weights.py reads it here until it is handed the book)."""
-        return self._leases.lease_hwm
-
     # ------------------------------------------------------------------ agent messages
 
     def on_register(self, peer: bytes, msg: p.Register, now: float) -> list:
@@ -233,6 +228,14 @@ class Admission:
         """Refuse a message of a dead or superseded session: it changes nothing, the sender must register."""
         self.fenced[msg.TYPE] = self.fenced.get(msg.TYPE, 0) + 1
         return [Send(peer, p.Fence(f"session {msg.session} is not current; register again"))]
+
+    def on_weights_report(self, peer: bytes, msg: p.WeightsReport, now: float) -> list:
+        """An agent's report of a weight update step: its session is checked here, the update is the weight
+        updates' (coordinator/weights.py)."""
+        rec = self.session_agent(peer, msg.session, now)
+        if rec is None:
+            return self.fence(peer, msg)
+        return self._weights.on_report(rec, msg, now)
 
     def on_heartbeat(self, peer: bytes, msg: p.Heartbeat, now: float) -> list:
         rec = self.session_agent(peer, msg.session, now)

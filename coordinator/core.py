@@ -31,7 +31,7 @@ runs the one pump. Parts and roles, each in its own module:
     capacity.py      whether any engine is left to generate on
     starvation.py    the streak of failed groups that stops admission
     weights.py       weight updates: the weight lock, each update's steps,
-                     the weight log (it still reads the core itself)
+                     the weight log
     staleness.py     bounded staleness: admission and assembly rules
     prompt_key.py    a prompt's dataset, data epoch and index
 
@@ -117,6 +117,9 @@ from coordinator.weights import WeightUpdates
 
 __all__ = ["CoordinatorCore", "CoreSettings", "Persist", "Send"]
 
+WEIGHT_REQUESTS = (p.UpdateWeights, p.WeightBucket, p.FinishWeights, p.AbortWeights, p.WeightsAlive)
+"""A trainer's weight requests: its session is checked by the trainer sessions, the rest is the weight updates'."""
+
 
 class CoordinatorCore:
     def __init__(self, settings: CoreSettings, restored: LedgerSnapshot | None = None, now: float = 0.0):
@@ -132,8 +135,8 @@ class CoordinatorCore:
         self.frontier = MixFrontier(list(settings.dataset_sizes), settings.order)
         """The mixture's frontier: each training dataset's data epochs and where every prompt stands."""
         self.staleness = Staleness(config.max_staleness, config.rollout_batch_size)
-        self.weights = WeightUpdates(self, restored)
         self.leases = LeaseBook(self.membership, self.counters, keep_for_silent=not self.staleness.bounded)
+        self.weights = WeightUpdates(restored, membership=self.membership, leases=self.leases, liveness=self.liveness)
         last_rollout_id = (
             max(restored.last_rollout_id, *restored.batches) if restored.batches else restored.last_rollout_id
         )
@@ -192,7 +195,7 @@ class CoordinatorCore:
         self._beat_round: list[str] = []  # the agents of the heartbeat round in progress (heartbeats)
         self._in_turn = False
         self._pump_due = False
-        a, t, w = self.admission, self.trainer, self.weights
+        a, t = self.admission, self.trainer
         self._routes: dict[type, Callable[[bytes, Any, float], list]] = {
             p.Register: a.on_register,
             p.Heartbeat: a.on_heartbeat,
@@ -205,12 +208,8 @@ class CoordinatorCore:
             p.Attach: t.on_attach,
             p.Generate: t.on_generate,
             p.Stats: self._on_stats,
-            p.UpdateWeights: w.on_update,
-            p.WeightBucket: w.on_bucket,
-            p.FinishWeights: w.on_finish,
-            p.AbortWeights: w.on_abort_request,
-            p.WeightsAlive: w.on_alive,
-            p.WeightsReport: w.on_report,
+            **{cls: t.on_weights for cls in WEIGHT_REQUESTS},
+            p.WeightsReport: a.on_weights_report,
             **{cls: t.on_request for cls in p.TRAINER_REQUESTS},
         }
         self._restore(restored, now)
@@ -312,19 +311,6 @@ class CoordinatorCore:
         return [Send(peer, p.Ok(msg.req, self.statistics(now).to_dict()))]
 
     # ------------------------------------------------------------------ the pump
-
-    def persist(self, ops: list, then: list) -> Persist:
-        """``Persist(ops, then)``, for coordinator/weights.py until it builds its own (the cursors are stamped
-        on every ``Persist`` as it leaves the core)."""
-        return Persist(ops, then)
-
-    def pump(self, now: float) -> list:
-        """For coordinator/weights.py until it leaves the pump to the core: every handler runs in a turn, so this
-        only notes that a pump is due (outside a turn, it pumps)."""
-        if self._in_turn:
-            self._pump_due = True
-            return []
-        return self._stamped(self._pump(now))
 
     def _pump(self, now: float) -> list:
         """Assemble what can be assembled, then admit new prompts up to demand + prefetch."""

@@ -7,7 +7,8 @@ named here, so that it neither reaches into the role's state nor imports the rol
 
 - ``WeightsFace``: what admission, the trainer sessions and the capacity check ask of the weight
   updates (coordinator/weights.py): the weight log, whether an update holds the lock, and the verbs
-  that tell it an agent registered or a trainer left.
+  that tell it an agent registered or a trainer left, and that hand it a trainer's request or an
+  agent's report once the sender's session was checked (the weight updates see neither role).
 - ``PauseFace``: whether the trainer has admission paused (admission puts it in each Welcome).
 
 Types only: nothing here runs.
@@ -18,7 +19,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from common import protocol as p
     from coordinator.effects import Send
+    from coordinator.membership import AgentRecord
     from coordinator.records import WeightLog
 
 __all__ = ["PauseFace", "WeightsFace"]
@@ -45,6 +48,12 @@ class WeightsFace(Protocol):
 
     def trainer_gone(self, session: int, why: str, now: float) -> list:
         """Trainer session ``session`` was replaced or detached: its update, if any, is aborted."""
+
+    def on_request(self, peer: bytes, msg: p.Message, holder: str, now: float) -> list:
+        """A weight request of the current trainer session, whose client ``holder`` holds a lock it takes."""
+
+    def on_report(self, rec: AgentRecord, msg: p.WeightsReport, now: float) -> list:
+        """A weight step's report from agent ``rec``'s current session."""
 
 
 class PauseFace(Protocol):

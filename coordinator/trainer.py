@@ -181,6 +181,12 @@ class TrainerSessions:
         """A session-bound trainer request (one of ``protocol.TRAINER_REQUESTS``)."""
         return self.session_error(peer, msg.session, msg.req) or self._requests[type(msg)](peer, msg, now)
 
+    def on_weights(self, peer: bytes, msg: p.Message, now: float) -> list:
+        """A weight update request (``UpdateWeights``, ``WeightBucket``, ``FinishWeights``, ``AbortWeights``,
+        ``WeightsAlive``): its session is checked here, the update is the weight updates' (the client attached
+        holds the lock it takes)."""
+        return self.session_error(peer, msg.session, msg.req) or self._weights.on_request(peer, msg, self.client, now)
+
     def on_detach(self, peer: bytes, msg: p.Detach, now: float) -> list:
         previous, self.session = self.session, 0
         out = self._weights.trainer_gone(previous, "its trainer detached", now)

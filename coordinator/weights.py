@@ -3,11 +3,13 @@
 The role checks each trainer request, turns messages and ticks into the lock's events and carries out
 the effects; the update holding the lock, its phases and every transition between them live in
 coordinator/weight_lock.py (one table). The role keeps what outlives an update: the weight log, the
-last group formed, the answers kept for resends and why recent updates failed.
+last group formed, the answers kept for resends and why recent updates failed. A request or report
+reaches it only from a current session: the trainer sessions (coordinator/trainer.py) and admission
+(coordinator/admission.py) check the sender first, as for their own messages.
 
 One update at a time. ``UpdateWeights`` takes the **weight lock** for its trainer session, with a
 deadline (``timeout``, restarted by every bucket and by ``FinishWeights``); while it is held no
-prompt is leased (``core.pump``). Then:
+prompt is leased (the core's pump, coordinator/core.py). Then:
 
 - ``disk``: every alive agent gets ``WeightsFromDisk``; once each of them (and any agent that
   registers meanwhile) reported ``disk`` ok, the log is recorded and the trainer answered.
@@ -46,13 +48,15 @@ from typing import TYPE_CHECKING
 from common import protocol as p
 from common.weight_step import BROADCASTS, WeightKind, WeightStep
 from coordinator import weight_events as ev
-from coordinator.effects import Send
+from coordinator.effects import Persist, Send
 from coordinator.membership import ALIVE
 from coordinator.records import LedgerSnapshot, SetWeights, WeightLog
 from coordinator.weight_lock import Update, formation, lost, transition
 
 if TYPE_CHECKING:
-    from coordinator.core import CoordinatorCore
+    from common.config import Liveness
+    from coordinator.lease_book import LeaseBook
+    from coordinator.membership import AgentRecord, Membership
 
 KINDS = tuple(kind.value for kind in WeightKind)
 MEMBER_STATES = ("healthy", "stale")
@@ -61,8 +65,14 @@ REPLIES_KEPT = 64
 
 
 class WeightUpdates:
-    def __init__(self, core: CoordinatorCore, restored: LedgerSnapshot):
-        self.core = core
+    def __init__(self, restored: LedgerSnapshot, *, membership: Membership, leases: LeaseBook, liveness: Liveness):
+        """Its parts: membership (the agents an update goes to, their engines and sessions, the generation in an
+        update's id), the lease book (its highest lease id bounds each update in the log) and the liveness settings
+        (a trainer silent past the TTL loses its update). The trainer's session and the agent's are checked before a
+        request or a report reaches it (coordinator/trainer.py, coordinator/admission.py)."""
+        self._membership = membership
+        self._leases = leases
+        self._liveness = liveness
         self.log: WeightLog = restored.weights
         self.lock: Update | None = None
         self._counter = 0
@@ -81,6 +91,12 @@ class WeightUpdates:
             ev.Release: self._release,
             ev.Abort: lambda effect, now: self.abort(effect.why, now),
         }
+        self._requests = {
+            p.WeightBucket: self.on_bucket,
+            p.FinishWeights: self.on_finish,
+            p.AbortWeights: self.on_abort_request,
+            p.WeightsAlive: self.on_alive,
+        }
 
     # ------------------------------------------------------------------ views
 
@@ -96,7 +112,7 @@ class WeightUpdates:
     def behind(self) -> dict[str, list[str]]:
         """Alive agents' engines that are up but out of the pool (``stale``): agent -> engine names."""
         out: dict[str, list[str]] = {}
-        for rec in self.core.membership.alive():
+        for rec in self._membership.alive():
             names = [str(e["name"]) for e in rec.engines if e.get("state") == "stale" and "name" in e]
             if names:
                 out[rec.agent_id] = names
@@ -119,7 +135,7 @@ class WeightUpdates:
     def statistics(self, now: float) -> dict:
         lock = self.lock
         engines = {}
-        for rec in self.core.membership.alive():
+        for rec in self._membership.alive():
             for e in rec.engines:
                 if e.get("state") in MEMBER_STATES and "name" in e:
                     engines[f"{rec.agent_id}/{e['name']}"] = e.get("version")
@@ -147,7 +163,7 @@ class WeightUpdates:
         members: dict[str, dict[str, int]] = {}
         identity = []
         offset = 1
-        for rec in sorted(self.core.membership.alive(), key=lambda r: r.agent_id):
+        for rec in sorted(self._membership.alive(), key=lambda r: r.agent_id):
             names = set(confirmed.get(rec.agent_id, ()))
             known = {str(e["name"]): e for e in rec.engines if "name" in e}
             for e in sorted(
@@ -164,18 +180,19 @@ class WeightUpdates:
 
     # ------------------------------------------------------------------ trainer requests
 
-    def _refuse(self, peer: bytes, msg: p.Message) -> list | None:
-        return self.core.trainer.session_error(peer, msg.session, msg.req)
-
     def _remember(self, key: tuple[int, int], reply: p.Message) -> None:
         self._replies[key] = reply
         while len(self._replies) > REPLIES_KEPT:
             del self._replies[next(iter(self._replies))]
 
-    def on_update(self, peer: bytes, msg: p.UpdateWeights, now: float) -> list:
-        refused = self._refuse(peer, msg)
-        if refused:
-            return refused
+    def on_request(self, peer: bytes, msg: p.Message, holder: str, now: float) -> list:
+        """A trainer's weight request of the current session (coordinator/trainer.py checked it); ``holder``, the
+        client attached, names the holder of a lock it takes."""
+        if type(msg) is p.UpdateWeights:
+            return self.on_update(peer, msg, holder, now)
+        return self._requests[type(msg)](peer, msg, now)
+
+    def on_update(self, peer: bytes, msg: p.UpdateWeights, holder: str, now: float) -> list:
         key = (msg.session, msg.req)
         lock = self.lock
         if key in self._replies:
@@ -199,7 +216,7 @@ class WeightUpdates:
             )
             return bad("bad_request", why)
         if msg.kind == WeightKind.CATCH_UP:
-            return self._begin_catch_up(peer, msg, now)
+            return self._begin_catch_up(peer, msg, holder, now)
         out: list = []
         if lock is not None:
             if lock.session != msg.session:
@@ -217,13 +234,13 @@ class WeightUpdates:
             )
             return out + bad("weights_version", why)
         self._started_any = True
-        self._take_lock(msg, msg.path, now)
-        agents = tuple(rec.agent_id for rec in self.core.membership.alive())
+        self._take_lock(msg, msg.path, holder, now)
+        agents = tuple(rec.agent_id for rec in self._membership.alive())
         if msg.kind == WeightKind.DISK:
             return out + self._feed(ev.BeginDisk(peer, msg.req, agents), now) + self._advance(now)
         return out + self._feed(ev.BeginBroadcast(peer, msg, agents), now) + self._advance(now)
 
-    def _begin_catch_up(self, peer: bytes, msg: p.UpdateWeights, now: float) -> list:
+    def _begin_catch_up(self, peer: bytes, msg: p.UpdateWeights, holder: str, now: float) -> list:
         """The fleet's current version again, to the engines behind it only; the others keep serving.
 
         Answered at once (``world_size`` 0) when no engine is behind, or when the fleet's weights came
@@ -244,19 +261,19 @@ class WeightUpdates:
         behind = self.behind() if self.log.kind == WeightKind.DISTRIBUTED else {}
         if not behind:
             return [Send(peer, p.Ok(msg.req, {"update_id": 0, "world_size": 0, "engines": {}}))]
-        self._take_lock(msg, "", now)
+        self._take_lock(msg, "", holder, now)
         return self._feed(ev.BeginBroadcast(peer, msg, tuple(sorted(behind))), now) + self._advance(now)
 
-    def _take_lock(self, msg: p.UpdateWeights, path: str, now: float) -> Update:
-        """A new update of ``msg`` holds the weight lock (its id: generation, then a counter)."""
+    def _take_lock(self, msg: p.UpdateWeights, path: str, holder: str, now: float) -> Update:
+        """A new update of ``msg``, by ``holder``, holds the weight lock (its id: generation, then a counter)."""
         self._counter += 1
         self.lock = Update(
-            (self.core.membership.generation << 32) | self._counter,
+            (self._membership.generation << 32) | self._counter,
             WeightKind(msg.kind),
             msg.version,
             path,
             msg.session,
-            self.core.trainer.client,
+            holder,
             msg.timeout,
             now + msg.timeout,
             seen=now,
@@ -284,18 +301,12 @@ class WeightUpdates:
         return None, [Send(peer, p.Error("weights", why, msg.req))]
 
     def on_bucket(self, peer: bytes, msg: p.WeightBucket, now: float) -> list:
-        refused = self._refuse(peer, msg)
-        if refused:
-            return refused
         lock, err = self._current(peer, msg)
         if lock is None:
             return err
         return self._feed(ev.Bucket(peer, msg, now), now)
 
     def on_finish(self, peer: bytes, msg: p.FinishWeights, now: float) -> list:
-        refused = self._refuse(peer, msg)
-        if refused:
-            return refused
         key = (msg.session, msg.req)
         if key in self._replies:
             return [Send(peer, self._replies[key])]
@@ -306,9 +317,6 @@ class WeightUpdates:
 
     def on_abort_request(self, peer: bytes, msg: p.AbortWeights, now: float) -> list:
         """The trainer's own side of its update failed: end it now, not at its deadline."""
-        refused = self._refuse(peer, msg)
-        if refused:
-            return refused
         lock = self.lock
         out: list = []
         if lock is not None and lock.update_id == msg.update_id and lock.session == msg.session:
@@ -317,9 +325,6 @@ class WeightUpdates:
 
     def on_alive(self, peer: bytes, msg: p.WeightsAlive, now: float) -> list:
         """The trainer of a broadcast in flight is alive (its heartbeat while the call runs)."""
-        refused = self._refuse(peer, msg)
-        if refused:
-            return refused
         lock = self.lock
         if lock is not None and lock.session == msg.session:
             lock.seen = now
@@ -336,15 +341,13 @@ class WeightUpdates:
     # ------------------------------------------------------------------ agents
 
     def _to(self, agent_id: str, msg: p.Message) -> Send:
-        rec = self.core.membership.agents.get(agent_id)
+        rec = self._membership.agents.get(agent_id)
         if self.lock is not None and rec is not None:
             self.lock.sessions[agent_id] = rec.session
         return Send(agent_id, msg)
 
-    def on_report(self, peer: bytes, msg: p.WeightsReport, now: float) -> list:
-        rec = self.core.admission.session_agent(peer, msg.session, now)
-        if rec is None:
-            return self.core.admission.fence(peer, msg)
+    def on_report(self, rec: AgentRecord, msg: p.WeightsReport, now: float) -> list:
+        """A report of agent ``rec``'s current session (coordinator/admission.py checked it)."""
         lock = self.lock
         if lock is None or msg.update_id != lock.update_id or msg.step == WeightStep.ABORT:
             return []  # a report of an update already over
@@ -372,7 +375,7 @@ class WeightUpdates:
         if top <= self.log.version:
             return []
         self.log = WeightLog(
-            top, self.log.updates + 1, WeightKind.DISTRIBUTED.value, "", self.log.boundaries + (self._lease_hwm(),)
+            top, self.log.updates + 1, WeightKind.DISTRIBUTED.value, "", self.log.boundaries + (self._leases.lease_hwm,)
         )
         return [SetWeights(self.log)]
 
@@ -395,7 +398,7 @@ class WeightUpdates:
 
     def _lost(self) -> list[str]:
         """Agents sent a step of the update that are dead or registered again since."""
-        agents = self.core.membership.agents
+        agents = self._membership.agents
         lock = self.lock
         return [
             a
@@ -413,16 +416,13 @@ class WeightUpdates:
                     return out
             if not lock.settled:
                 return out
-            alive = tuple(r.agent_id for r in self.core.membership.alive())
+            alive = tuple(r.agent_id for r in self._membership.alive())
             out += self._feed(self._form_group(lock) if lock.forming else ev.Settled(alive), now)
         return out
 
-    def _lease_hwm(self) -> int:
-        return self.core.admission.lease_hwm
-
     def _release(self, effect: ev.Release, now: float) -> list:
         self.lock = None
-        return self.core.pump(now)
+        return []  # admission resumes at the turn's pump (coordinator/core.py)
 
     def _complete(self, effect: ev.Record, now: float) -> list:
         """The update is done everywhere: record it, then answer its trainer."""
@@ -434,10 +434,10 @@ class WeightUpdates:
             log.updates + 1,
             lock.kind.value,
             lock.path if lock.kind is WeightKind.DISK else "",
-            log.boundaries + (self._lease_hwm(),),
+            log.boundaries + (self._leases.lease_hwm,),
         )
         then = self._answer(effect.answer, now) if effect.answer is not None else []
-        return [self.core.persist([SetWeights(self.log)], then)] + self.core.pump(now)
+        return [Persist([SetWeights(self.log)], then)]
 
     def abort(self, why: str, now: float) -> list:
         """End the update in flight: agents abort it, the waiting call gets ``why``, the lock is released."""
@@ -455,14 +455,14 @@ class WeightUpdates:
         path = self.log.path if self.log.kind == WeightKind.DISK else ""
         out: list = [
             Send(r.agent_id, p.WeightsAbort(lock.update_id, self.log.version, path, catch_up))
-            for r in self.core.membership.alive()
+            for r in self._membership.alive()
             if not catch_up or r.agent_id in lock.sessions
         ]
         if lock.waiter is not None:
             error = p.Error("weights", why, lock.waiter[1])
             self._remember((lock.session, lock.waiter[1]), error)
             out.append(Send(lock.waiter[0], error))
-        return out + self.core.pump(now)
+        return out
 
     def tick(self, now: float) -> list:
         """The lock's deadline, its trainer's silence, and agents lost meanwhile."""
@@ -471,7 +471,7 @@ class WeightUpdates:
             return []
         if now > lock.deadline:
             return self._feed(ev.DeadlinePassed(), now)
-        ttl = self.core.liveness.ttl
+        ttl = self._liveness.ttl
         if now - lock.seen > ttl:
             out = self._feed(ev.TrainerSilent(now - lock.seen, ttl), now)  # a disk update does not need its trainer
             if self.lock is None:

@@ -17,8 +17,8 @@ from coordinator.server import ServeSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ["admission", "batches", "capacity", "evaluation", "lease_book", "oversampling", "rank_shares", "ready",
-         "sources", "trainer"]  # fmt: skip
-"""The core's roles and parts. coordinator/weights.py still reads the core: it is to be handed its parts so too."""
+         "sources", "trainer", "weights"]  # fmt: skip
+"""The core's roles and parts."""
 
 
 def settings(**kw) -> CoreSettings:
