@@ -50,7 +50,10 @@ from common import protocol as p
 from common import weight_group
 from common.errors import RemoteError, RolloutError, StateError, WeightUpdateError
 from common.weight_rows import leading_rows, tensor_checksum
+from common.weight_step import WeightKind
 from coordinator.client_results import WeightUpdateResult
+
+DISK, DISTRIBUTED, CATCH_UP = WeightKind.DISK, WeightKind.DISTRIBUTED, WeightKind.CATCH_UP
 
 if TYPE_CHECKING:
     from coordinator.client_session import Request
@@ -144,7 +147,7 @@ class WeightSender:
 
     async def from_disk(self, path: str, version: int, timeout: float) -> WeightUpdateResult:
         result = await self.request(
-            lambda s, req: p.UpdateWeights(s, req, int(version), "disk", str(path), timeout=float(timeout)),
+            lambda s, req: p.UpdateWeights(s, req, int(version), DISK, str(path), timeout=float(timeout)),
             f"update_weights_from_disk({version})",
         )
         self.version = result["version"]
@@ -269,7 +272,7 @@ class WeightSender:
         address = master_address(self.address)
         port = free_port(address)
         begun = await self._begin(
-            lambda s, req: p.UpdateWeights(s, req, version, "distributed", "", address, port, backend, timeout),
+            lambda s, req: p.UpdateWeights(s, req, version, DISTRIBUTED, "", address, port, backend, timeout),
             address,
             port,
             timeout,
@@ -343,7 +346,7 @@ class WeightSender:
         address = master_address(self.address)
         port = free_port(address)
         begun = await self._begin(
-            lambda s, req: p.UpdateWeights(s, req, int(version), "catch_up", "", address, port, backend, timeout),
+            lambda s, req: p.UpdateWeights(s, req, int(version), CATCH_UP, "", address, port, backend, timeout),
             address,
             port,
             timeout,

@@ -38,6 +38,7 @@ from common import errors, weight_group
 from common import protocol as p
 from common.errors import RemoteError, StateError, WeightUpdateError
 from common.weight_rows import leading_rows, tensor_checksum
+from common.weight_step import WeightKind
 from coordinator.client_results import WeightUpdateResult
 from coordinator.client_weights import (
     VERIFY_EVERY,
@@ -57,6 +58,8 @@ from coordinator.trainer_group import (
     make_plan,
     wire_device,
 )
+
+DISTRIBUTED, CATCH_UP = WeightKind.DISTRIBUTED, WeightKind.CATCH_UP
 
 if TYPE_CHECKING:
     from coordinator.client_weights import WeightSender
@@ -274,7 +277,7 @@ class ShardedWeights:
         port = free_port(address)
         begun = await ch.lead(
             s._begin(
-                lambda ss, req: p.UpdateWeights(ss, req, version, "distributed", "", address, port, backend, timeout),
+                lambda ss, req: p.UpdateWeights(ss, req, version, DISTRIBUTED, "", address, port, backend, timeout),
                 address,
                 port,
                 timeout,
@@ -319,7 +322,7 @@ class ShardedWeights:
         port = free_port(address)
         begun = await ch.lead(
             s._begin(
-                lambda ss, req: p.UpdateWeights(ss, req, version, "catch_up", "", address, port, backend, timeout),
+                lambda ss, req: p.UpdateWeights(ss, req, version, CATCH_UP, "", address, port, backend, timeout),
                 address,
                 port,
                 timeout,
