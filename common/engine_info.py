@@ -82,16 +82,3 @@ class EngineInfo(Record):
             "tp": self.tp,
             "version": self.version,
         }
-
-    # Transitional: code not yet moved to attributes (coordinator/weights.py) reads an engine as the map it
-    # was before protocol 10. Read-only; new code reads the attributes.
-    def get(self, key: str, default=None):
-        return getattr(self, key) if key in self._FIELDS else default
-
-    def __getitem__(self, key: str):
-        if key not in self._FIELDS:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._FIELDS

@@ -46,6 +46,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from common import protocol as p
+from common.engine_info import EngineState
 from common.weight_step import BROADCASTS, WeightKind, WeightStep
 from coordinator import weight_events as ev
 from coordinator.effects import Persist, Send
@@ -59,7 +60,6 @@ if TYPE_CHECKING:
     from coordinator.membership import AgentRecord, Membership
 
 KINDS = tuple(kind.value for kind in WeightKind)
-MEMBER_STATES = ("healthy", "stale")
 """Engine states that join a broadcast group (up; a stale one needs the broadcast to serve again)."""
 REPLIES_KEPT = 64
 
@@ -113,7 +113,7 @@ class WeightUpdates:
         """Alive agents' engines that are up but out of the pool (``stale``): agent -> engine names."""
         out: dict[str, list[str]] = {}
         for rec in self._membership.alive():
-            names = [str(e["name"]) for e in rec.engines if e.get("state") == "stale" and "name" in e]
+            names = [e.name for e in rec.engines if e.state is EngineState.STALE]
             if names:
                 out[rec.agent_id] = names
         return out
@@ -137,8 +137,8 @@ class WeightUpdates:
         engines = {}
         for rec in self._membership.alive():
             for e in rec.engines:
-                if e.get("state") in MEMBER_STATES and "name" in e:
-                    engines[f"{rec.agent_id}/{e['name']}"] = e.get("version")
+                if e.state.up:
+                    engines[f"{rec.agent_id}/{e.name}"] = e.version
         held = None
         if lock is not None:
             held = {
@@ -165,16 +165,13 @@ class WeightUpdates:
         offset = 1
         for rec in sorted(self._membership.alive(), key=lambda r: r.agent_id):
             names = set(confirmed.get(rec.agent_id, ()))
-            known = {str(e["name"]): e for e in rec.engines if "name" in e}
-            for e in sorted(
-                (known.get(n, {"name": n}) for n in names),
-                key=lambda e: str(e["name"]),
-            ):
-                tp = e.get("tp") or 1
-                tp = tp if isinstance(tp, int) and tp > 0 else 1
-                key = f"{rec.agent_id}/{e['name']}"
+            known = {e.name: e for e in rec.engines}
+            for name in sorted(names):
+                e = known.get(name)  # confirmed but not in its agent's last report: one rank, no URL known
+                tp = e.tp if e is not None and e.tp > 0 else 1
+                key = f"{rec.agent_id}/{name}"
                 members.setdefault(rec.agent_id, {})[key] = offset
-                identity.append((key, e.get("url"), tp, rec.session))
+                identity.append((key, e.url if e is not None else None, tp, rec.session))
                 offset += tp
         return members, offset, tuple(identity)
 
@@ -370,7 +367,7 @@ class WeightUpdates:
         a coordinator that died before recording it) becomes the log's, at the first registrations only."""
         if self._started_any or self.lock is not None:
             return []
-        versions = [e.get("version") for e in engines if isinstance(e.get("version"), int)]
+        versions = [e.version for e in engines if e.version is not None]
         top = max(versions, default=-1)
         if top <= self.log.version:
             return []

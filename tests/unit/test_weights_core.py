@@ -174,7 +174,7 @@ def broadcast(core, session, version, req=20, address="127.0.0.1", port=29500, c
     eff = core.handle(b"trainer", p.UpdateWeights(session, req, version, "distributed", "", address, port, "gloo"), now)
     for begin in sends(eff, p.WeightsBegin):
         rec = core.membership.agents[begin.to]
-        up = [e["name"] for e in rec.engines if e.get("state") in ("healthy", "stale")]
+        up = [e.name for e in rec.engines if e.state.up]
         members = (confirmed or {}).get(begin.to, up)
         msg = p.WeightsReport(rec.session, begin.msg.update_id, "begin", True, 0, {}, "", members)
         eff += core.handle(begin.to.encode(), msg, now)
