@@ -196,8 +196,7 @@ def status_snapshot(server: CoordinatorServer) -> dict:
             "leases": len(rec.leases),
             "seen_s_ago": round(max(0.0, now - rec.last_seen), 1),
             "engines": [
-                {k: e.to_dict()[k] for k in ("name", "state", "in_flight", "version", "tp")}
-                for e in rec.engines
+                {k: e.to_dict()[k] for k in ("name", "state", "in_flight", "version", "tp")} for e in rec.engines
             ],
         }
         for rec in sorted(core.membership.agents.values(), key=lambda r: r.agent_id)
