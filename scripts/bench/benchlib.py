@@ -222,3 +222,22 @@ def end_floor(out: dict, rank: int) -> int:
     if rank == 0:
         print(json.dumps(out), flush=True)
     return 0
+
+
+class RefsOnly:
+    """Stands in for a trainer client's payload fetcher (coordinator/payloads.py) in control-plane benches: a
+    batch's groups stay the coordinator's refs, and no agent is asked (simulated agents store nothing).
+
+    Install it after each ``connect`` (the client makes its fetcher there)::
+
+        class RefsClient(AsyncRolloutClient):
+            async def connect(self):
+                await super().connect()
+                self._payloads = RefsOnly()
+    """
+
+    async def fetch(self, wire_refs: list, raw=None) -> list:
+        return wire_refs
+
+    async def close(self) -> None:
+        return None

@@ -42,7 +42,7 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from benchlib import Procs, venv_script, wait_until  # noqa: E402
+from benchlib import Procs, RefsOnly, venv_script, wait_until  # noqa: E402
 
 BENCH = "data_scale"
 READY_TIMEOUT = 300.0
@@ -120,8 +120,9 @@ def run_trainer(spec: str) -> None:
     class RefsClient(AsyncRolloutClient):
         """``generate`` as is, minus the payload fetch from agents (it never reaches the coordinator)."""
 
-        async def _fetch(self, wire_refs: list, raw=None) -> list:
-            return wire_refs
+        async def connect(self) -> None:
+            await super().connect()
+            self._payloads = RefsOnly()  # made anew by each connect: the payload fetch stays out
 
     async def main() -> None:
         async with RefsClient(cfg["coordinator"], retry_interval=5.0) as client:

@@ -54,7 +54,7 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from benchlib import CLK_TCK, Procs, children_of, proc_stat, venv_script, wait_until  # noqa: E402
+from benchlib import CLK_TCK, Procs, RefsOnly, children_of, proc_stat, venv_script, wait_until  # noqa: E402
 
 BENCH = "W3"
 GROUP = 8
@@ -110,8 +110,9 @@ def run_trainer(spec: str) -> None:
     class RefsClient(AsyncRolloutClient):
         """``generate`` as is, minus the payload fetch from agents (it never reaches the coordinator)."""
 
-        async def _fetch(self, wire_refs: list, raw=None) -> list:
-            return wire_refs
+        async def connect(self) -> None:
+            await super().connect()
+            self._payloads = RefsOnly()  # made anew by each connect: the payload fetch stays out
 
     async def main() -> dict:
         out = {"batches": 0, "groups": 0, "cpu_s": 0.0, "wait_s": []}
