@@ -175,6 +175,10 @@ def _compile(hint: Any):
         subs = [_compile(h) for h in typing.get_args(hint)]
         if any(c is None for c in subs):
             return None
+        others = [c for h, c in zip(typing.get_args(hint), subs, strict=True) if h is not type(None)]
+        if len(others) == 1 and len(subs) == 2:  # ``X | None``, the common case: no generator per value
+            (one,) = others
+            return lambda v: v is None or one(v)
         return lambda v: any(c(v) for c in subs)
     if hint is type(None):
         return lambda v: v is None
@@ -204,16 +208,26 @@ def _codec(hint: Any):
     ``what`` names the field in errors."""
     origin = typing.get_origin(hint)
     if getattr(hint, "_IS_RECORD", False):
-        return (lambda r: r.to_body()), (lambda v, what: hint(**_decode_fields(hint, v, what)))
+        fast = _fast_record(hint)
+        if fast is None:
+            return (lambda r: r.to_body()), (lambda v, what: hint(**_decode_fields(hint, v, what)))
+
+        def decode_record(v, what):
+            made = fast(v)  # None unless every field is there and plain: then the checked path says what is wrong
+            return made if made is not None else hint(**_decode_fields(hint, v, what))
+
+        return (lambda r: r.to_body()), decode_record
     if _is_enum(hint):
-        return (lambda m: m.value if isinstance(m, enum.Enum) else m), (lambda v, what: hint(v))
+        members = {m.value: m for m in hint}  # the value passed the field's check: one dict lookup, not hint(v)
+        return (lambda m: m.value if isinstance(m, enum.Enum) else m), (lambda v, what: members[v])
     if origin is list:
         (item,) = typing.get_args(hint) or (Any,)
         inner = _codec(item)
         if inner is None:
             return None
         enc, dec = inner
-        return (lambda xs: [enc(x) for x in xs]), (lambda vs, what: [dec(v, f"{what}[{i}]") for i, v in enumerate(vs)])
+        decode_each = lambda vs, what: [dec(v, (what, "[", i, "]")) for i, v in enumerate(vs)]  # noqa: E731
+        return (lambda xs: [enc(x) for x in xs]), decode_each
     if origin in _UNIONS:
         args = [h for h in typing.get_args(hint) if h is not type(None)]
         inner = _codec(args[0]) if len(args) == 1 else None
@@ -222,6 +236,53 @@ def _codec(hint: Any):
         enc, dec = inner
         return (lambda x: None if x is None else enc(x)), (lambda v, what: None if v is None else dec(v, what))
     return None
+
+
+def _fast_record(cls):
+    """A decoder for a record whose fields are all plain (str, int, float, bool, a str enum, or one of those or
+    None), built once as straight-line code: ``fast(body)`` is the record when ``body`` holds exactly its fields,
+    each of its type, else None (the checked path, ``_decode_fields``, then refuses it naming what is wrong).
+    Records ride in every heartbeat (an agent's engines), so their decoding is on the control plane's hot path.
+    None where some field is not plain."""
+    env: dict[str, Any] = {"cls": cls}
+    names, conds, args = [], [], []
+    for i, (name, hint, _required, _check, _dec) in enumerate(cls._CHECKS):
+        var = f"v{i}"
+        optional = typing.get_origin(hint) in _UNIONS and type(None) in typing.get_args(hint)
+        inner = [h for h in typing.get_args(hint) if h is not type(None)] if optional else [hint]
+        if len(inner) != 1:
+            return None
+        (base,) = inner
+        if base is str or base is int or base is bool:
+            cond, expr = f"type({var}) is {base.__name__}", var
+        elif base is float:
+            cond, expr = f"type({var}) in (int, float)", var
+        elif _is_enum(base):
+            env[f"m{i}"] = {m.value: m for m in base}
+            cond, expr = f"type({var}) is str and {var} in m{i}", f"m{i}[{var}]"
+        else:
+            return None
+        if optional:
+            cond, expr = f"({var} is None or {cond})", f"(None if {var} is None else {expr})"
+        names.append(f"{var} = body[{name!r}]")
+        conds.append(cond)
+        args.append(f"{name}={expr}")
+    src = (
+        "def fast(body):\n"
+        f"    if len(body) != {len(names)}:\n        return None\n"
+        "    try:\n" + "".join(f"        {line}\n" for line in names) + "    except KeyError:\n        return None\n"
+        f"    if not ({' and '.join(conds) or 'True'}):\n        return None\n"
+        + (
+            f"    return cls({', '.join(args)})\n"
+            if hasattr(cls, "__post_init__") or hasattr(cls, "__slots__")
+            # A frozen dataclass's __init__ sets each field through object.__setattr__; its __dict__ is the same
+            # state, filled at once (no __post_init__ to run).
+            else f"    made = new(cls)\n    made.__dict__.update({', '.join(args)})\n    return made\n"
+        )
+    )
+    env["new"] = object.__new__
+    exec(src, env)  # noqa: S102 -- code built above from the record's own field names and types only
+    return env["fast"]
 
 
 def _expected(value: Any, hint: Any) -> str:
@@ -266,21 +327,30 @@ def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Messa
     return msg
 
 
-def _decode_fields(cls, body: dict, what: str) -> dict:
-    unknown = set(body) - set(cls._FIELDS)
+def _decode_fields(cls, body: dict, what) -> dict:
+    """``body``'s fields, checked and decoded, as ``cls``'s keyword arguments. ``what`` names the message or the
+    field holding this record, a string or a path of pieces (``_named``) joined only for an error's text."""
+    unknown = body.keys() - cls._FIELDS.keys()
     if unknown:
-        raise ProtocolError(f"malformed {what}: unknown field(s) {sorted(unknown)}")
+        raise ProtocolError(f"malformed {_named(what)}: unknown field(s) {sorted(unknown)}")
     kwargs = {}
     for name, hint, required, check, dec in cls._CHECKS:
         if name not in body:
             if required:
-                raise ProtocolError(f"malformed {what}: missing field {name!r}")
+                raise ProtocolError(f"malformed {_named(what)}: missing field {name!r}")
             continue
         value = body[name]
         if check is not None and not check(value):
-            raise ProtocolError(f"malformed {what}: field {name!r} {_expected(value, hint)}")
-        kwargs[name] = value if dec is None else dec(value, f"{what}.{name}")
+            raise ProtocolError(f"malformed {_named(what)}: field {name!r} {_expected(value, hint)}")
+        kwargs[name] = value if dec is None else dec(value, (what, ".", name))
     return kwargs
+
+
+def _named(what) -> str:
+    """A field's path as errors print it (``Heartbeat.engines[2].state``), from the pieces decoding passed down."""
+    if isinstance(what, tuple):
+        return "".join(_named(piece) for piece in what)
+    return str(what)
 
 
 def peek_req(frame: bytes) -> int:

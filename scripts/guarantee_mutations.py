@@ -267,7 +267,7 @@ MUTATIONS = [
         "unknown-fields-accepted",
         "a message with unknown fields is decoded",
         "common/wire.py",
-        "    unknown = set(body) - set(cls._FIELDS)\n",
+        "    unknown = body.keys() - cls._FIELDS.keys()\n",
         "    unknown = set()\n",
         "tests/unit/test_protocol.py",
     ),

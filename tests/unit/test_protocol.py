@@ -141,6 +141,10 @@ def test_a_grant_carries_typed_lease_records_and_a_malformed_one_is_refused_nami
             p.decode(frame)
 
 
+FULL = {"name": "e0", "state": "healthy", "url": "http://e0", "in_flight": 0, "tp": 1, "version": None}
+"""An engine entry with every field, as agents send it."""
+
+
 def test_the_vocabulary_travels_typed_and_a_malformed_entry_is_refused_naming_it():
     engines = [p.EngineInfo("e0", p.EngineState.STALE, "http://e0", 3, 2, 7), p.EngineInfo("e1", "retired")]
     for msg in (
@@ -162,6 +166,12 @@ def test_the_vocabulary_travels_typed_and_a_malformed_entry_is_refused_naming_it
         ({"name": "e0"}, "register.engines[0]: missing field 'state'"),
         ({"name": "e0", "state": "healthy", "tp": "2"}, "register.engines[0]: field 'tp' has type str"),
         ("e0", "register: field 'engines' has type list"),
+        # Every field there, one wrong: the fast decoder of plain records declines, the checked path names it.
+        ({**FULL, "state": "up"}, "register.engines[0]: field 'state' is 'up', expected one of"),
+        ({**FULL, "tp": True}, "register.engines[0]: field 'tp' has type bool"),
+        ({**FULL, "version": "3"}, "register.engines[0]: field 'version' has type str"),
+        ({**FULL, "in_flight": 1.5}, "register.engines[0]: field 'in_flight' has type float"),
+        ({**{k: v for k, v in FULL.items() if k != "url"}, "host": "e0"}, "register.engines[0]: unknown field(s)"),
     ):
         frame = msgpack.packb([V, "register", {**register, "engines": [entry]}])
         with pytest.raises(ProtocolError, match=re.escape(why)):
