@@ -44,7 +44,9 @@ Invariants kept across them:
 - Commit before acknowledgement: ReceiptAck, Welcome (with its acks) and
   batch replies travel in ``Persist.then``, after the ledger commit.
 - Write-ahead leases: every ``Persist`` the core returns carries the frontier
-  cursors, stamped when it leaves the core (``_stamped``; no role writes them),
+  cursors, or (inside a server turn, whose Persists commit in one transaction)
+  the turn's last one does, stamped as it leaves the core (``_stamped``; no
+  role writes them),
   and a Grant travels in ``Persist.then`` behind the cursor that covers it, so
   after a crash every prompt that may be in flight on an agent is an orphan
   (kept for its agent for a TTL), never a fresh prompt handed to a second
@@ -195,6 +197,7 @@ class CoordinatorCore:
         self._beat_round: list[str] = []  # the agents of the heartbeat round in progress (heartbeats)
         self._in_turn = False
         self._pump_due = False
+        self._unstamped = False  # a Persist of the open turn waits for end_turn's cursor stamp
         a, t = self.admission, self.trainer
         self._routes: dict[type, Callable[[bytes, Any, float], list]] = {
             p.Register: a.on_register,
@@ -243,19 +246,31 @@ class CoordinatorCore:
             why = f"the coordinator does not accept {msg.TYPE!r} messages"
             return [Send(peer, p.Error("unexpected", why, getattr(msg, "req", 0)))]
         self.now = now
-        return self._in_a_turn(lambda: route(peer, msg, now), now)
+        if not self._in_turn:
+            return self._in_a_turn(lambda: route(peer, msg, now), now)
+        self._pump_due = True
+        out = route(peer, msg, now)
+        if not self._unstamped:
+            self._unstamped = any(type(e) is Persist for e in out)
+        return out
 
     def begin_turn(self) -> None:
-        """Messages handled from now until ``end_turn`` share one pump, run by ``end_turn``."""
-        self._in_turn, self._pump_due = True, False
+        """Messages handled from now until ``end_turn`` share one pump and one cursor stamp, both by ``end_turn``.
+
+        The caller commits every ``Persist`` of a turn, ``end_turn``'s included, in one ledger transaction (the
+        server queues them in one synchronous step and its writer takes the whole queue), so the stamp on the
+        turn's last ``Persist`` covers them all."""
+        self._in_turn, self._pump_due, self._unstamped = True, False, False
 
     def end_turn(self, now: float) -> list:
-        """Close the turn: the one pump its messages asked for."""
+        """Close the turn: the one pump its messages asked for, and the cursors behind every ``Persist`` of it."""
         self._in_turn = False
-        if not self._pump_due:
-            return []
+        out = self._pump(now) if self._pump_due else []
         self._pump_due = False
-        return self._stamped(self._pump(now))
+        if self._unstamped and not any(type(e) is Persist for e in out):
+            out.append(Persist([], []))
+        self._unstamped = False
+        return self._stamped(out)
 
     def tick(self, now: float) -> list:
         """The clock: agents silent past the TTL lose their leases, past ``retire_after`` their groups;
@@ -267,7 +282,10 @@ class CoordinatorCore:
         """``step``'s effects, with a pump due: in the open turn, or in a turn of its own, pumped at once."""
         if self._in_turn:
             self._pump_due = True
-            return self._stamped(step())
+            out = step()
+            if not self._unstamped:
+                self._unstamped = any(type(e) is Persist for e in out)
+            return out
         self.begin_turn()
         try:
             out = self._stamped(step())

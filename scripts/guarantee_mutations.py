@@ -98,6 +98,15 @@ MUTATIONS = [
     ),
     Mutation(
         "3",
+        "grant-before-cursor",
+        "a grant can leave before the cursor covering its prompts is durable (no Persist carries the cursors)",
+        "coordinator/core.py",
+        "                e.ops.append(stamp)\n",
+        "                pass\n",
+        "tests/unit/test_core.py::test_grants_leave_only_behind_the_cursor_that_covers_them",
+    ),
+    Mutation(
+        "3",
         "lost-grant-never-released",
         "leases the agent never received are never given back",
         "coordinator/core.py",

@@ -68,3 +68,18 @@ def test_an_empty_turn_pumps_nothing():
     core = make_core()
     core.begin_turn()
     assert core.end_turn(0.0) == []
+
+
+def test_a_turn_whose_pump_grants_nothing_still_ends_behind_one_cursor_write():
+    core = make_core(size=100, batch=4, prefetch=4)
+    w, eff = register(core, "a")
+    leased = grants(eff)
+    core.handle(b"trainer", p.Pause(attach(core), 1), 1.0)  # paused: the pump grants nothing
+    core.begin_turn()
+    effects = [e for g in leased for e in core.handle(b"a", _receipt(w.session, g), 1.0)]
+    persisted = [e for e in effects if isinstance(e, Persist)]
+    assert persisted and not any(isinstance(op, SetCursors) for e in persisted for op in e.ops), "stamped at the end"
+    end = core.end_turn(1.0)
+    assert not grants(end)
+    last = [e for e in end if isinstance(e, Persist)][-1]
+    assert last.ops[-1] == SetCursors(core.frontier.cursors())
