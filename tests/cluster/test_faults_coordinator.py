@@ -386,6 +386,10 @@ def test_killed_trainer_resumes_from_checkpoint_and_consumed_payloads_are_trimme
     assert len(later) == len(set(later)) == 32
     assert not consumed & set(later), "a group consumed before the checkpoint came back"
 
+    # The trainer's view says the same as the ledger will: the second trainer's checkpoint trimmed up to batch 3.
+    batches = cluster.client(attach=False).stats().batches
+    assert (batches.trimmed_upto, batches.last_rollout_id, batches.consumed_upto) == (3, 7, 7), batches
+
     # Payloads behind the previous checkpoint are gone from the agents; later ones stay.
     stop_cluster(cluster)
     held = {}
