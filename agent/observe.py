@@ -25,7 +25,7 @@ Every series carries ``agent`` (this node's id); per-engine ones ``engine`` too:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -33,11 +33,25 @@ from agent.session import Phase
 from common.engine_info import EngineState
 
 if TYPE_CHECKING:
-    from agent.worker import Agent
+    from agent.session import AgentSession
+    from agent.store import GroupStore
+    from agent.supervisor import EngineSupervisor
+    from agent.weights import WeightsExecutor
+
+
+class Observed(Protocol):
+    """What the metrics read of a running agent: agent/worker.py's ``Agent``, which imports this module."""
+
+    agent_id: str
+    session: AgentSession
+    store: GroupStore
+    supervisor: EngineSupervisor
+    weights: WeightsExecutor
+    tokens: dict[str, int]
 
 
 class AgentCollector:
-    def __init__(self, agent: Agent):
+    def __init__(self, agent: Observed):
         self.agent = agent
 
     def _family(self, kind, name: str, doc: str, *labels: str):

@@ -36,7 +36,7 @@ Metric names (all ``rollfleet_``; counters end in ``_total``):
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
@@ -45,7 +45,20 @@ from coordinator.membership import ALIVE, DEAD, RETIRED
 from coordinator.prompt_key import dataset_of, epoch_of
 
 if TYPE_CHECKING:
-    from coordinator.server import CoordinatorServer
+    from coordinator.core import CoordinatorCore
+    from coordinator.ledger import Ledger
+    from coordinator.peer_io import DirectIO, GatewayIO
+
+
+class Observed(Protocol):
+    """What the metrics and the status page read of a running coordinator: coordinator/server.py's
+    ``CoordinatorServer``, which imports this module (so this module names only the parts it reads)."""
+
+    core: CoordinatorCore
+    ledger: Ledger
+    io: DirectIO | GatewayIO
+    endpoint: str
+
 
 AGENT_STATUSES = (ALIVE, DEAD, RETIRED)
 ENGINE_STATES = tuple(s.value for s in EngineState)
@@ -63,9 +76,9 @@ def _labelled(kind, name: str, doc: str, label: str, values: dict):
 
 
 class CoordinatorCollector:
-    """A Prometheus collector over a running ``CoordinatorServer`` (registered with ``auto_describe`` off)."""
+    """A Prometheus collector over a running coordinator (registered with ``auto_describe`` off)."""
 
-    def __init__(self, server: CoordinatorServer):
+    def __init__(self, server: Observed):
         self.server = server
 
     def collect(self):
@@ -183,7 +196,7 @@ def _gateway_metrics(gateways: list[dict]):
     yield family
 
 
-def status_snapshot(server: CoordinatorServer) -> dict:
+def status_snapshot(server: Observed) -> dict:
     """The status page's data (``/status.json``): fleet, frontier, recent batches, drops, weights."""
     core = server.core
     c, batches = core.counters, core.batches

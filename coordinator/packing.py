@@ -152,7 +152,7 @@ def packed_tensors(batch, bins: list[list[int]], *, current_version: int | None 
     except ImportError as exc:
         raise RolloutError("micro_batches() needs torch: pip install 'rollfleet[torch]'") from exc
     from common.types import as_array
-    from coordinator.batch import token_spans
+    from coordinator.token_spans import token_spans
 
     samples = batch.samples
     group_of = [g.index for g in batch.groups for _ in g.samples]

@@ -19,14 +19,10 @@ its name, one ``polyline`` each once there are batches), ``#drops``,
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from coordinator.observe import status_snapshot
-
-if TYPE_CHECKING:
-    from coordinator.server import CoordinatorServer
+from coordinator.observe import Observed, status_snapshot
 
 REFRESH_MS = 2000
 
@@ -162,7 +158,7 @@ setInterval(refresh, __REFRESH__);
 """.replace("__REFRESH__", str(REFRESH_MS))
 
 
-def routes(server: CoordinatorServer) -> dict:
+def routes(server: Observed) -> dict:
     """GET handlers for the observation endpoint: the page and its JSON."""
 
     async def page(request: web.Request) -> web.Response:
