@@ -16,7 +16,8 @@ The life cycle (the supervisor's docstring states the invariants):
                       --broken--> down -> probe until it answers -> layout -> ...   (never retired)
 
 An engine that refuses ``/server_info`` for want of the API key is retired at ``layout``; a launched
-engine whose *first* start fails is retired at once. Cancellation is always re-raised; all timing uses
+engine whose *first* start fails is retired at once. A restart that cannot write the engine's log (a full disk)
+is charged to no budget and tried again every ``LOG_SPACE_RETRY`` seconds until space is back. Cancellation is always re-raised; all timing uses
 ``time.monotonic()``.
 """
 
@@ -41,10 +42,14 @@ from agent.engine_plan import (
 )
 from agent.engine_process import KILL_GRACE, EngineProcess, wait_ready
 from common.engine_info import EngineState
-from common.errors import EngineError, EngineRejected, EngineStartError, EngineUnavailable
+from common.errors import EngineError, EngineLogUnwritable, EngineRejected, EngineStartError, EngineUnavailable
 
 log = logging.getLogger("rollfleet.agent.supervisor")
 
+LOG_SPACE_RETRY = 2.0
+"""Seconds between restarts of an engine whose log cannot be written (a full disk), charged to no budget."""
+LOG_SPACE_WARN_EVERY = 60.0
+"""The same unwritable-log failure is warned about at most this often while it lasts."""
 KEY_HINT = "pass the engines' key with --engine-api-key KEY (or ROLLFLEET_ENGINE_API_KEY in the agent's environment)"
 
 
@@ -140,6 +145,7 @@ class EngineLifecycle:
         self._notify = notify
         self._prepare = prepare
         self._api_key = api_key
+        self._log_warned = -LOG_SPACE_WARN_EVERY  # when the last unwritable-log warning went out
 
     async def run(self) -> None:
         eng = self.eng
@@ -206,6 +212,18 @@ class EngineLifecycle:
             budget.record(time.monotonic())
             try:
                 await self._launch_and_wait()
+            except EngineLogUnwritable as e:
+                # The disk under its log is full (or read-only): no engine started, so no restart is charged (a disk
+                # full for a while must not retire the engine); tried again every few seconds until space is back.
+                budget.refund()
+                now = time.monotonic()
+                if str(e) != eng.error or now - self._log_warned > LOG_SPACE_WARN_EVERY:
+                    log.warning("engine %s: restart failed, retrying until space is back: %s", eng.name, e)
+                    self._log_warned = now
+                eng.error = str(e)
+                await kill(eng)
+                await asyncio.sleep(LOG_SPACE_RETRY)
+                continue
             except EngineStartError as e:
                 eng.error = str(e)
                 log.warning("engine %s: restart failed: %s", eng.name, e)

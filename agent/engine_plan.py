@@ -483,6 +483,11 @@ class RestartBudget:
         self._times.append(now)
         self.total += 1
 
+    def refund(self) -> None:
+        """The last restart recorded never started the engine, for a cause not its own: it no longer counts."""
+        self._times.pop()
+        self.total -= 1
+
 
 def reprobe_delay(attempt: int, health_interval: float) -> float:
     """Wait before probe ``attempt`` (0, 1, ...) of a down ``url`` engine: doubling, capped.

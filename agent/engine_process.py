@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from agent.engine_plan import EngineSpec, parse_listen_url
-from common.errors import EngineStartError
+from common.errors import EngineLogUnwritable, EngineStartError
 
 __all__ = ["EngineProcess", "describe_exit", "killpg", "wait_ready"]
 
@@ -121,9 +121,9 @@ class _ExitProtocol(asyncio.SubprocessProtocol):
             self._on_exit()
 
 
-def _unwritable_log(name: str, log_path: Path, exc: OSError) -> EngineStartError:
+def _unwritable_log(name: str, log_path: Path, exc: OSError) -> EngineLogUnwritable:
     """The engine's log cannot be written (a full disk, a read-only one): its start fails, saying where and why."""
-    return EngineStartError(
+    return EngineLogUnwritable(
         f"engine {name}: cannot write its log {log_path} ({exc.strerror or exc}); free space under the "
         "--data-dir (or move it)"
     )

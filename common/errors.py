@@ -87,6 +87,11 @@ class EngineStartError(EngineError):
     """An engine never became healthy within its start deadline."""
 
 
+class EngineLogUnwritable(EngineStartError):
+    """An engine could not be started because its log cannot be written (a full or read-only disk): the disk's
+    fault, not the engine's, so a restart that meets it is not charged to the engine's restart budget."""
+
+
 class RemoteError(RolloutError):
     """A peer answered a request with an error reply."""
 

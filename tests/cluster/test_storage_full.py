@@ -8,6 +8,7 @@ exits 1, and loses nothing it acknowledged: restarted on the same data dir with 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import lmdb
@@ -288,7 +289,9 @@ def test_a_full_disk_under_the_coordinator_ledger_stops_it_in_one_line_and_loses
 def test_an_engine_restart_on_a_full_disk_under_its_log_waits_for_space_and_the_agent_stays_up(tmp_path, make_cluster):
     """Red if: an engine that dies while the disk under its log is full takes the agent down (a traceback
     out of the supervisor, as a chaos run once saw), its failed restart does not say which log could not be
-    written, or once space is freed the engine does not come back and serve."""
+    written, the restarts that could not start it are charged to its budget (with ``--max-restarts 2`` the
+    disk stays full past three tries: a charged engine would be retired), or once space is freed the engine
+    does not come back and serve."""
     import os
     import signal
 
@@ -296,9 +299,7 @@ def test_an_engine_restart_on_a_full_disk_under_its_log_waits_for_space_and_the_
     data_dir = tmp_path / "a1"
     with small_disk_or_skip(data_dir / "logs") as disk:  # the engines' logs alone: the store keeps its space
         cluster.start_coordinator()
-        agent = cluster.start_agent(
-            "a1", "--data-dir", str(data_dir), "--max-restarts", "100", engines=2, sim_args=FIXED
-        )
+        agent = cluster.start_agent("a1", "--data-dir", str(data_dir), "--max-restarts", "2", engines=2, sim_args=FIXED)
         logs = sorted(disk.glob("*.log"))
         assert len(logs) == 2, logs
         for log in logs:  # each log's last page full: the restart's first line needs a new page
@@ -310,6 +311,8 @@ def test_an_engine_restart_on_a_full_disk_under_its_log_waits_for_space_and_the_
         assert agent.alive(), agent.text()[-3000:]
         line = next(line for line in agent.text().splitlines() if "cannot write its log" in line)
         assert str(disk) in line and "No space left on device" in line, line
+        time.sleep(7)  # three tries or more at one each 2 s, charged to no budget
+        assert "retired" not in agent.text(), agent.text()[-3000:]
         unfill(disk)
         wait_for(lambda: "healthy again" in agent.text() or not agent.alive(), 60, "the engine back")
         assert agent.alive() and "Traceback" not in agent.text(), agent.text()[-3000:]

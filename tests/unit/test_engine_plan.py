@@ -196,6 +196,16 @@ def test_restart_budget_spent_within_window_then_recovers():
     assert budget.recent(70.5) == 0
 
 
+def test_a_refunded_restart_counts_neither_for_retiring_nor_in_the_total():
+    budget = RestartBudget(max_restarts=1, window=60.0)
+    for t in range(5):  # five restarts that never started the engine (its log on a full disk)
+        budget.record(float(t))
+        budget.refund()
+    assert budget.next_delay(5.0) == 0.5 and budget.total == 0
+    budget.record(6.0)
+    assert budget.next_delay(7.0) is None and budget.total == 1
+
+
 def test_restart_budget_zero_means_never():
     assert RestartBudget(max_restarts=0, window=1.0).next_delay(0.0) is None
     with pytest.raises(ConfigError):
