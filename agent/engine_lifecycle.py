@@ -17,8 +17,8 @@ The life cycle (the supervisor's docstring states the invariants):
 
 An engine that refuses ``/server_info`` for want of the API key is retired at ``layout``; a launched
 engine whose *first* start fails is retired at once. A restart that cannot write the engine's log (a full disk)
-is charged to no budget and tried again every ``LOG_SPACE_RETRY`` seconds until space is back. Cancellation is always re-raised; all timing uses
-``time.monotonic()``.
+is charged to no budget and tried again every ``LOG_SPACE_RETRY`` seconds until space is back. Cancellation is
+always re-raised; all timing uses ``time.monotonic()``.
 """
 
 from __future__ import annotations
