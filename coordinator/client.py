@@ -64,8 +64,12 @@ from coordinator.client_stats import FleetStats
 from coordinator.client_weights import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT
 from coordinator.endpoint import FetchFailed
 
+CoordinatorStats = FleetStats
+"""Another name of ``FleetStats``, what ``stats()`` returns (the coordinator's status as the trainer reads it)."""
+
 __all__ = [
     "AsyncRolloutClient",
+    "CoordinatorStats",
     "EvalMetrics",
     "FetchFailed",
     "FleetStats",

@@ -10,7 +10,15 @@ import pickle
 
 import pytest
 
-from coordinator.client import EvalMetrics, FleetStats, MixtureResult, PauseResult, ResumeResult, WeightUpdateResult
+from coordinator.client import (
+    CoordinatorStats,
+    EvalMetrics,
+    FleetStats,
+    MixtureResult,
+    PauseResult,
+    ResumeResult,
+    WeightUpdateResult,
+)
 from coordinator.client_stats import AgentInfo, PromptCounts, WeightLock
 
 COUNTS = {"pending": 5, "leased": 2, "ready": 1, "delivered": 8, "filtered": 0}
@@ -77,6 +85,7 @@ STATS = {  # a coordinator's answer to Stats, as coordinator status --json print
 
 def test_stats_decode_every_section_and_keep_the_whole_answer():
     stats = FleetStats.from_wire(json.loads(json.dumps(STATS)))
+    assert isinstance(stats, CoordinatorStats), "the stats record imports under its other name too"
     assert (stats.paused, stats.trainer, stats.leased, stats.held) == (False, "trainer-1", 2, 1)
     assert stats.weights.version == 3 and stats.weights.behind == ("a1/sim-1",)
     assert stats.weights.lock == WeightLock("trainer-1", "catch_up", 9, "bucket", 2.5)
