@@ -226,18 +226,32 @@ def end_floor(out: dict, rank: int) -> int:
 
 class RefsOnly:
     """Stands in for a trainer client's payload fetcher (coordinator/payloads.py) in control-plane benches: a
-    batch's groups stay the coordinator's refs, and no agent is asked (simulated agents store nothing).
-
-    Install it after each ``connect`` (the client makes its fetcher there)::
-
-        class RefsClient(AsyncRolloutClient):
-            async def connect(self):
-                await super().connect()
-                self._payloads = RefsOnly()
-    """
+    batch's groups stay the coordinator's refs, and no agent is asked (simulated agents store nothing)."""
 
     async def fetch(self, wire_refs: list, raw=None) -> list:
         return wire_refs
 
     async def close(self) -> None:
         return None
+
+
+def refs_client():
+    """``AsyncRolloutClient`` minus the payload fetch from agents (it never reaches the coordinator): ``generate``
+    answers with the coordinator's refs. The client makes its fetcher at each ``connect``; this one is replaced
+    there."""
+    from coordinator.client import AsyncRolloutClient
+
+    class RefsClient(AsyncRolloutClient):
+        async def connect(self) -> None:
+            await super().connect()
+            self._payloads = RefsOnly()
+
+    return RefsClient
+
+
+def coordinator_endpoint(proc) -> str | None:
+    """The address a started ``coordinator serve`` printed it listens on, or None before it has."""
+    for line in proc.log_text().splitlines():
+        if line.startswith("coordinator listening on "):
+            return line.split()[-1]
+    return None

@@ -42,7 +42,7 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from benchlib import Procs, RefsOnly, venv_script, wait_until  # noqa: E402
+from benchlib import Procs, coordinator_endpoint, refs_client, venv_script, wait_until  # noqa: E402
 
 BENCH = "data_scale"
 READY_TIMEOUT = 300.0
@@ -113,16 +113,9 @@ def run_trainer(spec: str) -> None:
     """Pull ``batches`` batches; print a line after the first and after the last."""
     import asyncio
 
-    from coordinator.client import AsyncRolloutClient
-
     cfg = json.loads(spec)
 
-    class RefsClient(AsyncRolloutClient):
-        """``generate`` as is, minus the payload fetch from agents (it never reaches the coordinator)."""
-
-        async def connect(self) -> None:
-            await super().connect()
-            self._payloads = RefsOnly()  # made anew by each connect: the payload fetch stays out
+    RefsClient = refs_client()
 
     async def main() -> None:
         async with RefsClient(cfg["coordinator"], retry_interval=5.0) as client:
@@ -156,13 +149,7 @@ def start_coordinator(procs: Procs, name: str, dataset: Path, data_dir: Path, ar
     t0 = time.monotonic()
     coord = procs.start(name, argv)
 
-    def endpoint():
-        for line in coord.log_text().splitlines():
-            if line.startswith("coordinator listening on "):
-                return line.split()[-1]
-        return None
-
-    address = wait_until(endpoint, READY_TIMEOUT, name, interval=0.02, check=procs.check)
+    address = wait_until(lambda: coordinator_endpoint(coord), READY_TIMEOUT, name, interval=0.02, check=procs.check)
     from coordinator.client import RolloutClient
 
     with RolloutClient(address, timeout=READY_TIMEOUT, attach=False) as client:

@@ -53,6 +53,7 @@ from benchlib import (  # noqa: E402
     Procs,
     busy_cpu_seconds,
     children_of,
+    coordinator_endpoint,
     cpu_seconds,
     venv_script,
     wait_until,
@@ -211,13 +212,7 @@ def start_cluster(procs: Procs, workdir: Path, args) -> tuple[str, Proc, list[Pr
         ],
     )
 
-    def endpoint():
-        for line in coord.log_text().splitlines():
-            if line.startswith("coordinator listening on "):
-                return line.split()[-1]
-        return None
-
-    address = wait_until(endpoint, READY_TIMEOUT, "coordinator", check=procs.check)
+    address = wait_until(lambda: coordinator_endpoint(coord), READY_TIMEOUT, "coordinator", check=procs.check)
     progress(f"coordinator at {address}; starting {AGENTS} agents (1 engine, --concurrency {CONCURRENCY} each)")
     agents = []
     for i in range(AGENTS):

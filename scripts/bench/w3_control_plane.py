@@ -54,7 +54,7 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from benchlib import CLK_TCK, Procs, RefsOnly, children_of, proc_stat, venv_script, wait_until  # noqa: E402
+from benchlib import CLK_TCK, Procs, children_of, coordinator_endpoint, proc_stat, refs_client, venv_script, wait_until  # noqa: E402
 
 BENCH = "W3"
 GROUP = 8
@@ -103,16 +103,9 @@ def run_load_worker(spec: str) -> None:
 
 def run_trainer(spec: str) -> None:
     """Pull batches until ``stop_at``; count those finished inside the window."""
-    from coordinator.client import AsyncRolloutClient
-
     cfg = json.loads(spec)
 
-    class RefsClient(AsyncRolloutClient):
-        """``generate`` as is, minus the payload fetch from agents (it never reaches the coordinator)."""
-
-        async def connect(self) -> None:
-            await super().connect()
-            self._payloads = RefsOnly()  # made anew by each connect: the payload fetch stays out
+    RefsClient = refs_client()
 
     async def main() -> dict:
         out = {"batches": 0, "groups": 0, "cpu_s": 0.0, "wait_s": []}
@@ -225,13 +218,7 @@ def measure(
             }
         coord = procs.start(f"coordinator-{tag}", coord_argv)
 
-        def endpoint():
-            for line in coord.log_text().splitlines():
-                if line.startswith("coordinator listening on "):
-                    return line.split()[-1]
-            return None
-
-        address = wait_until(endpoint, READY_TIMEOUT, "coordinator", check=procs.check)
+        address = wait_until(lambda: coordinator_endpoint(coord), READY_TIMEOUT, "coordinator", check=procs.check)
         gateway_pids = wait_until(
             lambda: (lambda kids: (kids,) if len(kids) >= gateways else None)(children_of(coord.pid)),
             READY_TIMEOUT,
